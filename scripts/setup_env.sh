@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment and installs moeify into it.
+#
+#   scripts/setup_env.sh VENV_DIR EXTRAS
+#
+# torch: on a machine with an NVIDIA GPU and a CUDA torch already installed for python3, the venv
+# sees that torch (--system-site-packages) and nothing replaces it. Everywhere else the CPU build
+# torch==$MOEIFY_TORCH_VERSION is installed; pip finds it in a local wheel directory when the
+# machine has one. On a machine without one, set MOEIFY_TORCH_PIP_ARGS, e.g.
+#   MOEIFY_TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# so that pip does not pull a multi-GB CUDA build from PyPI.
+set -euo pipefail
+venv=${1:-.venv}
+extras=${2:-dev}
+torch_version=${MOEIFY_TORCH_VERSION:-2.13.0}
+stamp="$venv/.moeify-installed-$extras"
+
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+  exit 0
+fi
+
+system_cuda_torch=0
+if command -v nvidia-smi >/dev/null 2>&1 && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  system_cuda_torch=1
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating virtual environment in $venv"
+  if [ "$system_cuda_torch" = 1 ]; then
+    python3 -m venv --system-site-packages "$venv"
+  else
+    python3 -m venv "$venv"
+  fi
+fi
+py="$venv/bin/python"
+
+if ! "$py" -c 'import torch' 2>/dev/null; then
+  echo "[setup] installing the CPU build of torch==$torch_version"
+  # shellcheck disable=SC2086
+  "$py" -m pip install --disable-pip-version-check -q "torch==$torch_version" ${MOEIFY_TORCH_PIP_ARGS:-}
+fi
+
+echo "[setup] installing moeify[$extras]"
+"$py" -m pip install --disable-pip-version-check -q -e ".[$extras]"
+touch "$stamp"

@@ -1,0 +1,67 @@
+"""Timing and reporting helpers shared by every ``moeify bench`` command."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def _sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
+                device: torch.device | str | None = None) -> float:
+    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved_median_times(fns: dict[str, Callable[[], object]], *, warmup: int = 2,
+                             repeats: int = 7, device=None) -> dict[str, float]:
+    """Median times of several functions measured side by side: every repeat runs each function
+    once in turn, so a noisy neighbour slows all of them alike and the ratios stay meaningful."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    """A plain aligned text table of ``rows`` (dicts) over ``columns``."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def emit(result: dict, table: str, as_json: bool) -> None:
+    print(json.dumps(result, indent=2) if as_json else table)

@@ -1,0 +1,1 @@
+"""Command-line interface: the only place that parses argv."""

@@ -1,0 +1,1 @@
+"""nn.Modules, one file per family, each with a frozen dataclass config."""

@@ -1,0 +1,52 @@
+"""The pre-LN Transformer block (SwitchHead spec §3), generic over its attention and feedforward.
+
+    x = x + Drop(Att(LN1(x), LN1([mem ; x])))
+    x = x + Drop(FF(LN2(x)))            (the feedforward applies its own inner dropout)
+
+Interfaces the block relies on (every attention / feedforward module in moeify.layers has them):
+
+    attention(q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None)
+        -> (y_BTD, Aux)
+    feedforward(x_BTD, *, valid_BT=None) -> (y_BTD, Aux)
+
+Shape legend: B batch, T current tokens, M memory tokens, S = M + T source tokens, D d_model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeify.layers.common import Aux
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d_model: int, attention: nn.Module, feedforward: nn.Module,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attention = attention
+        self.ln2 = nn.LayerNorm(d_model)
+        self.feedforward = feedforward
+        self.drop = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        mem_BMD: torch.Tensor | None = None,
+        *,
+        cache=None,
+        positions_BT: torch.Tensor | None = None,
+        valid_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Aux]:
+        """``mem_BMD``: the previous chunk's input to this block (XL memory, already detached).
+        ``positions_BT``: explicit token positions (Mixture-of-Depths passes the positions of the
+        tokens it routed); None means contiguous positions after the memory / cache."""
+        h_BTD = self.ln1(x_BTD)
+        kv_BSD = None if mem_BMD is None else self.ln1(torch.cat([mem_BMD, x_BTD], 1))
+        a_BTD, aux = self.attention(h_BTD, kv_BSD, causal=True, cache=cache,
+                                    pos_q=positions_BT, pos_k=positions_BT)
+        x_BTD = x_BTD + self.drop(a_BTD)
+        f_BTD, ff_aux = self.feedforward(self.ln2(x_BTD), valid_BT=valid_BT)
+        x_BTD = x_BTD + self.drop(f_BTD)
+        return x_BTD, Aux().update(aux, "attn.").update(ff_aux, "ff.")

@@ -1,0 +1,19 @@
+"""Pure tensor functions: routing, the expert matmul, aux losses, attention and positional maths.
+
+No nn.Module and no config objects live here (see ARCHITECTURE in the README)."""
+
+from moeify.ops.expert_matmul import ExpertPlan, expert_matmul, make_plan
+from moeify.ops.routing import (
+    TopK,
+    capacity_mask,
+    expert_capacity,
+    expert_choice,
+    expert_choice_count,
+    sigmoid_topk,
+    softmax_topk,
+)
+
+__all__ = [
+    "ExpertPlan", "expert_matmul", "make_plan", "TopK", "capacity_mask", "expert_capacity",
+    "expert_choice", "expert_choice_count", "sigmoid_topk", "softmax_topk",
+]

@@ -1,0 +1,81 @@
+"""Auxiliary routing losses, unweighted: the layer multiplies by its coefficient.
+
+Every loss takes an optional ``valid_M`` bool mask so padding tokens count neither in the
+loss nor in its normalisation. All are computed in float32.
+Shape legend: M tokens, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _masked_mean(x_M: torch.Tensor, valid_M: torch.Tensor | None) -> torch.Tensor:
+    if valid_M is None:
+        return x_M.mean()
+    w = valid_M.to(x_M.dtype)
+    return (x_M * w).sum() / w.sum().clamp_min(1.0)
+
+
+def _masked_rows_mean(x_ME: torch.Tensor, valid_M: torch.Tensor | None) -> torch.Tensor:
+    if valid_M is None:
+        return x_ME.mean(0)
+    w = valid_M.to(x_ME.dtype)[:, None]
+    return (x_ME * w).sum(0) / w.sum().clamp_min(1.0)
+
+
+def z_loss(logits_ME: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): mean over tokens of logsumexp(logits)^2."""
+    return _masked_mean(torch.logsumexp(logits_ME.float(), -1).square(), valid_M)
+
+
+def switch_balance_loss(
+    probs_ME: torch.Tensor, top1_M: torch.Tensor, valid_M: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch Transformer load-balancing loss (Fedus et al. 2022, Eq. 4-6): N * sum_i f_i * P_i,
+    f_i the fraction of tokens whose top-1 expert is i (no gradient), P_i the mean router
+    probability of expert i."""
+    E = probs_ME.shape[-1]
+    onehot = torch.nn.functional.one_hot(top1_M.long(), E).float()
+    f_E = _masked_rows_mean(onehot, valid_M)
+    P_E = _masked_rows_mean(probs_ME.float(), valid_M)
+    return E * (f_E.detach() * P_E).sum()
+
+
+def _norm1(v: torch.Tensor) -> torch.Tensor:
+    return v / v.sum().clamp_min(1e-9)
+
+
+def moa_balance_loss(
+    probs_ME: torch.Tensor, idx_MK: torch.Tensor, valid_M: torch.Tensor | None = None
+) -> torch.Tensor:
+    """MoA's switch-style balance loss (Zhang et al. 2022, authors' code):
+    E * sum_e norm1(sum_t p_t)_e * norm1(count_e), count_e = how often e is among the top-k."""
+    E = probs_ME.shape[-1]
+    probs = probs_ME.float()
+    counts = torch.nn.functional.one_hot(idx_MK.long(), E).float().sum(1)  # [M, E]
+    if valid_M is not None:
+        w = valid_M.float()[:, None]
+        probs, counts = probs * w, counts * w
+    return E * (_norm1(probs.sum(0)) * _norm1(counts.sum(0)).detach()).sum()
+
+
+def cv_squared(x_E: torch.Tensor) -> torch.Tensor:
+    """Squared coefficient of variation, var / mean^2 (Shazeer et al. 2017's importance loss)."""
+    x = x_E.float()
+    if x.numel() <= 1:
+        return x.new_zeros(())
+    return x.var() / (x.mean().square() + 1e-10)
+
+
+def batch_entropy_loss(logits_ME: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """sigma-MoE regulariser (Csordas et al. 2023): minus the entropy of the batch-averaged
+    softmax of the selection logits. Minimising it spreads tokens over experts."""
+    p_E = _masked_rows_mean(torch.softmax(logits_ME.float(), -1), valid_M)
+    return (p_E * torch.log(p_E.clamp_min(1e-12))).sum()
+
+
+def router_entropy(probs_ME: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean per-token entropy of a router's distribution (a statistic, not a loss)."""
+    p = probs_ME.float()
+    return _masked_mean(-(p * torch.log(p.clamp_min(1e-12))).sum(-1), valid_M)

@@ -1,0 +1,111 @@
+"""Routing: which experts each token goes to, and with which gate.
+
+Shape legend: M tokens (rows), E experts, K experts kept per token, B batch, S sequence, C kept.
+
+Scores are always computed in float32 whatever the input dtype (Switch Transformer's "selective
+precision"; SwitchHead and sigma-MoE do the same). Expert indices carry no gradient; the gate
+values do, through the scores they were gathered from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class TopK(NamedTuple):
+    gates: torch.Tensor  # [..., K] float32, differentiable
+    idx: torch.Tensor  # [..., K] int64, no gradient
+    scores: torch.Tensor  # [..., E] float32: the full sigmoid or softmax the gates came from
+
+
+def _check_k(k: int, num_experts: int) -> None:
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k must lie in [1, {num_experts}] (the number of experts), got {k}")
+
+
+def _topk(scores: torch.Tensor, k: int, exclude: torch.Tensor | None) -> TopK:
+    _check_k(k, scores.shape[-1])
+    ranked = scores.detach()
+    if exclude is not None:
+        ranked = ranked.masked_fill(exclude, float("-inf"))
+    idx = ranked.topk(k, dim=-1, sorted=False).indices
+    return TopK(scores.gather(-1, idx), idx, scores)
+
+
+def sigmoid_topk(logits: torch.Tensor, k: int, *, exclude: torch.Tensor | None = None) -> TopK:
+    """SwitchHead Eq. 7-8 / sigma-MoE: s = sigmoid(logits) in float32, keep the k largest per row,
+    gates are the raw sigmoid values (no renormalisation). ``exclude`` (bool, broadcastable to
+    logits) removes experts from the choice, e.g. for expert dropout."""
+    return _topk(torch.sigmoid(logits.float()), k, exclude)
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, *, renormalize: bool = False, exclude: torch.Tensor | None = None
+) -> TopK:
+    """Switch / MoA routing: p = softmax(logits) in float32 over all experts, keep the top k.
+    With ``renormalize`` the k kept gates are rescaled to sum to 1."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    out = _topk(probs, k, exclude)
+    if renormalize:
+        out = out._replace(gates=out.gates / out.gates.sum(-1, keepdim=True))
+    return out
+
+
+def expert_choice_count(seq_len: int, capacity: float) -> int:
+    """Tokens an expert-choice router keeps out of ``seq_len``: ceil(capacity * seq_len), at least
+    1. (Mixture-of-Depths' k = C * S; ceil so that a short sequence still routes a token.)"""
+    if not 0.0 < capacity <= 1.0:
+        raise ValueError(f"capacity must lie in (0, 1], got {capacity}")
+    return max(1, math.ceil(capacity * seq_len - 1e-9))
+
+
+def expert_choice(
+    scores_BS: torch.Tensor, capacity: float, *, valid_BS: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-choice top-c over each sequence (Mixture-of-Depths): per row of ``scores_BS`` keep the
+    ``expert_choice_count(S, capacity)`` highest-scoring positions. Returns (idx_BC ascending in
+    position, so causal order is kept; selected_BS bool mask). Invalid (padding) positions are
+    never chosen unless a row has fewer valid positions than C."""
+    S = scores_BS.shape[-1]
+    c = expert_choice_count(S, capacity)
+    ranked = scores_BS.detach().float()
+    if valid_BS is not None:
+        ranked = ranked.masked_fill(~valid_BS, float("-inf"))
+    idx = ranked.topk(c, dim=-1, sorted=False).indices.sort(dim=-1).values
+    selected = torch.zeros_like(scores_BS, dtype=torch.bool).scatter_(-1, idx, True)
+    return idx, selected
+
+
+def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1) -> int:
+    """Switch Transformer: capacity = ceil(tokens * k / experts * capacity_factor)."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity factor must be positive, got {capacity_factor}")
+    return math.ceil(num_tokens * k / num_experts * capacity_factor)
+
+
+def capacity_mask(
+    idx_MK: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    *,
+    valid_M: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which routed (token, choice) pairs fit in their expert's capacity, with position priority:
+    within an expert, all first choices come before all second choices (GShard / Switch), and
+    within a choice rank earlier tokens come first. Invalid (padding) tokens take no capacity and
+    are never kept. Returns a bool mask [M, K]."""
+    M, K = idx_MK.shape
+    flat_KM = idx_MK.t().reshape(-1).long()  # choice-major: every top-1 before any top-2
+    if valid_M is not None:
+        flat_KM = torch.where(valid_M.repeat(K), flat_KM, num_experts)  # park padding past the end
+    order = torch.argsort(flat_KM, stable=True)
+    counts = torch.bincount(flat_KM, minlength=num_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(order.numel(), device=idx_MK.device) - starts[flat_KM[order]]
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    keep = (rank < capacity) & (flat_KM < num_experts)
+    return keep.view(K, M).t()
