@@ -5,8 +5,8 @@
 
 Interfaces the block relies on (every attention / feedforward module in moeify.layers has them):
 
-    attention(q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None)
-        -> (y_BTD, Aux)
+    attention(q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
+              valid_k=None) -> (y_BTD, Aux)
     feedforward(x_BTD, *, valid_BT=None) -> (y_BTD, Aux)
 
 Shape legend: B batch, T current tokens, M memory tokens, S = M + T source tokens, D d_model.
@@ -44,8 +44,9 @@ class TransformerBlock(nn.Module):
         tokens it routed); None means contiguous positions after the memory / cache."""
         h_BTD = self.ln1(x_BTD)
         kv_BSD = None if mem_BMD is None else self.ln1(torch.cat([mem_BMD, x_BTD], 1))
+        valid_k = None if valid_BT is None or mem_BMD is not None else valid_BT
         a_BTD, aux = self.attention(h_BTD, kv_BSD, causal=True, cache=cache,
-                                    pos_q=positions_BT, pos_k=positions_BT)
+                                    pos_q=positions_BT, pos_k=positions_BT, valid_k=valid_k)
         x_BTD = x_BTD + self.drop(a_BTD)
         f_BTD, ff_aux = self.feedforward(self.ln2(x_BTD), valid_BT=valid_BT)
         x_BTD = x_BTD + self.drop(f_BTD)
