@@ -12,10 +12,12 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
                         impls=None, warmup=2, repeats=7, seed=0) -> dict:
     """Forward+backward time of each implementation and of the dense matmul with the same number
     of multiply-adds, [M*K, D] x [D, F], measured side by side (median of ``repeats``)."""
+    if not 1 <= K <= E:
+        raise ValueError(f"K (experts per row) must lie in [1, E={E}], got {K}")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=g).to(device, dtype).requires_grad_()
     w = (torch.randn(E, D, F, generator=g) / D**0.5).to(device, dtype).requires_grad_()
-    idx = torch.randint(0, E, (M, K), generator=g).to(device)
+    idx = torch.rand(M, E, generator=g).topk(K, -1).indices.to(device)  # K distinct experts
     gates = torch.rand(M, K, generator=g).to(device).requires_grad_()
     x_dense = torch.randn(M * K, D, generator=g).to(device, dtype).requires_grad_()
     w_dense = w[0].detach().clone().requires_grad_()

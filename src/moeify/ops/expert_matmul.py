@@ -146,17 +146,17 @@ class _SortedExpertMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD, w_EDF, gates_MK, order_N, inverse_N, rows_N, plan, kind, k, groups):
         M, D = x_MD.shape
-        N = order_N.shape[0]
+        N, Fo = order_N.shape[0], w_EDF.shape[-1]
         xs_ND = x_MD.index_select(0, rows_N)
         ys_NF = _sorted_mm(kind, xs_ND, w_EDF, plan)
         if gates_MK is not None:
             g_N = gates_MK.reshape(-1).index_select(0, order_N).to(ys_NF.dtype)
             y_NF = (ys_NF * g_N[:, None]).index_select(0, inverse_N)
-            y = y_NF.view(M, groups, k // groups, -1).sum(2)
+            y = y_NF.view(M, groups, k // groups, Fo).sum(2)
             y = y.squeeze(1) if groups == 1 else y
         else:
             g_N = None
-            y = ys_NF.index_select(0, inverse_N).view(M, k, -1)
+            y = ys_NF.index_select(0, inverse_N).view(M, k, Fo)
         ctx.save_for_backward(xs_ND, w_EDF, ys_NF if gates_MK is not None else None, g_N,
                               order_N, inverse_N)
         ctx.meta = (plan, kind, M, k, groups, N, gates_MK is not None,
@@ -170,21 +170,22 @@ class _SortedExpertMatmul(torch.autograd.Function):
         # .contiguous() also materialises stride-0 gradients (y.sum().backward()), which
         # grouped_mm's own backward cannot take.
         grad_y = grad_y.contiguous()
+        D, Fo = w_EDF.shape[1:]
         grad_gates = None
         if gated:
             # Every pair of a group receives that group's output gradient.
-            per_pair = grad_y.view(M, groups, 1, -1).expand(M, groups, k // groups, -1)
-            gsorted_NF = per_pair.reshape(N, -1).index_select(0, order_N)
+            per_pair = grad_y.view(M, groups, 1, Fo).expand(M, groups, k // groups, Fo)
+            gsorted_NF = per_pair.reshape(N, Fo).index_select(0, order_N)
             if ctx.needs_input_grad[2]:
                 grad_g_N = (gsorted_NF * ys_NF).sum(-1)
                 grad_gates = grad_g_N.index_select(0, inverse_N).view(M, k).to(gate_dtype)
             grad_ys_NF = gsorted_NF * g_N[:, None]
         else:
-            grad_ys_NF = grad_y.reshape(N, -1).index_select(0, order_N)
+            grad_ys_NF = grad_y.reshape(N, Fo).index_select(0, order_N)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_xs_ND = _sorted_mm(kind, grad_ys_NF, w_EDF.transpose(1, 2), plan)
-            grad_x = grad_xs_ND.index_select(0, inverse_N).view(M, k, -1).sum(1)
+            grad_x = grad_xs_ND.index_select(0, inverse_N).view(M, k, D).sum(1)
         if ctx.needs_input_grad[1]:
             grad_w = _sorted_weight_grad(kind, xs_ND, grad_ys_NF, plan)
         return grad_x, grad_w, grad_gates, None, None, None, None, None, None, None
@@ -206,7 +207,7 @@ def _gather(x_MD, idx_MK, w_EDF, gates_MK, groups):
     M, K = idx_MK.shape
     w_NDF = w_EDF.index_select(0, idx_MK.reshape(-1).long())
     y_NF = torch.bmm(x_MD.repeat_interleave(K, 0).unsqueeze(1), w_NDF).squeeze(1)
-    return _combine(y_NF.view(M, K, -1), gates_MK, groups)
+    return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
 
 
 def _combine(y_MKF, gates_MK, groups):

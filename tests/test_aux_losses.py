@@ -1,0 +1,58 @@
+"""Aux losses against hand-computed values."""
+
+import math
+
+import torch
+
+from moeify.ops.aux_losses import (
+    batch_entropy_loss,
+    cv_squared,
+    moa_balance_loss,
+    router_entropy,
+    switch_balance_loss,
+    z_loss,
+)
+
+
+def test_z_loss_by_hand():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    # logsumexp: log 2 and log 4
+    want = (math.log(2) ** 2 + math.log(4) ** 2) / 2
+    assert abs(z_loss(logits).item() - want) < 1e-6
+    assert abs(z_loss(logits, torch.tensor([True, False])).item() - math.log(2) ** 2) < 1e-6
+
+
+def test_switch_balance_by_hand():
+    probs = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8]])
+    top1 = probs.argmax(-1)
+    f = [2 / 3, 1 / 3]
+    P = [(0.7 + 0.6 + 0.2) / 3, (0.3 + 0.4 + 0.8) / 3]
+    want = 2 * (f[0] * P[0] + f[1] * P[1])
+    assert abs(switch_balance_loss(probs, top1).item() - want) < 1e-6
+    # padding token (the third) is excluded from both f and P
+    valid = torch.tensor([True, True, False])
+    want_v = 2 * (1.0 * (0.7 + 0.6) / 2 + 0.0)
+    assert abs(switch_balance_loss(probs, top1, valid).item() - want_v) < 1e-6
+
+
+def test_switch_balance_is_one_when_uniform():
+    probs = torch.full((8, 4), 0.25)
+    top1 = torch.arange(8) % 4
+    assert abs(switch_balance_loss(probs, top1).item() - 1.0) < 1e-6
+
+
+def test_moa_balance_by_hand():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]])
+    idx = torch.tensor([[0, 1], [1, 2]])
+    psum = torch.tensor([0.6, 0.9, 0.5]) / 2.0
+    cnt = torch.tensor([1.0, 2.0, 1.0]) / 4.0
+    want = 3 * (psum * cnt).sum().item()
+    assert abs(moa_balance_loss(probs, idx).item() - want) < 1e-6
+
+
+def test_cv_squared_and_entropies():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    assert abs(cv_squared(x).item() - (1.0 / 4.0)) < 1e-6  # var (unbiased) 1, mean 2
+    logits = torch.zeros(5, 4)
+    assert abs(batch_entropy_loss(logits).item() + math.log(4)) < 1e-6  # minus max entropy
+    assert abs(router_entropy(torch.full((3, 4), 0.25)).item() - math.log(4)) < 1e-6

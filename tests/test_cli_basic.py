@@ -1,0 +1,39 @@
+"""The moeify command: help, the demo, and the expert-matmul benchmark's JSON."""
+
+import json
+import subprocess
+import sys
+
+from moeify.cli.main import COMMANDS, main
+
+
+def test_help_lists_every_subcommand(capsys):
+    try:
+        main(["--help"])
+    except SystemExit as e:
+        assert e.code == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_console_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "moeify.cli.main", "demo", "--rows", "64"],
+                       capture_output=True, text=True, check=True)
+    assert "reference" in r.stdout and "segment" in r.stdout
+
+
+def test_bench_expert_matmul_json(capsys):
+    assert main(["bench", "expert-matmul", "-M", "64", "-E", "4", "-D", "32", "-F", "16",
+                 "--repeats", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    names = [r["implementation"] for r in res["rows"]]
+    assert names[0].startswith("dense") and {"gather", "segment", "grouped"} <= set(names)
+    assert all(r["fwd+bwd ms"] > 0 for r in res["rows"])
+    assert res["fastest"] in names
+
+
+def test_bad_input_is_an_error_message_not_a_traceback(capsys):
+    code = main(["bench", "expert-matmul", "-M", "8", "-K", "3", "-E", "2", "--repeats", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error" in err and "Traceback" not in err

@@ -1,0 +1,113 @@
+"""Routing ops against independent brute-force definitions."""
+
+import math
+
+import pytest
+import torch
+
+from moeify.ops.routing import (
+    capacity_mask,
+    expert_capacity,
+    expert_choice,
+    expert_choice_count,
+    sigmoid_topk,
+    softmax_topk,
+)
+
+
+def test_sigmoid_topk_is_float32_unrenormalised_and_differentiable():
+    logits = torch.randn(6, 5, dtype=torch.bfloat16, requires_grad=True)
+    r = sigmoid_topk(logits, 2)
+    assert r.gates.dtype == torch.float32 and r.idx.dtype == torch.int64
+    s = torch.sigmoid(logits.detach().float())
+    for m in range(6):
+        want = sorted(range(5), key=lambda e: -s[m, e].item())[:2]
+        assert set(r.idx[m].tolist()) == set(want)
+        assert torch.equal(r.gates[m].detach(), s[m, r.idx[m]])
+    assert not torch.allclose(r.gates.sum(-1), torch.ones(6))  # raw sigmoid values
+    r.gates.sum().backward()
+    assert logits.grad is not None and (logits.grad != 0).sum() == 12  # only chosen experts
+
+
+def test_softmax_topk_and_renormalisation():
+    logits = torch.randn(4, 6, dtype=torch.float64)
+    r = softmax_topk(logits, 3)
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(r.scores, p.float())
+    assert torch.allclose(r.gates, p.float().gather(-1, r.idx))
+    rn = softmax_topk(logits, 3, renormalize=True)
+    assert torch.allclose(rn.gates.sum(-1), torch.ones(4))
+
+
+def test_exclude_removes_experts_from_choice():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
+    r = sigmoid_topk(logits, 2, exclude=torch.tensor([[True, False, False, False]]))
+    assert sorted(r.idx[0].tolist()) == [1, 2]
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_k_out_of_range(k):
+    with pytest.raises(ValueError, match="k must lie in"):
+        sigmoid_topk(torch.randn(2, 4), k)
+
+
+def test_expert_choice_count_is_ceil():
+    assert expert_choice_count(256, 0.125) == 32
+    assert expert_choice_count(10, 0.125) == 2  # ceil(1.25)
+    assert expert_choice_count(3, 0.1) == 1
+    assert expert_choice_count(7, 1.0) == 7
+    with pytest.raises(ValueError):
+        expert_choice_count(8, 0.0)
+
+
+def test_expert_choice_picks_top_positions_in_order():
+    scores = torch.randn(3, 16)
+    idx, sel = expert_choice(scores, 0.25)
+    assert idx.shape == (3, 4) and sel.sum(1).tolist() == [4, 4, 4]
+    for b in range(3):
+        want = sorted(torch.argsort(scores[b], descending=True)[:4].tolist())
+        assert idx[b].tolist() == want
+        assert sel[b].nonzero().flatten().tolist() == want
+
+
+def test_expert_choice_skips_invalid_positions():
+    scores = torch.arange(8.0).repeat(2, 1)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[0, 6:] = False
+    idx, _ = expert_choice(scores, 0.25, valid_BS=valid)
+    assert idx[0].tolist() == [4, 5] and idx[1].tolist() == [6, 7]
+
+
+def brute_capacity(idx, E, cap, valid=None):
+    M, K = idx.shape
+    used = [0] * E
+    keep = torch.zeros(M, K, dtype=torch.bool)
+    for k in range(K):  # all first choices before second choices
+        for m in range(M):  # earlier tokens first
+            if valid is not None and not valid[m]:
+                continue
+            e = int(idx[m, k])
+            if used[e] < cap:
+                used[e] += 1
+                keep[m, k] = True
+    return keep
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_capacity_mask_position_priority(K):
+    g = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(30)])
+    idx[:20, 0] = 1  # skew: expert 1 overflows
+    valid = torch.rand(30, generator=g) > 0.2
+    for cap in (1, 5, 9, 100):
+        assert torch.equal(capacity_mask(idx, 4, cap), brute_capacity(idx, 4, cap))
+        assert torch.equal(capacity_mask(idx, 4, cap, valid_M=valid),
+                           brute_capacity(idx, 4, cap, valid))
+
+
+def test_expert_capacity():
+    assert expert_capacity(1024, 8, 1.0) == 128
+    assert expert_capacity(1000, 8, 1.25) == math.ceil(1000 / 8 * 1.25)
+    assert expert_capacity(100, 4, 1.0, k=2) == 50
+    with pytest.raises(ValueError):
+        expert_capacity(10, 2, 0.0)
