@@ -1,0 +1,152 @@
+"""Positional maths for attention: rotary embeddings (RoPE) and Transformer-XL relative positions.
+
+Shape legend
+    B batch          H heads (1 broadcasts over the query heads)       T query (destination) tokens
+    S source tokens  C head channels (d_head)      D sinusoid width (d_model)
+    F sinusoid frequencies, ceil(D / 2)            R relative distances in a contiguous table
+
+Positions are integers. Angles are formed in float64 and only their sines and cosines are cast to
+the working dtype, so large absolute positions (long decoding) lose no precision in the angle.
+
+RoPE (SwitchHead spec §2): only the first ``rope_dims(d_head, 0.5)`` channels of each head are
+rotated, base 10000, rotate-half convention (channel i pairs with channel i + n/2).
+
+Transformer-XL (Dai et al. 2019, §3.3; SwitchHead spec §2): the position logit of query i and key j
+is q_i · P(p_i - p_j), with P(r) = W_pos · emb(r) the projected sinusoidal embedding of the
+distance, emb(r) = [sin(r ω_f) for f < F ; cos(r ω_f) for f < D - F], ω_f = 10000^(-2f / D).
+Two evaluations of the same quantity:
+    ``xl_logits_contiguous``  default positions (query i at S - T + i, key j at j): one projected
+                              table of distances and the classic XL diagonal shift (``rel_shift``).
+    ``xl_logits_at``          explicit integer positions (Mixture-of-Depths, cached decoding):
+                              the angle-difference identity sin((p_i - p_j)ω) = sin p_iω cos p_jω
+                              - cos p_iω sin p_jω (and the cos one) turns the logit into one
+                              product of a query-side and a key-side factor. It needs no table of
+                              distances, hence no host sync to size one, and never builds a
+                              [T, S, D] tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROPE_BASE = 10000.0
+SINUSOID_BASE = 10000.0
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_dims(d_head: int, fraction: float = 0.5) -> int:
+    """Channels rotated per head: int(fraction * d_head), rounded down to an even number because
+    rotate-half pairs channel i with channel i + n/2 (the authors' code would fail on an odd count,
+    e.g. d_head = 42)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the RoPE rotate fraction must lie in [0, 1], got {fraction}")
+    n = int(fraction * d_head)
+    return n - (n % 2)
+
+
+def _positions_2d(pos: torch.Tensor) -> torch.Tensor:
+    return pos if pos.dim() == 2 else pos.unsqueeze(0)
+
+
+def rope_inv_freq(n_rot: int, base: float = ROPE_BASE, device=None) -> torch.Tensor:
+    """float64 [n_rot / 2]: base^(-2f / n_rot), the RoPE frequencies of the rotated channels."""
+    exps = torch.arange(0, n_rot, 2, dtype=torch.float64, device=device) / n_rot
+    return base ** -exps
+
+
+def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
+               base: float = ROPE_BASE) -> torch.Tensor:
+    """Rotate the first ``n_rot`` channels of every head by the angles of the token positions.
+    ``pos_BT`` is [B, T] or [T] (integers); any head count broadcasts."""
+    if n_rot == 0:
+        return x_BHTC
+    half = n_rot // 2
+    inv_F = rope_inv_freq(n_rot, base, x_BHTC.device)
+    ang_BTF = _positions_2d(pos_BT).to(torch.float64)[..., None] * inv_F
+    cos_B1TF = ang_BTF.cos().to(x_BHTC.dtype)[:, None]
+    sin_B1TF = ang_BTF.sin().to(x_BHTC.dtype)[:, None]
+    x1, x2, rest = x_BHTC[..., :half], x_BHTC[..., half:n_rot], x_BHTC[..., n_rot:]
+    # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2 ; x1]
+    return torch.cat([x1 * cos_B1TF - x2 * sin_B1TF, x2 * cos_B1TF + x1 * sin_B1TF, rest], -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sinusoidal embeddings and Transformer-XL position logits
+
+
+def sinusoid_inv_freq(d_model: int, device=None) -> torch.Tensor:
+    """float64 [ceil(D / 2)]: 10000^(-2f / D)."""
+    f = torch.arange(0, (d_model + 1) // 2, dtype=torch.float64, device=device)
+    return SINUSOID_BASE ** (-2.0 * f / d_model)
+
+
+def sinusoidal_embedding(pos_N: torch.Tensor, d_model: int, dtype=torch.float32) -> torch.Tensor:
+    """[N, D]: [sin(p ω) ; cos(p ω)] for integer (or real) positions or distances p; for odd D the
+    last cosine is dropped."""
+    ang_NF = pos_N.to(torch.float64)[:, None] * sinusoid_inv_freq(d_model, pos_N.device)
+    return torch.cat([ang_NF.sin(), ang_NF.cos()], -1)[:, :d_model].to(dtype)
+
+
+def rel_shift(x_BHTR: torch.Tensor, S: int) -> torch.Tensor:
+    """The Transformer-XL diagonal shift. Column m of ``x`` holds distance S - 1 - m (so R >= S
+    columns cover distances S-1 down to S-R); the result holds, for query i and key j, the column
+    of distance (S - T + i) - j, i.e. out[..., i, j] = x[..., i, j + T - 1 - i]. Entries whose
+    distance is not in the table (keys after the query when R = S) are finite garbage for the
+    mask to remove."""
+    *lead, T, R = x_BHTR.shape
+    assert R >= S, "the distance table must have at least S columns"
+    padded = F.pad(x_BHTR, (1, 0)).reshape(*lead, R + 1, T)
+    return padded[..., 1:, :].reshape(*lead, T, R)[..., :S]
+
+
+def xl_logits_contiguous(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, S: int, *,
+                         causal: bool) -> torch.Tensor:
+    """q · P(p_i - p_j) for default positions (query i at S - T + i, key j at j): [B, H, T, S].
+    ``w_pos_DHC`` is the position projection d_model -> (H or 1) x d_head. A causal mask only
+    needs distances >= 0; cross-attention needs down to 1 - T."""
+    T = qp_BHTC.shape[-2]
+    D = w_pos_DHC.shape[0]
+    lowest = 0 if causal else 1 - T
+    dist_R = torch.arange(S - 1, lowest - 1, -1, device=qp_BHTC.device)
+    emb_RD = sinusoidal_embedding(dist_R, D, qp_BHTC.dtype)
+    p_HRC = torch.einsum("rd,dhc->hrc", emb_RD, w_pos_DHC)
+    return rel_shift(qp_BHTC @ p_HRC.transpose(-1, -2), S)
+
+
+def xl_logits_at(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, pos_q_BT: torch.Tensor,
+                 pos_k_BS: torch.Tensor) -> torch.Tensor:
+    """q · P(p_i - p_j) for explicit integer positions: [B, H, T, S] (see the module docstring)."""
+    D, F_ = w_pos_DHC.shape[0], (w_pos_DHC.shape[0] + 1) // 2
+    dt = qp_BHTC.dtype
+    # Project each query back onto the sinusoid basis: c = q · W_pos_h, split into the coefficients
+    # of the sines (a) and of the cosines (b).
+    c_BHTD = qp_BHTC @ w_pos_DHC.permute(1, 2, 0)
+    a, b = c_BHTD[..., :F_], c_BHTD[..., F_:]
+    if D % 2:
+        b = F.pad(b, (0, 1))
+    inv_F = sinusoid_inv_freq(D, qp_BHTC.device)
+    ang_q = _positions_2d(pos_q_BT).to(torch.float64)[..., None] * inv_F
+    ang_k = _positions_2d(pos_k_BS).to(torch.float64)[..., None] * inv_F
+    sin_q, cos_q = ang_q.sin().to(dt)[:, None], ang_q.cos().to(dt)[:, None]
+    q_fac = torch.cat([a * sin_q + b * cos_q, b * sin_q - a * cos_q], -1)
+    k_fac = torch.cat([ang_k.cos(), ang_k.sin()], -1).to(dt)[:, None]
+    return q_fac @ k_fac.transpose(-1, -2)
+
+
+def default_positions(B: int, T: int, S_new: int, past: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The interface's default positions: new source token j at past + j, query i at
+    past + S_new - T + i (the queries are the last T source tokens). Returns int64 [B, T], [B, S]."""
+    pos_k = torch.arange(past, past + S_new, device=device)
+    pos_q = torch.arange(past + S_new - T, past + S_new, device=device)
+    return pos_q.expand(B, T), pos_k.expand(B, S_new)
+
+
+__all__ = [
+    "ROPE_BASE", "rope_dims", "rope_inv_freq", "apply_rope", "sinusoid_inv_freq",
+    "sinusoidal_embedding", "rel_shift", "xl_logits_contiguous", "xl_logits_at",
+    "default_positions",
+]
