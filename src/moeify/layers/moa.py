@@ -1,0 +1,196 @@
+"""MoA, Mixture of Attention heads (Zhang et al., EMNLP 2022; spec moe-family.md, MoA section).
+
+Shape legend
+    B batch     T destination (query) tokens    S source (key/value) tokens, memory included
+    D d_model   E experts    K selected experts per token (k, MoA's "heads")    C d_head
+    M = B·T routed tokens
+
+One single-head key and value projection (d -> d_h) shared by every expert, computed once; each
+expert e owns W_q^e (d -> d_h) and W_o^e (d_h -> d). Per destination token t, with a router
+W_g (d -> E, zero-initialised):
+    p_t    = softmax(x_t W_g) (float32);  the top-k experts of p_t are t's heads
+    head_e = softmax(q_e Kᵀ / sqrt(d_h) + mask [+ XL position term]) V
+    y_t    = Σ_{e ∈ topk(t)} p_t,e · head_e[t] W_o^e
+The kept gates are not renormalised (as the authors' code; ``renormalize`` is an option).
+Auxiliary losses (per layer, padding excluded, present whenever the coefficient is non-zero):
+    balance: balance_coef · E · Σ_e norm1(Σ_t p_t)_e · norm1(count_e)
+    z:       z_coef · mean_t logsumexp(x_t W_g)²
+    cv:      cv_coef · CV²(Σ_t gate_t,e)   (gates scattered to E, 0 outside the top-k)
+
+Slot j of the k selected experts plays the role of head j in the attention core (keys and values
+broadcast over the slots), so the core runs on scaled_dot_product_attention for RoPE and no
+positions. The XL variant projects the sinusoids to a single shared head (d -> d_h), without u/v
+biases and with the fixed 1/sqrt(d_h) scale. The Q and O expert matmuls share one sorted plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeify.layers.attention import (
+    check_attention_common,
+    check_inputs,
+    check_positive,
+    init_scale,
+    positional_attention,
+)
+from moeify.layers.common import Aux, accumulate_usage, register_usage
+from moeify.layers.kv_cache import KVCache
+from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
+from moeify.ops.positional import rope_dims
+from moeify.ops.routing import softmax_topk
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoAConfig:
+    """Mixture of attention heads: E experts, k selected per token (``n_heads`` is k).
+
+    n_layers: model depth L for the init s = sqrt(2 / L) (as SwitchHead, spec §3).
+    renormalize: rescale the k kept gates to sum to 1 (off in the authors' code).
+    balance_coef, z_coef, cv_coef: auxiliary-loss coefficients (MoA's defaults).
+    """
+
+    d_model: int
+    d_head: int
+    n_experts: int
+    k: int
+    pos: str = "xl"
+    n_layers: int = 1
+    renormalize: bool = False
+    balance_coef: float = 0.01
+    z_coef: float = 0.001
+    cv_coef: float = 0.0
+    attn_dropout: float = 0.0
+    rope_fraction: float = 0.5
+    rope_base: float = 10000.0
+    attn_impl: str = "auto"
+    expert_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_positive(self, "n_experts", "k")
+        check_attention_common(self)
+        if self.k > self.n_experts:
+            raise ValueError(f"k={self.k} exceeds n_experts={self.n_experts}; "
+                             f"choose k in [1, {self.n_experts}]")
+        for name in ("balance_coef", "z_coef", "cv_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MoAConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
+            raise ValueError(f"expert_impl must be one of {', '.join(IMPLEMENTATIONS + ('auto',))}"
+                             f", got {self.expert_impl!r}")
+
+    @property
+    def n_heads(self) -> int:
+        """Attention matrices computed per token: the k selected experts."""
+        return self.k
+
+    def param_count(self) -> int:
+        """E·(d·d_h + d_h·d) expert Q/O, 2·d·d_h shared K/V, E·d router, d·d_h XL projection."""
+        D, C, E = self.d_model, self.d_head, self.n_experts
+        n = 2 * E * D * C + 2 * D * C + E * D
+        if self.pos == "xl":
+            n += D * C
+        return n
+
+    def build(self) -> "MoAAttention":
+        return MoAAttention(self)
+
+
+class MoAAttention(nn.Module):
+    def __init__(self, config: MoAConfig):
+        super().__init__()
+        self.config = c = config
+        D, C, E = c.d_model, c.d_head, c.n_experts
+        self.w_q = nn.Parameter(torch.empty(E, D, C))
+        self.w_k = nn.Parameter(torch.empty(D, C))
+        self.w_v = nn.Parameter(torch.empty(D, C))
+        self.w_o = nn.Parameter(torch.empty(E, C, D))
+        self.w_router = nn.Parameter(torch.zeros(E, D))
+        if c.pos == "xl":
+            self.w_pos = nn.Parameter(torch.empty(D, C))
+        register_usage(self, "usage", (E,))
+        self.rope_n = rope_dims(C, c.rope_fraction)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Q, K, V and the position projection ~ N(0, (s/sqrt(d))²); W_o ~ N(0, (s/sqrt(k·d_h))²)
+        (the k selected heads are summed, as SwitchHead's H heads); the router is zero (MoA)."""
+        c = self.config
+        s = init_scale(c.n_layers)
+        std_in, std_out = s / math.sqrt(c.d_model), s / math.sqrt(c.k * c.d_head)
+        with torch.no_grad():
+            for name, p in self.named_parameters(recurse=False):
+                if name == "w_router":
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std_out if name == "w_o" else std_in)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def param_count(self) -> int:
+        return self.config.param_count()
+
+    def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
+                valid_k=None):
+        c = self.config
+        check_inputs(q_BTD, kv_BSD, c.d_model)
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        B, T, D = q_BTD.shape
+        S = src_BSD.shape[1]
+        C, E, K = c.d_head, c.n_experts, c.k
+        M = B * T
+        x_MD = q_BTD.reshape(M, D)
+
+        logits_ME = x_MD @ self.w_router.t()
+        top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
+        plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
+        q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
+        q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
+        k_B1SC = (src_BSD @ self.w_k).view(B, 1, S, C)
+        v_B1SC = (src_BSD @ self.w_v).view(B, 1, S, C)
+        xl = c.pos == "xl"
+        o_BKTC = positional_attention(
+            q_BKTC, k_B1SC, v_B1SC, pos=c.pos, causal=causal, self_attention=kv_BSD is None,
+            cache=cache, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k,
+            scale=1.0 / math.sqrt(C), rope_n=self.rope_n, rope_base=c.rope_base,
+            w_pos_DHC=self.w_pos.view(D, 1, C) if xl else None,
+            dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
+        # One row per (token, slot): each slot's attention output through its own expert's W_o.
+        rows_NC = o_BKTC.transpose(1, 2).reshape(M * K, C)
+        y_ND = expert_matmul(rows_NC, top.idx.view(M * K, 1), self.w_o,
+                             top.gates.view(M * K, 1), impl=c.expert_impl, plan=plan)
+        y_BTD = y_ND.view(B, T, K, D).sum(2)
+
+        # Destination tokens are known valid only in self-attention (they are the new sources).
+        valid_M = None if kv_BSD is not None or valid_k is None else valid_k.reshape(M)
+        return y_BTD, self._aux(logits_ME, top, valid_M)
+
+    def _aux(self, logits_ME, top, valid_M) -> Aux:
+        c = self.config
+        E = c.n_experts
+        aux = Aux()
+        if c.balance_coef:
+            aux.losses["balance"] = c.balance_coef * moa_balance_loss(top.scores, top.idx, valid_M)
+        if c.z_coef:
+            aux.losses["z"] = c.z_coef * z_loss(logits_ME, valid_M)
+        w_M = None if valid_M is None else valid_M.to(torch.float32)
+        if c.cv_coef:
+            gates_ME = torch.zeros_like(top.scores).scatter(1, top.idx, top.gates)
+            if w_M is not None:
+                gates_ME = gates_ME * w_M[:, None]
+            aux.losses["cv"] = c.cv_coef * cv_squared(gates_ME.sum(0))
+        ones = torch.ones_like(top.idx)
+        if valid_M is not None:
+            ones = ones * valid_M.to(torch.int64)[:, None]
+        counts_E = torch.zeros(E, dtype=torch.int64, device=top.idx.device)
+        counts_E.scatter_add_(0, top.idx.reshape(-1), ones.reshape(-1))
+        aux.stats["counts"] = counts_E
+        aux.stats["router_entropy"] = router_entropy(top.scores, valid_M).detach()
+        accumulate_usage(self, "usage", counts_E)
+        return aux

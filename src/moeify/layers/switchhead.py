@@ -1,0 +1,280 @@
+"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024; spec switchhead.md §1-3).
+
+Shape legend
+    B batch     T destination (query) tokens    S source (key/value) tokens, memory included
+    D d_model   H heads     E experts per head  K experts kept per head (k)   C d_head
+    M routed rows (B·T or B·S)                  X = H·E expert matrices per projection
+
+Per head h, with sigmoid selection scores computed in float32 (Eq. 7-8) and top-k per head:
+    V_h[s] = Σ_{e ∈ topk_h(s)} s_SV[s,h,e] · x_src[s] W_V[h,e]                        (Eq. 9)
+    A_h    = softmax(Q_h K_hᵀ / sqrt(C) + mask [+ XL position term])
+    y[t]   = Σ_h Σ_{e ∈ topk_h(t)} s_SO[t,h,e] · (A_h V_h)[t] W_O[h,e]                   (Eq. 10)
+No renormalisation of the k gates, no regulariser, heads summed (no concatenation).
+
+Any subset of {q, k, v, o} may be experts (Table 6). At most two selections exist: the
+destination-side one (computed from the query input) serves O and Q, the source-side one
+(computed from the key/value input, memory included) serves V and K; with ``shared_selection``
+one selection matrix serves both sides, and in self-attention its scores are computed once.
+
+Speed: each selection's top-k is taken once and sorted once (``make_plan``); every expert matmul
+sharing it reuses that plan. Source-side experts run with rows = source tokens, ids = h·E + e and
+``groups=H``, so the gate-weighted sum per head never materialises a [rows, k, C] tensor;
+O experts run with rows = destination tokens × heads. The attention core stays on
+scaled_dot_product_attention for RoPE and no positions; XL computes its logits explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from moeify.layers.attention import (
+    check_attention_common,
+    check_inputs,
+    check_positive,
+    init_scale,
+    positional_attention,
+    renorm_rows_,
+)
+from moeify.layers.common import Aux, accumulate_usage, register_usage
+from moeify.layers.kv_cache import KVCache
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, ExpertPlan, expert_matmul, make_plan
+from moeify.ops.positional import rope_dims
+from moeify.ops.routing import sigmoid_topk
+
+EXPERT_NAMES = ("q", "k", "v", "o")
+SOURCE_SIDE = frozenset({"k", "v"})
+DEST_SIDE = frozenset({"q", "o"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchHeadConfig:
+    """SwitchHead attention.
+
+    experts: which projections are experts, a subset of {"q", "k", "v", "o"} (default V and O).
+    shared_selection: one selection matrix for both sides (Tables 4 and 8); needs experts on both
+        sides (V or K, and O or Q).
+    n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
+    attn_dropout: dropout on attention probabilities (never used in the paper).
+    expert_impl: expert-matmul implementation ("auto", "reference", "gather", "segment",
+        "grouped"); attn_impl: attention core ("auto" or "reference").
+    """
+
+    d_model: int
+    n_heads: int
+    d_head: int
+    n_experts: int
+    k: int
+    experts: frozenset[str] = field(default_factory=lambda: frozenset({"v", "o"}))
+    shared_selection: bool = False
+    pos: str = "xl"
+    n_layers: int = 1
+    attn_dropout: float = 0.0
+    rope_fraction: float = 0.5
+    rope_base: float = 10000.0
+    attn_impl: str = "auto"
+    expert_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_positive(self, "n_heads", "n_experts", "k")
+        check_attention_common(self)
+        if isinstance(self.experts, str):
+            raise ValueError(f"experts must be a collection of names such as {{'v', 'o'}}, "
+                             f"got the string {self.experts!r}")
+        names = frozenset(self.experts)
+        unknown = sorted(n for n in names if n not in EXPERT_NAMES)
+        if unknown:
+            raise ValueError(f"unknown expert projection(s) {unknown}; choose from "
+                             f"{', '.join(EXPERT_NAMES)}")
+        if not names:
+            raise ValueError("experts is empty; name at least one of q, k, v, o "
+                             "(or use DenseAttentionConfig for plain attention)")
+        object.__setattr__(self, "experts", names)
+        if self.k > self.n_experts:
+            raise ValueError(f"k={self.k} exceeds n_experts={self.n_experts}; "
+                             f"choose k in [1, {self.n_experts}]")
+        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
+            raise ValueError(f"expert_impl must be one of {', '.join(IMPLEMENTATIONS + ('auto',))}"
+                             f", got {self.expert_impl!r}")
+        if self.shared_selection and not (self.source_side and self.dest_side):
+            raise ValueError("shared_selection needs experts on both sides (v or k, and o or q); "
+                             f"experts={sorted(names)} has a single selection anyway")
+
+    @property
+    def source_side(self) -> bool:
+        return bool(self.experts & SOURCE_SIDE)
+
+    @property
+    def dest_side(self) -> bool:
+        return bool(self.experts & DEST_SIDE)
+
+    @property
+    def n_selections(self) -> int:
+        return 1 if self.shared_selection else int(self.source_side) + int(self.dest_side)
+
+    def param_count(self) -> int:
+        """Per projection: H·E·d·d_h as experts, d·H·d_h dense; d·H·E per selection matrix;
+        d·H·d_h for the XL position projection (spec §1; §6's n_sels)."""
+        D, H, C, E = self.d_model, self.n_heads, self.d_head, self.n_experts
+        n = sum(H * E * D * C if p in self.experts else D * H * C for p in EXPERT_NAMES)
+        n += self.n_selections * D * H * E
+        if self.pos == "xl":
+            n += D * H * C
+        return n
+
+    def build(self) -> "SwitchHeadAttention":
+        return SwitchHeadAttention(self)
+
+
+class Selection(NamedTuple):
+    """One side's routing. Rows M are tokens in (batch, position) order."""
+
+    gates: torch.Tensor  # float32 [M, H, K], raw sigmoid values (differentiable)
+    idx: torch.Tensor  # int64 [M, H, K], expert within the head
+    ids: torch.Tensor  # int64 [M, H, K], h·E + idx: the row of the stacked [H·E, ...] weights
+    plan: ExpertPlan | None  # sorted routing shared by every expert matmul of this side
+
+
+class SwitchHeadAttention(nn.Module):
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        self.config = c = config
+        D, H, C, E = c.d_model, c.n_heads, c.d_head, c.n_experts
+        X = H * E
+        for p in ("q", "k", "v"):
+            shape = (X, D, C) if p in c.experts else (D, H * C)
+            setattr(self, f"w_{p}", nn.Parameter(torch.empty(shape)))
+        self.w_o = nn.Parameter(torch.empty((X, C, D) if "o" in c.experts else (H * C, D)))
+        if c.shared_selection:
+            self.w_sel = nn.Parameter(torch.empty(X, D))
+        else:
+            if c.source_side:
+                self.w_sel_src = nn.Parameter(torch.empty(X, D))
+            if c.dest_side:
+                self.w_sel_dst = nn.Parameter(torch.empty(X, D))
+        if c.pos == "xl":
+            self.w_pos = nn.Parameter(torch.empty(D, H * C))
+        self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
+        for p in sorted(c.experts):
+            register_usage(self, f"usage_{p}", (H, E))
+        self.rope_n = rope_dims(C, c.rope_fraction)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Spec §3: W_Q, W_K, W_V, W_S and the position projection ~ N(0, (s/sqrt(d))²), W_O ~
+        N(0, (s/sqrt(H·d_h))²), s = sqrt(2/L); selection rows then renormalised to equal norm."""
+        c = self.config
+        s = init_scale(c.n_layers)
+        std_in, std_out = s / math.sqrt(c.d_model), s / math.sqrt(c.n_heads * c.d_head)
+        with torch.no_grad():
+            for name, p in self.named_parameters(recurse=False):
+                p.normal_(0.0, std_out if name == "w_o" else std_in)
+                if name.startswith("w_sel"):
+                    renorm_rows_(p)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def param_count(self) -> int:
+        return self.config.param_count()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _sel_weight(self, side: str) -> torch.Tensor:
+        return self.w_sel if self.config.shared_selection else getattr(self, f"w_sel_{side}")
+
+    def _route(self, x_BND: torch.Tensor, w_XD: torch.Tensor) -> Selection:
+        c = self.config
+        B, N, D = x_BND.shape
+        logits_MHE = (x_BND.reshape(B * N, D) @ w_XD.t()).view(B * N, c.n_heads, c.n_experts)
+        top = sigmoid_topk(logits_MHE, c.k)  # Eq. 7-8: float32 sigmoid, no renormalisation
+        ids = top.idx + self.head_offset[:, None]
+        plan = None
+        if c.expert_impl not in ("reference", "gather"):
+            plan = make_plan(ids, c.n_heads * c.n_experts)
+        return Selection(top.gates, top.idx, ids, plan)
+
+    def select(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None = None) -> dict[str, Selection]:
+        """The routing of both sides: "src" from the key/value input (V, K), "dst" from the
+        query input (O, Q). Only the sides that have experts are present."""
+        c = self.config
+        out: dict[str, Selection] = {}
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        if c.source_side:
+            out["src"] = self._route(src_BSD, self._sel_weight("src"))
+        if c.dest_side:
+            if c.shared_selection and kv_BSD is None:
+                out["dst"] = out["src"]  # same matrix, same tokens: compute once
+            else:
+                out["dst"] = self._route(q_BTD, self._sel_weight("dst"))
+        return out
+
+    def _project(self, name: str, x_BND: torch.Tensor, sel: Selection | None) -> torch.Tensor:
+        """Q, K or V as [B, H, N, C]: dense, or the gate-weighted expert sum per head (Eq. 9)."""
+        c = self.config
+        B, N, D = x_BND.shape
+        H, C = c.n_heads, c.d_head
+        w = getattr(self, f"w_{name}")
+        if name not in c.experts:
+            return (x_BND @ w).view(B, N, H, C).transpose(1, 2)
+        HK = H * c.k
+        y = expert_matmul(x_BND.reshape(B * N, D), sel.ids.view(B * N, HK), w,
+                          sel.gates.view(B * N, HK), groups=H, impl=c.expert_impl, plan=sel.plan)
+        return y.view(B, N, H, C).transpose(1, 2)
+
+    def _output(self, o_BHTC: torch.Tensor, sel: Selection | None) -> torch.Tensor:
+        """Eq. 10: per head and selected expert, gate · (A_h V_h) W_O[h,e], summed over heads."""
+        c = self.config
+        B, H, T, C = o_BHTC.shape
+        o_BTHC = o_BHTC.transpose(1, 2)
+        if "o" not in c.experts:
+            return o_BTHC.reshape(B, T, H * C) @ self.w_o
+        M = B * T * H
+        y = expert_matmul(o_BTHC.reshape(M, C), sel.ids.view(M, c.k), self.w_o,
+                          sel.gates.view(M, c.k), impl=c.expert_impl, plan=sel.plan)
+        return y.view(B, T, H, c.d_model).sum(2)
+
+    def _counts(self, sel: Selection, valid_M: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        X = c.n_heads * c.n_experts
+        if valid_M is None and sel.plan is not None:
+            return sel.plan.counts_E.view(c.n_heads, c.n_experts)
+        w = torch.ones_like(sel.ids) if valid_M is None else \
+            valid_M.reshape(-1, 1, 1).to(torch.int64).expand_as(sel.ids)
+        counts = torch.zeros(X, dtype=torch.int64, device=sel.ids.device)
+        return counts.scatter_add_(0, sel.ids.reshape(-1), w.reshape(-1)).view(c.n_heads, -1)
+
+    def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
+                valid_k=None):
+        c = self.config
+        check_inputs(q_BTD, kv_BSD, c.d_model)
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        sels = self.select(q_BTD, kv_BSD)
+        src, dst = sels.get("src"), sels.get("dst")
+        q = self._project("q", q_BTD, dst)
+        k = self._project("k", src_BSD, src)
+        v = self._project("v", src_BSD, src)
+        xl = c.pos == "xl"
+        o_BHTC = positional_attention(
+            q, k, v, pos=c.pos, causal=causal, self_attention=kv_BSD is None, cache=cache,
+            pos_q=pos_q, pos_k=pos_k, valid_k=valid_k, scale=1.0 / math.sqrt(c.d_head),
+            rope_n=self.rope_n, rope_base=c.rope_base,
+            w_pos_DHC=self.w_pos.view(c.d_model, c.n_heads, c.d_head) if xl else None,
+            dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
+        y_BTD = self._output(o_BHTC, dst)
+
+        aux = Aux()
+        # Destination tokens are known valid only in self-attention (they are the new sources).
+        valid_dst = valid_k if kv_BSD is None else None
+        counted: dict[str, torch.Tensor] = {}
+        for p in sorted(c.experts):
+            side = "src" if p in SOURCE_SIDE else "dst"
+            if side not in counted:
+                counted[side] = self._counts(sels[side], valid_k if side == "src" else valid_dst)
+            aux.stats[f"sel_{p}_counts"] = counted[side].detach()
+            accumulate_usage(self, f"usage_{p}", counted[side])
+        return y_BTD, aux
