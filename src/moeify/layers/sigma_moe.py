@@ -1,0 +1,154 @@
+"""sigma-MoE feedforward (Csordas, Irie, Schmidhuber, EMNLP 2023 Findings, "Approximating Two-Layer
+Feedforward Networks for Efficient Transformers"); the feedforward half of SwitchAll.
+
+A two-layer ReLU MLP of hidden size E·G cut into E experts of G hidden units each. Per token
+(moe-family.md, sigma-MoE):
+
+    s   = sigmoid(x · W_selᵀ)                      float32, [E]
+    sel = top-k of s                                (indices carry no gradient)
+    y   = sum over e in sel of  s_e · ReLU(x · K_e) · V_e          no biases
+
+Regulariser (coefficient gamma = ``entropy_coef``, returned as the aux loss "entropy"): minus the
+entropy of the batch-averaged softmax of the selection logits; routing itself stays sigmoid.
+
+Shape legend: B batch, T tokens, M = B·T rows, D d_model, E experts, G expert size (hidden
+units per expert), K experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeify.layers.common import Aux, accumulate_usage, register_usage
+from moeify.layers.ff_common import (
+    check_probability,
+    depth_scale,
+    expert_counts,
+    renorm_rows_keep_std_,
+    routing_stats,
+)
+from moeify.ops.aux_losses import batch_entropy_loss
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan, resolve_impl
+from moeify.ops.routing import sigmoid_topk
+
+
+@dataclass(frozen=True, kw_only=True)
+class SigmaMoEConfig:
+    """sigma-MoE feedforward. Paper settings (SwitchAll): expert_size G = 128, k = 4,
+    n_experts 16 (47M) or 32 (259M); entropy_coef 1e-4 (47M) or 1e-3 (259M); expert_dropout 0
+    (47M) or 0.1 (259M).
+
+    expert_dropout: training only; each token's experts are dropped independently before the
+                    top-k (their scores set to 0, so they are chosen only if fewer than k remain,
+                    and then with gate 0).
+    dropout:        dropout on the expert hidden activations (the authors' layer has this
+                    option); 0 in every published sigma-MoE run, hence the default.
+    n_layers:       model depth L for the init scale s = sqrt(2 / L).
+    expert_impl:    the moeify.ops.expert_matmul implementation ("auto" picks per device)."""
+
+    d_model: int
+    n_experts: int
+    expert_size: int
+    k: int
+    entropy_coef: float = 1e-4
+    expert_dropout: float = 0.0
+    dropout: float = 0.0
+    n_layers: int = 1
+    expert_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_experts", "expert_size", "n_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SigmaMoEConfig.{name} must be a positive integer, "
+                                 f"got {getattr(self, name)}")
+        if not 1 <= self.k <= self.n_experts:
+            raise ValueError(f"SigmaMoEConfig.k must lie in [1, n_experts={self.n_experts}], "
+                             f"got {self.k}; lower k or add experts")
+        if self.entropy_coef < 0:
+            raise ValueError(f"SigmaMoEConfig.entropy_coef must be >= 0 (0 disables the "
+                             f"regulariser), got {self.entropy_coef}")
+        check_probability("SigmaMoEConfig.expert_dropout", self.expert_dropout)
+        check_probability("SigmaMoEConfig.dropout", self.dropout)
+        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
+            raise ValueError(f"SigmaMoEConfig.expert_impl must be one of "
+                             f"{IMPLEMENTATIONS + ('auto',)}, got {self.expert_impl!r}")
+
+    def build(self) -> "SigmaMoE":
+        return SigmaMoE(self)
+
+
+class SigmaMoE(nn.Module):
+    """Aux losses: "entropy" (when entropy_coef > 0). Stats: tokens_per_expert [E] (valid tokens
+    only), router_entropy (mean per-token entropy of softmax(logits)), batch_entropy (entropy of
+    the batch-averaged softmax, what the regulariser maximises), dead_experts. Running selection
+    counts: the int64 buffer ``usage`` [E], training only."""
+
+    def __init__(self, config: SigmaMoEConfig):
+        super().__init__()
+        self.config = config
+        E, D, G = config.n_experts, config.d_model, config.expert_size
+        self.w_sel_ED = nn.Parameter(torch.empty(E, D))
+        self.keys_EDG = nn.Parameter(torch.empty(E, D, G))
+        self.values_EGD = nn.Parameter(torch.empty(E, G, D))
+        self.drop = nn.Dropout(config.dropout)
+        register_usage(self, "usage", (E,))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # moe-family.md sigma-MoE init: keys and selection N(0, s²/d), values N(0, s²/(E·G)),
+        # selection rows renormalised to equal norm.
+        c = self.config
+        s = depth_scale(c.n_layers)
+        nn.init.normal_(self.keys_EDG, std=s / c.d_model ** 0.5)
+        nn.init.normal_(self.w_sel_ED, std=s / c.d_model ** 0.5)
+        nn.init.normal_(self.values_EGD, std=s / (c.n_experts * c.expert_size) ** 0.5)
+        renorm_rows_keep_std_(self.w_sel_ED)
+
+    def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
+        c = self.config
+        logits_ME = F.linear(x_MD.float(), self.w_sel_ED.float())  # routing in float32 (spec)
+        exclude_ME = None
+        if self.training and c.expert_dropout > 0:
+            exclude_ME = torch.rand_like(logits_ME) < c.expert_dropout
+        top = sigmoid_topk(logits_ME, c.k, exclude=exclude_ME)
+        gates_MK = top.gates
+        if exclude_ME is not None:
+            # A dropped expert's score is 0 (spec): picked only when fewer than k survive.
+            gates_MK = gates_MK.masked_fill(exclude_ME.gather(-1, top.idx), 0.0)
+        return logits_ME, gates_MK, top.idx
+
+    def forward(self, x_BTD: torch.Tensor, *,
+                valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
+        c = self.config
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        valid_M = None if valid_BT is None else valid_BT.reshape(B * T)
+        logits_ME, gates_MK, idx_MK = self.route(x_MD)
+        M, K = idx_MK.shape
+
+        # One sort of the routed pairs serves both expert matmuls: the second views the same
+        # flattened pairs as M·K rows of one expert each.
+        impl = resolve_impl(c.expert_impl, x_MD, self.keys_EDG)
+        plan = make_plan(idx_MK, c.n_experts) if impl in ("segment", "grouped") else None
+        h_MKG = expert_matmul(x_MD, idx_MK, self.keys_EDG, impl=impl, plan=plan)
+        h_NG = self.drop(F.relu(h_MKG)).reshape(M * K, c.expert_size)
+        y_ND = expert_matmul(h_NG, idx_MK.reshape(M * K, 1), self.values_EGD,
+                             gates_MK.reshape(M * K, 1), impl=impl, plan=plan)
+        y_BTD = y_ND.view(M, K, D).sum(1).view(B, T, D)
+
+        aux = Aux()
+        if c.entropy_coef != 0:
+            aux.losses["entropy"] = c.entropy_coef * batch_entropy_loss(logits_ME, valid_M)
+        keep_MK = None if valid_M is None else valid_M[:, None].expand(M, K)
+        counts_E = expert_counts(idx_MK, c.n_experts, keep_MK)
+        aux.stats.update(routing_stats(counts_E, torch.softmax(logits_ME.detach(), -1), valid_M))
+        with torch.no_grad():
+            aux.stats["batch_entropy"] = -batch_entropy_loss(logits_ME.detach(), valid_M)
+        accumulate_usage(self, "usage", counts_E)
+        return y_BTD, aux

@@ -1,0 +1,210 @@
+"""Switch Transformer feedforward (Fedus, Zoph, Shazeer, JMLR 2022), with the router z-loss of
+ST-MoE (Zoph et al. 2022) and the no-op experts of integrated MoDE (Raposo et al. 2024, §4).
+
+Per token (moe-family.md, Switch):
+
+    p = softmax(W_r · x)                 float32 ("selective precision"), over E + Z outputs
+    top-k of p (k = 1 in the paper)      choices ordered best first
+    y = sum over kept choices i of  p_i · W_out,i · ReLU(W_in,i · x)      (T5-style, no biases)
+
+Capacity: each expert takes at most ceil(M · k / (E + Z) · capacity_factor) (token, choice) pairs
+of the batch (M = B·T rows, padding included in M so that shapes stay static; padding itself
+takes no capacity). Priority is by position: all first choices before any second choice, and
+earlier tokens first within a choice rank (``moeify.ops.routing.capacity_mask``). A dropped
+pair contributes zero; the residual carries the token. ``dropless=True`` keeps every pair.
+Training uses ``capacity_factor``, evaluation ``eval_capacity_factor`` (Switch §2.2).
+
+Compute follows the capacity: the kept pairs are packed into a static-size buffer of
+min(M·k, E·capacity) rows (kept pairs first, the rest padded with zero-gated rows), so the
+expert matmuls never see more rows than the capacity allows and no host sync is needed.
+
+Integrated MoDE (``noop_experts = Z > 0``): the router also scores Z no-op experts. A choice of a
+no-op expert contributes zero (the token keeps only its residual) and costs no compute. Routing
+choices, stated because no reference implementation exists: no-op experts are experts in every
+respect but compute: they share the softmax, count in the capacity formula's E + Z (so the real
+experts' capacity shrinks with Z), and take part in the balance and z-losses over all E + Z
+outputs (the balance loss is what keeps the skip rate near Z / (E + Z)). In ``dropless`` mode the
+no-op choices are carried through the expert matmul with a zero gate (static shapes).
+
+Shape legend: B batch, T tokens, M = B·T rows, K choices per token, N = M·K routed pairs,
+P packed pairs, D d_model, F d_ff per expert, E real experts, R = E + Z router outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeify.layers.common import Aux, accumulate_usage, register_usage
+from moeify.layers.ff_common import check_probability, expert_counts, routing_stats, trunc_normal_
+from moeify.ops.aux_losses import switch_balance_loss, z_loss
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan, resolve_impl
+from moeify.ops.routing import capacity_mask, expert_capacity, softmax_topk
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchFFConfig:
+    """Switch feedforward. Paper defaults: k = 1, capacity factor 1.25 (1.0-1.25 works best) with
+    a larger evaluation factor, balance coefficient alpha = 1e-2, z-loss coefficient 1e-3.
+
+    expert_dropout: dropout on the experts' hidden activations (the Switch paper's "expert
+                    dropout": 0.4 inside the experts when fine-tuning; 0 for pre-training).
+    noop_experts:   Z no-op experts among the router's choices (integrated MoDE).
+    The initialisation is the Switch paper's 0.1x scale, std sqrt(0.1 / fan_in), which does not
+    depend on the model depth."""
+
+    d_model: int
+    d_ff: int
+    n_experts: int
+    k: int = 1
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    dropless: bool = False
+    balance_coef: float = 0.01
+    z_coef: float = 0.001
+    expert_dropout: float = 0.0
+    noop_experts: int = 0
+    expert_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_ff", "n_experts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SwitchFFConfig.{name} must be a positive integer, "
+                                 f"got {getattr(self, name)}")
+        if self.noop_experts < 0:
+            raise ValueError(f"SwitchFFConfig.noop_experts must be >= 0, got {self.noop_experts}")
+        choices = self.n_experts + self.noop_experts
+        if not 1 <= self.k <= choices:
+            raise ValueError(f"SwitchFFConfig.k must lie in [1, n_experts + noop_experts = "
+                             f"{choices}], got {self.k}")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SwitchFFConfig.{name} must be positive (use dropless=True to "
+                                 f"never drop tokens), got {getattr(self, name)}")
+        for name in ("balance_coef", "z_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SwitchFFConfig.{name} must be >= 0 (0 disables the loss), "
+                                 f"got {getattr(self, name)}")
+        check_probability("SwitchFFConfig.expert_dropout", self.expert_dropout)
+        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
+            raise ValueError(f"SwitchFFConfig.expert_impl must be one of "
+                             f"{IMPLEMENTATIONS + ('auto',)}, got {self.expert_impl!r}")
+
+    def build(self) -> "SwitchFeedForward":
+        return SwitchFeedForward(self)
+
+
+class SwitchFeedForward(nn.Module):
+    """Aux losses: "balance" (balance_coef > 0) and "z" (z_coef > 0), both over valid tokens.
+    Stats (valid tokens only): tokens_per_expert [E + Z] (routed choices before capacity),
+    fraction_dropped (of the choices of real experts), router_entropy, dead_experts (real experts
+    with no routed token), fraction_noop (Z > 0). Running buffers, training only: ``usage``
+    [E + Z] routed choices, ``dropped`` [] dropped choices."""
+
+    def __init__(self, config: SwitchFFConfig):
+        super().__init__()
+        self.config = config
+        E, R, D, Fh = config.n_experts, config.n_experts + config.noop_experts, config.d_model, config.d_ff
+        self.w_router_RD = nn.Parameter(torch.empty(R, D))
+        self.w_in_EDF = nn.Parameter(torch.empty(E, D, Fh))
+        self.w_out_EFD = nn.Parameter(torch.empty(E, Fh, D))
+        self.drop = nn.Dropout(config.expert_dropout)
+        register_usage(self, "usage", (R,))
+        register_usage(self, "dropped", ())
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # Switch §2.4: truncated normal, std sqrt(0.1 / fan_in) (a tenth of the usual scale).
+        c = self.config
+        trunc_normal_(self.w_router_RD, (0.1 / c.d_model) ** 0.5)
+        trunc_normal_(self.w_in_EDF, (0.1 / c.d_model) ** 0.5)
+        trunc_normal_(self.w_out_EFD, (0.1 / c.d_ff) ** 0.5)
+
+    def capacity(self, num_rows: int) -> int | None:
+        """Pairs each expert may take out of ``num_rows`` tokens (None: dropless)."""
+        c = self.config
+        if c.dropless:
+            return None
+        cf = c.capacity_factor if self.training else c.eval_capacity_factor
+        return expert_capacity(num_rows, c.n_experts + c.noop_experts, cf, c.k)
+
+    def forward(self, x_BTD: torch.Tensor, *,
+                valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
+        c = self.config
+        E, R = c.n_experts, c.n_experts + c.noop_experts
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        M, K, N = B * T, c.k, B * T * c.k
+        valid_M = None if valid_BT is None else valid_BT.reshape(M)
+
+        logits_MR = F.linear(x_MD.float(), self.w_router_RD.float())  # float32 router (Switch §2.4)
+        top = softmax_topk(logits_MR, K)
+        # Best choice first: position priority puts every first choice before any second one.
+        gates_MK, order_MK = top.gates.sort(-1, descending=True)
+        idx_MK = top.idx.gather(-1, order_MK)
+
+        real_MK = idx_MK < E
+        valid_MK = (torch.ones_like(real_MK) if valid_M is None
+                    else valid_M[:, None].expand(M, K))
+        cap = self.capacity(M)
+        if cap is None:
+            keep_MK = valid_MK & real_MK
+        else:
+            keep_MK = capacity_mask(idx_MK, R, cap, valid_M=valid_M) & real_MK
+
+        y_ND = self._experts(x_MD, idx_MK, gates_MK, keep_MK, N if cap is None else min(N, E * cap))
+        y_BTD = y_ND.view(M, K, D).sum(1).view(B, T, D)
+
+        aux = Aux()
+        if c.balance_coef != 0:
+            aux.losses["balance"] = c.balance_coef * switch_balance_loss(
+                top.scores, idx_MK[:, 0], valid_M)
+        if c.z_coef != 0:
+            aux.losses["z"] = c.z_coef * z_loss(logits_MR, valid_M)
+        counts_R = expert_counts(idx_MK, R, valid_MK)
+        aux.stats.update(routing_stats(counts_R, top.scores, valid_M, n_real=E))
+        with torch.no_grad():
+            routed_real = (valid_MK & real_MK).sum()
+            dropped = (valid_MK & real_MK & ~keep_MK).sum()
+            aux.stats["fraction_dropped"] = dropped.float() / routed_real.clamp_min(1).float()
+            if c.noop_experts:
+                aux.stats["fraction_noop"] = (
+                    counts_R[E:].sum().float() / valid_MK.sum().clamp_min(1).float())
+        accumulate_usage(self, "usage", counts_R)
+        accumulate_usage(self, "dropped", dropped)
+        return y_BTD, aux
+
+    def _experts(self, x_MD, idx_MK, gates_MK, keep_MK, P: int) -> torch.Tensor:
+        """Expert outputs per routed pair, [N, D], zero for pairs not kept. The kept pairs are
+        packed into P rows (a stable sort puts them first, in pair order); rows past the kept ones
+        go to expert 0 with gate 0."""
+        c = self.config
+        M, K = idx_MK.shape
+        N = M * K
+        keep_N = keep_MK.reshape(-1)
+        if P < N:
+            sort_N = torch.argsort((~keep_N).to(torch.uint8), stable=True)
+            pairs_P = sort_N[:P]
+        else:
+            sort_N = pairs_P = torch.arange(N, device=x_MD.device)
+        keep_P = keep_N[pairs_P]
+        ids_P1 = torch.where(keep_P, idx_MK.reshape(-1)[pairs_P], 0)[:, None]
+        gates_P1 = torch.where(keep_P, gates_MK.reshape(-1)[pairs_P], 0.0)[:, None]
+        x_PD = x_MD.index_select(0, torch.div(pairs_P, K, rounding_mode="floor"))
+
+        impl = resolve_impl(c.expert_impl, x_PD, self.w_in_EDF)
+        plan = make_plan(ids_P1, c.n_experts) if impl in ("segment", "grouped") else None
+        h_P1F = expert_matmul(x_PD, ids_P1, self.w_in_EDF, impl=impl, plan=plan)
+        h_PF = self.drop(F.relu(h_P1F.squeeze(1)))
+        y_PD = expert_matmul(h_PF, ids_P1, self.w_out_EFD, gates_P1, impl=impl, plan=plan)
+        if P == N:
+            return y_PD
+        # Back to pair order by a gather (deterministic): pair n sits at packed row pos_N[n].
+        pos_N = torch.empty_like(sort_N)
+        pos_N[sort_N] = torch.arange(N, device=sort_N.device)
+        packed_N = pos_N < P
+        return y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)

@@ -1,0 +1,88 @@
+"""Dense feedforward (the paper baseline's MLP) against a hand transcription of switchhead.md §3."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from moeify.layers import feedforward
+from moeify.layers.feedforward import DenseFeedForward, DenseFFConfig
+
+
+def _reference(x, w1, b1, w2, b2):
+    # switchhead.md §3: W2 · ReLU(W1 · x + b1) + b2, written with einsum (no nn.Linear).
+    h = torch.relu(torch.einsum("btd,fd->btf", x, w1) + b1)
+    return torch.einsum("btf,df->btd", h, w2) + b2
+
+
+def test_dense_ff_matches_hand_transcription_outputs_and_gradients():
+    torch.manual_seed(0)
+    ff = DenseFFConfig(d_model=6, d_ff=10, n_layers=4).build().double()
+    with torch.no_grad():  # non-zero biases so that they are exercised
+        ff.w1.bias.normal_()
+        ff.w2.bias.normal_()
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    y, aux = ff(x)
+    assert aux.losses == {} and aux.stats == {}
+    params = [ff.w1.weight, ff.w1.bias, ff.w2.weight, ff.w2.bias]
+    refs = [p.detach().clone().requires_grad_() for p in params]
+    xr = x.detach().clone().requires_grad_()
+    y_ref = _reference(xr, *refs)
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_dense_ff_init_scale_and_zero_biases():
+    torch.manual_seed(0)
+    L, d, f = 8, 256, 512
+    ff = DenseFFConfig(d_model=d, d_ff=f, n_layers=L).build()
+    for lin, fan_in in ((ff.w1, d), (ff.w2, f)):
+        std = math.sqrt(2 / (L * fan_in))
+        # trunc-normal at 2 std has std 0.8796 * sigma
+        assert abs(lin.weight.std().item() / (0.8796 * std) - 1) < 0.03
+        assert lin.weight.abs().max().item() <= 2 * std + 1e-7
+        assert torch.count_nonzero(lin.bias) == 0
+
+
+def test_dense_ff_dropout_is_inner_and_training_only():
+    torch.manual_seed(0)
+    ff = DenseFFConfig(d_model=4, d_ff=64, dropout=0.5).build().double()
+    x = torch.randn(3, 4, 4, dtype=torch.float64)
+    ff.eval()
+    y_eval, _ = ff(x)
+    torch.testing.assert_close(y_eval, _reference(x, ff.w1.weight, ff.w1.bias,
+                                                  ff.w2.weight, ff.w2.bias))
+    ff.train()
+    torch.manual_seed(1)
+    y_train, _ = ff(x)
+    # Reproduce the hidden-layer mask: dropout acts on the hidden units, not on the output.
+    torch.manual_seed(1)
+    h = torch.relu(x @ ff.w1.weight.T + ff.w1.bias)
+    h = torch.nn.functional.dropout(h, 0.5, training=True)
+    torch.testing.assert_close(y_train, h @ ff.w2.weight.T + ff.w2.bias)
+    assert not torch.allclose(y_train, y_eval)
+
+
+@pytest.mark.parametrize("bad", [dict(d_ff=0), dict(d_model=-1), dict(dropout=1.0),
+                                 dict(dropout=-0.1), dict(n_layers=0)])
+def test_dense_ff_config_validation(bad):
+    kw = dict(d_model=4, d_ff=8) | bad
+    with pytest.raises(ValueError, match="DenseFFConfig"):
+        DenseFFConfig(**kw)
+
+
+def test_configs_are_frozen_keyword_only_and_entry_point_reexports():
+    cfg = DenseFFConfig(d_model=4, d_ff=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_ff = 3
+    with pytest.raises(TypeError):
+        DenseFFConfig(4, 8)
+    assert isinstance(dataclasses.replace(cfg, d_ff=3).build(), DenseFeedForward)
+    for name in ("SigmaMoEConfig", "SigmaMoE", "SwitchFFConfig", "SwitchFeedForward"):
+        assert hasattr(feedforward, name)
