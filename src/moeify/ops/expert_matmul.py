@@ -24,7 +24,7 @@ Implementations (``impl=``):
 The sorted implementations share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
 gates are applied to the narrow [N, F] product, never to [N, D] inputs. The backward computes
-grad_x with a gather + sum over K (deterministic, no atomics) and grad_w per expert.
+grad_x with one index_add over the sorted rows and grad_w per expert.
 """
 
 from __future__ import annotations
@@ -158,14 +158,14 @@ class _SortedExpertMatmul(torch.autograd.Function):
             g_N = None
             y = ys_NF.index_select(0, inverse_N).view(M, k, Fo)
         ctx.save_for_backward(xs_ND, w_EDF, ys_NF if gates_MK is not None else None, g_N,
-                              order_N, inverse_N)
+                              order_N, inverse_N, rows_N)
         ctx.meta = (plan, kind, M, k, groups, N, gates_MK is not None,
                     gates_MK.dtype if gates_MK is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        xs_ND, w_EDF, ys_NF, g_N, order_N, inverse_N = ctx.saved_tensors
+        xs_ND, w_EDF, ys_NF, g_N, order_N, inverse_N, rows_N = ctx.saved_tensors
         plan, kind, M, k, groups, N, gated, gate_dtype = ctx.meta
         # .contiguous() also materialises stride-0 gradients (y.sum().backward()), which
         # grouped_mm's own backward cannot take.
@@ -185,7 +185,9 @@ class _SortedExpertMatmul(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_xs_ND = _sorted_mm(kind, grad_ys_NF, w_EDF.transpose(1, 2), plan)
-            grad_x = grad_xs_ND.index_select(0, inverse_N).view(M, k, D).sum(1)
+            # index_add into [M, D] needs one [M, D] buffer where a gather-then-sum over K would
+            # allocate [N, D]; on CPU fresh large buffers cost page faults comparable to the GEMM.
+            grad_x = grad_xs_ND.new_zeros(M, D).index_add_(0, rows_N, grad_xs_ND)
         if ctx.needs_input_grad[1]:
             grad_w = _sorted_weight_grad(kind, xs_ND, grad_ys_NF, plan)
         return grad_x, grad_w, grad_gates, None, None, None, None, None, None, None
