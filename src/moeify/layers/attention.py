@@ -137,7 +137,8 @@ def positional_attention(
     B, _, T, _ = q_BHTC.shape
     S_new = k_BHSC.shape[-2]
     if self_attention:
-        pos_q, pos_k = (pos_q if pos_q is not None else pos_k), (pos_k if pos_k is not None else pos_q)
+        pos_q, pos_k = (pos_q if pos_q is not None else pos_k,
+                        pos_k if pos_k is not None else pos_q)
     _check_tokens("pos_q", pos_q, B, T)
     _check_tokens("pos_k", pos_k, B, S_new)
     _check_tokens("valid_k", valid_k, B, S_new)

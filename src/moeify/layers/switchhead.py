@@ -198,7 +198,8 @@ class SwitchHeadAttention(nn.Module):
             plan = make_plan(ids, c.n_heads * c.n_experts)
         return Selection(top.gates, top.idx, ids, plan)
 
-    def select(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None = None) -> dict[str, Selection]:
+    def select(self, q_BTD: torch.Tensor,
+               kv_BSD: torch.Tensor | None = None) -> dict[str, Selection]:
         """The routing of both sides: "src" from the key/value input (V, K), "dst" from the
         query input (O, Q). Only the sides that have experts are present."""
         c = self.config

@@ -137,9 +137,11 @@ def xl_logits_at(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, pos_q_BT: torch
     return q_fac @ k_fac.transpose(-1, -2)
 
 
-def default_positions(B: int, T: int, S_new: int, past: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def default_positions(B: int, T: int, S_new: int, past: int,
+                      device) -> tuple[torch.Tensor, torch.Tensor]:
     """The interface's default positions: new source token j at past + j, query i at
-    past + S_new - T + i (the queries are the last T source tokens). Returns int64 [B, T], [B, S]."""
+    past + S_new - T + i (the queries are the last T source tokens).
+    Returns int64 [B, T] and [B, S_new]."""
     pos_k = torch.arange(past, past + S_new, device=device)
     pos_q = torch.arange(past + S_new - T, past + S_new, device=device)
     return pos_q.expand(B, T), pos_k.expand(B, S_new)
