@@ -1,0 +1,182 @@
+"""Positional maths against brute-force transcriptions written here.
+
+RoPE: complex rotation of channel pairs (i, i + n/2); XL: the sinusoid of every pairwise distance
+p_i - p_j, projected and dotted with the query, one pair at a time (no shift, no identity).
+Shape legend: B batch, H heads, T queries, S keys, C head channels, D sinusoid width.
+"""
+
+import math
+
+import pytest
+import torch
+
+from moeify.ops.positional import (
+    apply_rope,
+    default_positions,
+    rel_shift,
+    rope_dims,
+    sinusoidal_embedding,
+    xl_logits_at,
+    xl_logits_contiguous,
+)
+
+f64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def brute_rope(x_BHTC, pos_BT, n_rot, base=10000.0):
+    half = n_rot // 2
+    z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
+    freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
+    theta = pos_BT.to(f64)[:, None, :, None] * freq
+    z = z * torch.exp(1j * theta)
+    return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
+
+
+def brute_emb(dist, D):
+    """Transformer-XL sinusoid of (real) distances, any shape -> [..., D]: sin block then cos."""
+    out = torch.empty(*dist.shape, D, dtype=f64)
+    n_sin = (D + 1) // 2
+    for f in range(n_sin):
+        w = 10000.0 ** (-2.0 * f / D)
+        out[..., f] = torch.sin(dist.to(f64) * w)
+        if n_sin + f < D:
+            out[..., n_sin + f] = torch.cos(dist.to(f64) * w)
+    return out
+
+
+def brute_xl(q_BHTC, w_DHC, pos_q_BT, pos_k_BS):
+    emb_BTSD = brute_emb(pos_q_BT[:, :, None] - pos_k_BS[:, None, :], w_DHC.shape[0])
+    p_BHTSC = torch.einsum("btsd,dhc->bhtsc", emb_BTSD.to(q_BHTC.dtype), w_DHC)
+    return torch.einsum("bhtc,bhtsc->bhts", q_BHTC, p_BHTSC)
+
+
+def test_rope_dims_rounds_down_to_even():
+    assert rope_dims(64) == 32 and rope_dims(41) == 20 and rope_dims(42) == 20
+    assert rope_dims(100) == 50 and rope_dims(84) == 42 and rope_dims(8, 1.0) == 8
+    assert rope_dims(8, 0.0) == 0
+    with pytest.raises(ValueError, match="fraction"):
+        rope_dims(8, 1.5)
+
+
+@pytest.mark.parametrize("C,n_rot", [(8, 4), (10, 4), (6, 6)])
+def test_rope_matches_complex_rotation(C, n_rot):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, C, dtype=f64)
+    pos = torch.randint(0, 50_000, (2, 5))
+    out = apply_rope(x, pos, n_rot=n_rot)
+    torch.testing.assert_close(out, brute_rope(x, pos, n_rot), rtol=1e-12, atol=1e-12)
+    # Channels past n_rot are untouched; [T] positions broadcast over the batch.
+    assert torch.equal(out[..., n_rot:], x[..., n_rot:])
+    torch.testing.assert_close(apply_rope(x, pos[0], n_rot=n_rot)[0], out[0])
+
+
+def test_rope_scores_depend_only_on_distance():
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 1, 1, 8, dtype=f64), torch.randn(1, 1, 1, 8, dtype=f64)
+
+    def score(pq, pk):
+        rq = apply_rope(q, torch.tensor([[pq]]), n_rot=4)
+        rk = apply_rope(k, torch.tensor([[pk]]), n_rot=4)
+        return (rq * rk).sum().item()
+
+    assert score(7, 3) == pytest.approx(score(1007, 1003), abs=1e-9)
+    assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-6)
+
+
+def test_rope_float32_large_positions():
+    # Angles in float64: a float32 rotation at position 10^6 keeps float32 accuracy.
+    torch.manual_seed(2)
+    x = torch.randn(1, 2, 3, 8)
+    pos = torch.tensor([[1_000_000, 1_000_001, 2_500_000]])
+    ref = brute_rope(x.to(f64), pos, 4)
+    torch.testing.assert_close(apply_rope(x, pos, n_rot=4).to(f64), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [8, 7])
+def test_sinusoidal_embedding(D):
+    dist = torch.tensor([-3, 0, 1, 250])
+    torch.testing.assert_close(sinusoidal_embedding(dist, D, f64), brute_emb(dist, D))
+    # Spot value: distance 1, frequency 0 -> sin(1), cos(1).
+    e = sinusoidal_embedding(torch.tensor([1]), D, f64)[0]
+    assert e[0].item() == pytest.approx(math.sin(1.0))
+    assert e[(D + 1) // 2].item() == pytest.approx(math.cos(1.0))
+
+
+def test_rel_shift_definition():
+    T, S, R = 3, 5, 7
+    x = torch.arange(2 * T * R, dtype=f64).view(1, 2, T, R)
+    out = rel_shift(x, S)
+    assert out.shape == (1, 2, T, S)
+    for i in range(T):
+        for j in range(S):
+            if j + T - 1 - i < R:
+                assert out[0, :, i, j].tolist() == x[0, :, i, j + T - 1 - i].tolist()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,S,D", [(4, 4, 8), (3, 7, 9), (5, 2, 6)])
+def test_xl_contiguous_equals_pairwise(causal, T, S, D):
+    torch.manual_seed(3)
+    B, H, C = 2, 3, 4
+    q = torch.randn(B, H, T, C, dtype=f64, requires_grad=True)
+    w = torch.randn(D, H, C, dtype=f64, requires_grad=True)
+    pq, pk = default_positions(B, T, S, 0, "cpu")
+    out = xl_logits_contiguous(q, w, S, causal=causal)
+    ref = brute_xl(q, w, pq, pk)
+    # Causal: only keys at or before the query are defined (the rest is masked downstream).
+    keep = (pk[:, None, :] <= pq[:, :, None])[:, None].expand_as(ref) if causal \
+        else torch.ones_like(ref, dtype=torch.bool)
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ref) * keep
+    ga = torch.autograd.grad((out * g).sum(), (q, w))
+    gb = torch.autograd.grad((ref * g).sum(), (q, w))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("D,Hw", [(8, 3), (9, 3), (8, 1)])
+def test_xl_explicit_positions_equal_pairwise(D, Hw):
+    torch.manual_seed(4)
+    B, H, T, S, C = 2, 3, 4, 6, 5
+    q = torch.randn(B, H, T, C, dtype=f64, requires_grad=True)
+    w = torch.randn(D, Hw, C, dtype=f64, requires_grad=True)
+    pq = torch.randint(0, 5000, (B, T))
+    pk = torch.randint(0, 5000, (B, S))
+    out = xl_logits_at(q, w, pq, pk)
+    ref = brute_xl(q, w.expand(D, H, C), pq, pk)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    g = torch.randn_like(ref)
+    ga = torch.autograd.grad((out * g).sum(), (q, w))
+    gb = torch.autograd.grad((ref * g).sum(), (q, w))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_xl_explicit_equals_shift_on_default_positions_and_float32_precision():
+    torch.manual_seed(5)
+    B, H, T, S, C, D = 1, 2, 3, 6, 4, 8
+    q = torch.randn(B, H, T, C, dtype=f64)
+    w = torch.randn(D, H, C, dtype=f64)
+    pq, pk = default_positions(B, T, S, 0, "cpu")
+    keep = (pk[:, None, :] <= pq[:, :, None])[:, None].expand(B, H, T, S)
+    torch.testing.assert_close(xl_logits_at(q, w, pq, pk)[keep],
+                               xl_logits_contiguous(q, w, S, causal=True)[keep])
+    # Far from the origin in float32 the logits keep float32 accuracy (relative positions small).
+    off = 3_000_000
+    out32 = xl_logits_at(q.float(), w.float(), pq + off, pk + off).to(f64)
+    torch.testing.assert_close(out32, brute_xl(q, w, pq, pk), rtol=0, atol=1e-4)
+
+
+def test_default_positions():
+    pq, pk = default_positions(2, 3, 5, 4, "cpu")
+    assert pk.tolist() == [[4, 5, 6, 7, 8]] * 2
+    assert pq.tolist() == [[6, 7, 8]] * 2
