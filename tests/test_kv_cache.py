@@ -1,0 +1,154 @@
+"""Cached incremental decoding equals one full forward pass, for every attention layer and every
+positional variant (SwitchHead spec §2: the authors' drop-in layer restarts positions at 0 while
+decoding; here positions continue).
+
+Shape legend: B batch, T tokens, D d_model.
+"""
+
+import pytest
+import torch
+
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.kv_cache import KVCache
+from moeify.layers.moa import MoAConfig
+from moeify.layers.switchhead import SwitchHeadConfig
+
+f64 = torch.float64
+D, STEPS = 12, 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def build(kind, pos):
+    torch.manual_seed(0)
+    if kind == "dense":
+        cfg = DenseAttentionConfig(d_model=D, n_heads=2, d_head=6, pos=pos)
+    elif kind == "switchhead":
+        cfg = SwitchHeadConfig(d_model=D, n_heads=2, d_head=6, n_experts=4, k=2, pos=pos)
+    elif kind == "switchhead_qkvo":
+        cfg = SwitchHeadConfig(d_model=D, n_heads=2, d_head=6, n_experts=4, k=2, pos=pos,
+                               experts=frozenset("qkvo"))
+    else:
+        cfg = MoAConfig(d_model=D, d_head=6, n_experts=5, k=2, pos=pos)
+    m = cfg.build().double().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name in ("bias_u", "bias_v", "w_router"):  # zero at init: make them matter
+                p.normal_()
+    return m
+
+
+LAYERS = ["dense", "switchhead", "switchhead_qkvo", "moa"]
+POS = ["xl", "rope", "none"]
+
+
+def decode(m, x, *, prompt=0, **per_token):
+    """Feed an optional prompt chunk, then one token at a time; per_token tensors are [B, T]."""
+    cache = m.new_cache()
+    outs = []
+    if prompt:
+        head = {k: v[:, :prompt] for k, v in per_token.items()}
+        outs.append(m(x[:, :prompt], cache=cache, **head)[0])
+    for t in range(prompt, x.shape[1]):
+        outs.append(m(x[:, t:t + 1], cache=cache,
+                      **{k: v[:, t:t + 1] for k, v in per_token.items()})[0])
+    assert cache.length == x.shape[1]
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("pos", POS)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_token_by_token_equals_full_forward(kind, pos):
+    m = build(kind, pos)
+    x = torch.randn(2, STEPS, D, dtype=f64)
+    with torch.no_grad():
+        full = m(x)[0]
+        torch.testing.assert_close(decode(m, x), full, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(decode(m, x, prompt=7), full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("pos", ["xl", "rope"])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_explicit_positions_decoding(kind, pos):
+    # Non-contiguous positions (Mixture-of-Depths routes a subset of tokens): the full pass with
+    # the same positions is the reference, and the positions matter.
+    m = build(kind, pos)
+    torch.manual_seed(1)
+    x = torch.randn(2, STEPS, D, dtype=f64)
+    p = torch.stack([torch.randperm(200)[:STEPS].sort().values for _ in range(2)])
+    with torch.no_grad():
+        full = m(x, pos_q=p)[0]
+        torch.testing.assert_close(decode(m, x, pos_q=p), full, rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(full, m(x)[0])
+
+
+@pytest.mark.parametrize("pos", ["xl", "rope"])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_invalid_keys_decoding(kind, pos):
+    m = build(kind, pos)
+    torch.manual_seed(2)
+    x = torch.randn(2, STEPS, D, dtype=f64)
+    valid = torch.rand(2, STEPS) > 0.3
+    valid[:, 0] = True
+    with torch.no_grad():
+        full = m(x, valid_k=valid)[0]
+        torch.testing.assert_close(decode(m, x, valid_k=valid), full, rtol=1e-10, atol=1e-12)
+        # An invalid token influences nobody else.
+        x2 = x.clone()
+        x2[~valid] += 1.0
+        later = valid.clone()
+        torch.testing.assert_close(m(x2, valid_k=valid)[0][later], full[later])
+
+
+@pytest.mark.parametrize("pos", POS)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_xl_memory_equals_full_forward(kind, pos):
+    # Transformer-XL memory: attending over [memory ; chunk] gives the chunk's outputs of one
+    # pass over the concatenation.
+    m = build(kind, pos)
+    x = torch.randn(2, 9, D, dtype=f64)
+    with torch.no_grad():
+        full = m(x)[0]
+        torch.testing.assert_close(m(x[:, 5:], x)[0], full[:, 5:], rtol=1e-10, atol=1e-12)
+
+
+def test_decoding_positions_do_not_restart():
+    # The defect the spec warns about: a decoded query placed at position 0 (restarted) instead
+    # of after the cached tokens. The cached step must equal the query at position 4 over all
+    # five keys, and differ from the restarted placement.
+    m = build("switchhead", "rope")
+    x = torch.randn(1, 5, D, dtype=f64)
+    with torch.no_grad():
+        cache = m.new_cache()
+        m(x[:, :4], cache=cache)
+        step = m(x[:, 4:], cache=cache)[0]
+        assert cache.positions.tolist() == [[0, 1, 2, 3, 4]]
+        torch.testing.assert_close(step, m(x[:, 4:], x)[0], rtol=1e-10, atol=1e-12)
+        restarted = m(x[:, 4:], x, causal=False, pos_q=torch.tensor([[0]]),
+                      pos_k=torch.arange(5)[None])[0]
+        assert not torch.allclose(step, restarted)
+
+
+def test_cache_basics():
+    c = KVCache()
+    assert c.length == 0 and len(c) == 0
+    k = torch.randn(2, 3, 4, 5)
+    keys, vals, pos, valid = c.append(k, k + 1, torch.arange(4).expand(2, 4))
+    assert c.length == 4 and valid.all() and pos.dtype == torch.int64
+    keys, vals, pos, valid = c.append(k[:, :, :1], k[:, :, :1], torch.tensor([[9], [9]]),
+                                      torch.tensor([[False], [True]]))
+    assert keys.shape == (2, 3, 5, 5) and torch.equal(vals[:, :, :4], k + 1)
+    assert pos[:, -1].tolist() == [9, 9] and valid[:, -1].tolist() == [False, True]
+    with pytest.raises(ValueError, match="positions"):
+        c.append(k, k, torch.arange(3).expand(2, 3))
+    with pytest.raises(ValueError, match="heads"):
+        c.append(k[:, :1], k[:, :1], torch.arange(4).expand(2, 4))
+    c.reset()
+    assert c.length == 0
