@@ -1,0 +1,92 @@
+"""BLiMP: minimal pairs, scored as the SwitchHead authors did (spec evaluation.md).
+
+Each sentence scores the summed log-probability of all its tokens after the first (no length
+normalisation, no memory); a pair is correct when the good sentence scores strictly higher. The
+reported accuracy is the mean over paradigms (67 in the release), and per linguistic field the
+mean over that field's paradigms.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from moeify.eval import paths
+from moeify.eval.scoring import LogitsFn, score_continuations
+from moeify.errors import MoeifyError
+
+
+@dataclass(frozen=True)
+class BlimpPair:
+    good: str
+    bad: str
+    paradigm: str
+    field: str
+
+
+def load_blimp(path: str | Path | None = None, *,
+               limit_per_paradigm: int | None = None) -> list[BlimpPair]:
+    """Pairs from a directory of BLiMP paradigm files (or one file).
+
+    The paradigm is the record's ``UID`` (else the file name) and the field its ``field``."""
+    p = paths.locate("blimp", path)
+    files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    if not files:
+        raise MoeifyError(f"{p} holds no BLiMP *.jsonl files")
+    pairs: list[BlimpPair] = []
+    for f in files:
+        n = 0
+        with open(f, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    pairs.append(BlimpPair(good=r["sentence_good"], bad=r["sentence_bad"],
+                                           paradigm=r.get("UID", f.stem),
+                                           field=r.get("field", "unknown")))
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    raise MoeifyError(f"{f}:{lineno}: not a BLiMP record with sentence_good and "
+                                      f"sentence_bad ({e!r})") from e
+                n += 1
+                if limit_per_paradigm is not None and n >= limit_per_paradigm:
+                    break
+    return pairs
+
+
+def sentence_items(tokenizer, sentences: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+    items = []
+    for s in sentences:
+        ids = tokenizer.encode(s)
+        if len(ids) < 2:
+            raise MoeifyError(f"BLiMP sentence {s!r} has fewer than two tokens: nothing to score")
+        items.append((ids[:1], ids[1:]))
+    return items
+
+
+def blimp_accuracy(logits_fn: LogitsFn, tokenizer, pairs: Sequence[BlimpPair], *,
+                   batch_size: int = 32, max_len: int | None = None) -> dict:
+    """``accuracy`` (mean over paradigms), ``paradigms`` {uid: acc}, ``fields`` {field: mean of
+    its paradigms}, ``pairs`` (count). ``logits_fn`` must be stateless."""
+    if not pairs:
+        raise ValueError("blimp_accuracy needs at least one pair")
+    sentences = [p.good for p in pairs] + [p.bad for p in pairs]
+    scores = score_continuations(logits_fn, sentence_items(tokenizer, sentences),
+                                 batch_size=batch_size, max_len=max_len)
+    n = len(pairs)
+    per_paradigm: dict[str, list[int]] = {}
+    field_of: dict[str, str] = {}
+    for i, pair in enumerate(pairs):
+        ok = scores[i].total > scores[n + i].total
+        per_paradigm.setdefault(pair.paradigm, []).append(int(ok))
+        field_of[pair.paradigm] = pair.field
+    paradigm_acc = {k: sum(v) / len(v) for k, v in sorted(per_paradigm.items())}
+    fields: dict[str, list[float]] = {}
+    for k, acc in paradigm_acc.items():
+        fields.setdefault(field_of[k], []).append(acc)
+    return {"accuracy": sum(paradigm_acc.values()) / len(paradigm_acc),
+            "paradigms": paradigm_acc,
+            "fields": {f: sum(v) / len(v) for f, v in sorted(fields.items())},
+            "pairs": n}
