@@ -173,6 +173,16 @@ def positional_attention(
                   dropout_p=dropout_p, impl=impl)
 
 
+
+def attention_probs(q_BHTC: torch.Tensor, k_BHSC: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The attention probabilities [B, H, T, S] that ``positional_attention`` weights the values
+    with, for analysis: the same call applied to identity values (probs @ I = probs), so masks,
+    positions and the core are exactly the forward pass's. Takes ``positional_attention``'s
+    keyword arguments except ``cache`` and ``dropout_p``."""
+    B, Hk, S, _ = k_BHSC.shape
+    eye_BHSS = torch.eye(S, dtype=q_BHTC.dtype, device=q_BHTC.device).expand(B, Hk, S, S)
+    return positional_attention(q_BHTC, k_BHSC, eye_BHSS, cache=None, dropout_p=0.0, **kwargs)
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -266,3 +276,24 @@ class DenseAttention(nn.Module):
             dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
         y_BTD = o_BHTC.transpose(1, 2).reshape(B, T, H * C) @ self.w_o
         return y_BTD, Aux()
+
+    @torch.no_grad()
+    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
+        """For analysis: ``probs_BHTS``, the attention probabilities of the forward pass (no
+        cache, no dropout)."""
+        c = self.config
+        check_inputs(q_BTD, kv_BSD, c.d_model)
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        B, T, _ = q_BTD.shape
+        H, C = c.n_heads, c.d_head
+        q = (q_BTD @ self.w_q).view(B, T, H, C).transpose(1, 2)
+        k = (src_BSD @ self.w_k).view(B, src_BSD.shape[1], H, C).transpose(1, 2)
+        xl = c.pos == "xl"
+        probs = attention_probs(
+            q, k, pos=c.pos, causal=causal, self_attention=kv_BSD is None, pos_q=pos_q,
+            pos_k=pos_k, valid_k=valid_k, scale=self.scale if xl else 1.0 / math.sqrt(C),
+            rope_n=self.rope_n, rope_base=c.rope_base,
+            w_pos_DHC=self.w_pos.view(c.d_model, H, C) if xl else None,
+            content_bias_HC=self.bias_u if xl else None, pos_bias_HC=self.bias_v if xl else None,
+            impl=c.attn_impl)
+        return {"probs_BHTS": probs}

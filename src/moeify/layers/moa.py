@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from moeify.layers.attention import (
+    attention_probs,
     check_attention_common,
     check_inputs,
     check_positive,
@@ -170,6 +171,30 @@ class MoAAttention(nn.Module):
         # Destination tokens are known valid only in self-attention (they are the new sources).
         valid_M = None if kv_BSD is not None or valid_k is None else valid_k.reshape(M)
         return y_BTD, self._aux(logits_ME, top, valid_M)
+
+    @torch.no_grad()
+    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
+        """For analysis: ``probs_BHTS`` with one map per selected-head slot (slot j of token t is
+        its j-th selected expert, ``heads_BTK``), and the router's kept gates scattered over the
+        experts, ``sel_dst_BTE``; forward-pass code paths, no cache, no dropout."""
+        c = self.config
+        check_inputs(q_BTD, kv_BSD, c.d_model)
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        B, T, D = q_BTD.shape
+        S, C, E, K = src_BSD.shape[1], c.d_head, c.n_experts, c.k
+        x_MD = q_BTD.reshape(B * T, D)
+        top = softmax_topk(x_MD @ self.w_router.t(), K, renormalize=c.renormalize)
+        q_BKTC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl).view(
+            B, T, K, C).transpose(1, 2)
+        xl = c.pos == "xl"
+        probs = attention_probs(
+            q_BKTC, (src_BSD @ self.w_k).view(B, 1, S, C), pos=c.pos, causal=causal,
+            self_attention=kv_BSD is None, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k,
+            scale=1.0 / math.sqrt(C), rope_n=self.rope_n, rope_base=c.rope_base,
+            w_pos_DHC=self.w_pos.view(D, 1, C) if xl else None, impl=c.attn_impl)
+        gates_ME = torch.zeros(B * T, E, device=x_MD.device).scatter_(1, top.idx, top.gates)
+        return {"probs_BHTS": probs, "heads_BTK": top.idx.view(B, T, K),
+                "sel_dst_BTE": gates_ME.view(B, T, E)}
 
     def _aux(self, logits_ME, top, valid_M) -> Aux:
         c = self.config

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from moeify.layers.attention import (
+    attention_probs,
     check_attention_common,
     check_inputs,
     check_positive,
@@ -279,3 +280,32 @@ class SwitchHeadAttention(nn.Module):
             aux.stats[f"sel_{p}_counts"] = counted[side].detach()
             accumulate_usage(self, f"usage_{p}", counted[side])
         return y_BTD, aux
+
+    @torch.no_grad()
+    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
+        """For analysis (the paper's Figure 2): ``probs_BHTS``, the attention probabilities of the
+        forward pass (no cache, no dropout), and per side with experts the kept gates scattered
+        over each head's experts (0 = not selected): ``sel_dst_BTHE`` (O/Q, from the queries)
+        and ``sel_src_BSHE`` (V/K, from the source tokens)."""
+        c = self.config
+        check_inputs(q_BTD, kv_BSD, c.d_model)
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        sels = self.select(q_BTD, kv_BSD)
+        q = self._project("q", q_BTD, sels.get("dst"))
+        k = self._project("k", src_BSD, sels.get("src"))
+        xl = c.pos == "xl"
+        out = {"probs_BHTS": attention_probs(
+            q, k, pos=c.pos, causal=causal, self_attention=kv_BSD is None, pos_q=pos_q,
+            pos_k=pos_k, valid_k=valid_k, scale=1.0 / math.sqrt(c.d_head), rope_n=self.rope_n,
+            rope_base=c.rope_base,
+            w_pos_DHC=self.w_pos.view(c.d_model, c.n_heads, c.d_head) if xl else None,
+            impl=c.attn_impl)}
+        for side, x_BND in (("dst", q_BTD), ("src", src_BSD)):
+            if side in sels:
+                sel = sels[side]
+                B, N = x_BND.shape[:2]
+                gates = torch.zeros(B * N, c.n_heads, c.n_experts, device=sel.gates.device)
+                gates.scatter_(-1, sel.idx, sel.gates)
+                out[f"sel_{side}_B{'T' if side == 'dst' else 'S'}HE"] = gates.view(
+                    B, N, c.n_heads, c.n_experts)
+        return out
