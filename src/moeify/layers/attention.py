@@ -162,11 +162,13 @@ def positional_attention(
     bias = None
     if pos == "xl":
         qp = q_BHTC if pos_bias_HC is None else q_BHTC + pos_bias_HC[:, None].to(q_BHTC.dtype)
+        # The position logits are linear in the query: scale the [B, H, T, C] query rather than
+        # the [B, H, T, S] logits.
+        qp = qp * scale
         if explicit:
-            pos_logits = xl_logits_at(qp, w_pos_DHC, pq_BT, pk_BS)
+            bias = xl_logits_at(qp, w_pos_DHC, pq_BT, pk_BS)
         else:
-            pos_logits = xl_logits_contiguous(qp, w_pos_DHC, S, causal=causal)
-        bias = pos_logits * scale
+            bias = xl_logits_contiguous(qp, w_pos_DHC, S, causal=causal)
         if content_bias_HC is not None:
             q_BHTC = q_BHTC + content_bias_HC[:, None].to(q_BHTC.dtype)
     return attend(q_BHTC, k_BHSC, v_BHSC, mask, scale=scale, bias_BHTS=bias,

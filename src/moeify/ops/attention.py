@@ -89,11 +89,12 @@ def _explicit(q, k, v, mask: AttentionMask, scale, bias, dropout_p):
     if bias is not None:
         logits = logits + bias
     T, S = logits.shape[-2:]
+    # In place: ``logits`` is a fresh product or sum whose backward does not need it.
     if mask.causal_square:
         tri = torch.ones(T, S, dtype=torch.bool, device=logits.device).tril()
-        logits = logits.masked_fill(~tri, float("-inf"))
+        logits.masked_fill_(~tri, float("-inf"))
     elif mask.allowed_BTS is not None:
-        logits = logits.masked_fill(~mask.allowed_BTS[:, None], float("-inf"))
+        logits.masked_fill_(~mask.allowed_BTS[:, None], float("-inf"))
     work = torch.promote_types(logits.dtype, torch.float32)
     probs = torch.softmax(logits.to(work), -1).to(v.dtype)
     if dropout_p > 0:
