@@ -1,0 +1,200 @@
+"""Mixture-of-Depths (Raposo et al. 2024): a scalar router decides which tokens of each sequence a
+whole block (attention + feedforward) processes; the others skip it unchanged.
+
+Training and teacher-forced evaluation (no cache), per sequence of T tokens (moe-family.md, MoD):
+
+    r_t    = wᵀ x_t + b                              scalar router, float32
+    sel    = top-C tokens by r, C = ceil(capacity · T) (at least 1), in ascending position
+    x'_sel = x_sel + r_sel · (f(x_sel) - x_sel)       f: the block, run ONLY on the selected tokens
+    x'_t   = x_t                                     for every skipped token (bit-exact)
+
+Within f the selected tokens keep their original positions (``positions_BT``), so RoPE and the
+causal mask see the true distances, and skipped tokens are neither queries nor keys/values.
+The router weight multiplies the block's residual update f(x) - x, not the residual stream, so
+the router receives a gradient. ``ceil`` (``moeify.ops.routing.expert_choice_count``)
+so that capacity · T need not be an integer and a short sequence still routes one token.
+
+Deviation: the router has a scalar bias b (initialised to 0, so the router starts as the paper's
+wᵀx). It does not change which tokens the top-k picks, but without it the causal rule
+sigmoid(r) > 0.5 could only split centred inputs at wᵀx = 0, i.e. route about half of them
+whatever the capacity; with it, method 1's BCE can move the threshold to the capacity quantile.
+
+Causal routing (the paper's sampling section). The sequence top-k looks at future tokens, so sampling cannot use it.
+Two learned causal rules are trained on top-k membership with binary cross-entropy, selectable:
+
+    "aux_bce":   the BCE is applied to the router logits themselves (method 1; it changes the
+                 router, costing a little LM loss); route iff sigmoid(r) > 0.5.
+    "predictor": a small MLP reads the stop-gradient block input and is trained with the BCE
+                 (method 2; no effect on the LM); route iff sigmoid(predictor(x)) > 0.5.
+
+With a cache (decoding), routing always uses the causal rule, never the top-k: the block runs on
+every new token but receives ``valid_BT = routed``, so the attention stores the skipped tokens'
+keys as invalid (they are never attended to later), and skipped tokens keep x exactly.
+
+Staged MoDE (MoD §4): wrap a block whose feedforward is an MoE (SigmaMoE or SwitchFeedForward):
+the MoD router decides whether a token enters the block at all (saving attention compute too),
+then the block's MoE routes the entered tokens among its experts. Integrated MoDE is
+``SwitchFFConfig(noop_experts=Z)`` (see switch_ff.py).
+
+XL memory is not supported: the memory would hold all tokens of the previous chunk while the
+block sees only the routed ones; use RoPE (or no positional memory) with MoD.
+
+Shape legend: B batch, T tokens, C routed tokens per sequence, D d_model, H predictor width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeify.layers.common import Aux, accumulate_usage, register_usage
+from moeify.layers.ff_common import depth_scale
+from moeify.ops.depth_routing import (
+    causal_route,
+    gather_tokens,
+    masked_agreement,
+    membership_bce,
+    scatter_tokens,
+)
+from moeify.ops.routing import expert_choice
+
+CAUSAL_ROUTERS = ("aux_bce", "predictor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoDConfig:
+    """Mixture-of-Depths around one block. Paper's best: capacity 0.125 on every other block.
+
+    causal_router:    "aux_bce" or "predictor" (see the module docstring).
+    aux_coef:         coefficient of that BCE loss (returned as "mod.router_bce" or
+                      "mod.predictor_bce"); 0 leaves the causal rule untrained.
+    predictor_hidden: hidden width H of the predictor MLP (D -> H -> 1, ReLU).
+    n_layers:         model depth L; the router is initialised N(0, s² / d), s = sqrt(2 / L),
+                      like the other routers of the library."""
+
+    d_model: int
+    capacity: float = 0.125
+    causal_router: str = "aux_bce"
+    aux_coef: float = 0.01
+    predictor_hidden: int = 64
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "predictor_hidden", "n_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoDConfig.{name} must be a positive integer, "
+                                 f"got {getattr(self, name)}")
+        if not 0.0 < self.capacity <= 1.0:
+            raise ValueError(f"MoDConfig.capacity is the fraction of tokens that enter the "
+                             f"block and must lie in (0, 1], got {self.capacity}")
+        if self.causal_router not in CAUSAL_ROUTERS:
+            raise ValueError(f"MoDConfig.causal_router must be one of {CAUSAL_ROUTERS}, "
+                             f"got {self.causal_router!r}")
+        if self.aux_coef < 0:
+            raise ValueError(f"MoDConfig.aux_coef must be >= 0, got {self.aux_coef}")
+
+    def build(self, block: nn.Module) -> "MixtureOfDepths":
+        return MixtureOfDepths(self, block)
+
+
+class MixtureOfDepths(nn.Module):
+    """Wraps ``block`` and has its signature. Returns the block's Aux (keys unchanged) plus
+    "mod.*": loss "mod.router_bce" / "mod.predictor_bce" (when aux_coef > 0, not while decoding,
+    where there is no top-k target); stats "mod.fraction_routed" (valid tokens that entered),
+    "mod.predictor_accuracy" (how often the causal rule agrees with top-k membership) and
+    "mod.causal_fraction_routed" (how many the causal rule would route). Running buffer
+    ``usage`` [2]: skipped and routed valid tokens, training only."""
+
+    def __init__(self, config: MoDConfig, block: nn.Module):
+        super().__init__()
+        self.config = config
+        self.block = block
+        self.router_D = nn.Parameter(torch.empty(config.d_model))
+        self.router_bias = nn.Parameter(torch.zeros(()))
+        self.predictor = None
+        if config.causal_router == "predictor":
+            self.predictor = nn.Sequential(
+                nn.Linear(config.d_model, config.predictor_hidden), nn.ReLU(),
+                nn.Linear(config.predictor_hidden, 1))
+        register_usage(self, "usage", (2,))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        c = self.config
+        nn.init.normal_(self.router_D, std=depth_scale(c.n_layers) / c.d_model ** 0.5)
+
+    def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_BTD.float(), self.router_D.float()[None],
+                        self.router_bias.float()[None]).squeeze(-1)  # float32
+
+    def causal_logits(self, x_BTD: torch.Tensor, logits_BT: torch.Tensor) -> torch.Tensor:
+        """Logits of the causal rule: the router itself, or the stop-gradient predictor."""
+        if self.predictor is None:
+            return logits_BT
+        return self.predictor(x_BTD.detach()).squeeze(-1).float()
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        mem_BMD: torch.Tensor | None = None,
+        *,
+        cache=None,
+        positions_BT: torch.Tensor | None = None,
+        valid_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Aux]:
+        if mem_BMD is not None:
+            raise ValueError("Mixture-of-Depths does not support XL memory (the memory would "
+                             "hold tokens the block never saw); use RoPE attention without "
+                             "memory for routed blocks")
+        logits_BT = self.router_logits(x_BTD)
+        causal_BT = self.causal_logits(x_BTD, logits_BT)
+        if cache is not None:
+            return self._decode(x_BTD, logits_BT, causal_BT, cache, positions_BT, valid_BT)
+
+        B, T, D = x_BTD.shape
+        c = self.config
+        idx_BC, selected_BT = expert_choice(logits_BT, c.capacity, valid_BS=valid_BT)
+        if positions_BT is None:
+            positions_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
+        pos_BC = positions_BT.gather(1, idx_BC)
+        valid_BC = None if valid_BT is None else valid_BT.gather(1, idx_BC)
+        x_BCD = gather_tokens(x_BTD, idx_BC)
+        y_BCD, block_aux = self.block(x_BCD, None, cache=None, positions_BT=pos_BC,
+                                      valid_BT=valid_BC)
+        r_BC1 = logits_BT.gather(1, idx_BC)[..., None].to(x_BTD.dtype)
+        out_BTD = scatter_tokens(x_BTD, idx_BC, x_BCD + r_BC1 * (y_BCD - x_BCD))
+
+        aux = Aux().update(block_aux)
+        if c.aux_coef != 0:
+            name = "router_bce" if self.predictor is None else "predictor_bce"
+            aux.losses["mod." + name] = c.aux_coef * membership_bce(causal_BT, selected_BT,
+                                                                    valid_BT)
+        self._stats(aux, selected_BT, valid_BT, causal_BT)
+        return out_BTD, aux
+
+    def _decode(self, x_BTD, logits_BT, causal_BT, cache, positions_BT, valid_BT):
+        routed_BT = causal_route(causal_BT, valid_BT)
+        y_BTD, block_aux = self.block(x_BTD, None, cache=cache, positions_BT=positions_BT,
+                                      valid_BT=routed_BT)
+        r_BT1 = logits_BT[..., None].to(x_BTD.dtype)
+        out_BTD = torch.where(routed_BT[..., None], x_BTD + r_BT1 * (y_BTD - x_BTD), x_BTD)
+        aux = Aux().update(block_aux)
+        self._stats(aux, routed_BT, valid_BT, None)
+        return out_BTD, aux
+
+    @torch.no_grad()
+    def _stats(self, aux: Aux, routed_BT, valid_BT, causal_BT) -> None:
+        valid = torch.ones_like(routed_BT) if valid_BT is None else valid_BT
+        n_valid = valid.sum()
+        n_routed = (routed_BT & valid).sum()
+        aux.stats["mod.fraction_routed"] = n_routed.float() / n_valid.clamp_min(1).float()
+        if causal_BT is not None:
+            rule_BT = causal_route(causal_BT, valid_BT)
+            aux.stats["mod.predictor_accuracy"] = masked_agreement(rule_BT, routed_BT, valid_BT)
+            aux.stats["mod.causal_fraction_routed"] = (
+                rule_BT.sum().float() / n_valid.clamp_min(1).float())
+        accumulate_usage(self, "usage", torch.stack([n_valid - n_routed, n_routed]))

@@ -1,0 +1,57 @@
+"""Token-level routing in depth (Mixture-of-Depths, Raposo et al. 2024): gather the routed tokens
+of each sequence, write their updated states back, and the binary losses that teach a causal rule
+which tokens the (non-causal) sequence top-k would have chosen.
+
+Shape legend: B batch, T tokens per sequence, C routed tokens per sequence, D d_model.
+
+The selection itself is ``moeify.ops.routing.expert_choice`` (ascending positions, ceil capacity).
+Everything here is gather / scatter with unique indices: deterministic, no atomics, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_tokens(x_BTD: torch.Tensor, idx_BC: torch.Tensor) -> torch.Tensor:
+    """The tokens ``idx_BC`` of every sequence, in the order given: [B, C, D]."""
+    return x_BTD.gather(1, idx_BC[..., None].expand(-1, -1, x_BTD.shape[-1]))
+
+
+def scatter_tokens(x_BTD: torch.Tensor, idx_BC: torch.Tensor, new_BCD: torch.Tensor) -> torch.Tensor:
+    """``x_BTD`` with the rows ``idx_BC`` replaced by ``new_BCD`` (out of place). The indices of a
+    row are unique (an expert-choice selection), so this is a plain scatter: every other token
+    keeps its input exactly, and the gradient of a replaced row goes to ``new_BCD`` only."""
+    return x_BTD.scatter(1, idx_BC[..., None].expand(-1, -1, x_BTD.shape[-1]), new_BCD)
+
+
+def membership_bce(
+    logits_BT: torch.Tensor, target_BT: torch.Tensor, valid_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Binary cross-entropy of ``logits_BT`` against top-k membership ``target_BT`` (bool), averaged
+    over the valid tokens in float32. Both causal-routing methods of Mixture-of-Depths train
+    with it: method 1 on the router logits themselves, method 2 on a stop-gradient predictor."""
+    bce_BT = F.binary_cross_entropy_with_logits(
+        logits_BT.float(), target_BT.float(), reduction="none")
+    if valid_BT is None:
+        return bce_BT.mean()
+    w_BT = valid_BT.float()
+    return (bce_BT * w_BT).sum() / w_BT.sum().clamp_min(1.0)
+
+
+def causal_route(logits_BT: torch.Tensor, valid_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal routing rule for sampling: a token enters the block iff sigmoid(logit) > 0.5,
+    i.e. logit > 0 (Mixture-of-Depths, sampling). Padding never enters. Returns bool [B, T]."""
+    routed_BT = logits_BT > 0
+    return routed_BT if valid_BT is None else routed_BT & valid_BT
+
+
+def masked_agreement(a_BT: torch.Tensor, b_BT: torch.Tensor,
+                     valid_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Fraction of valid tokens where the bool masks agree (e.g. causal rule vs. top-k), float32."""
+    same_BT = (a_BT == b_BT).float()
+    if valid_BT is None:
+        return same_BT.mean()
+    w_BT = valid_BT.float()
+    return (same_BT * w_BT).sum() / w_BT.sum().clamp_min(1.0)
