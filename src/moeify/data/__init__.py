@@ -9,6 +9,7 @@
 
 from moeify.data.cache import cache_dir
 from moeify.data.corpora import CORPORA, SPLITS, Corpus, list_corpora, load_corpus, register_corpus
+from moeify.data import listops  # noqa: F401,E402  registers the generated "listops" corpus
 from moeify.data.stream import StreamBatcher, token_dtype, tokenize_split
 from moeify.data.tokenizers import (
     TOKENIZER_KINDS,
