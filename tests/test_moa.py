@@ -208,3 +208,16 @@ def test_config_validation(kw, msg):
     base = dict(d_model=8, d_head=4, n_experts=5, k=2)
     with pytest.raises(ValueError, match=msg):
         MoAConfig(**{**base, **kw})
+
+
+def test_runs_under_autocast():
+    torch.manual_seed(4)
+    m = MoAConfig(d_model=32, d_head=8, n_experts=4, k=2, pos="rope").build()
+    with torch.no_grad():
+        m.w_router.normal_()
+    x = torch.randn(2, 16, 32)
+    ref = m(x)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)[0]
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 0.05

@@ -326,3 +326,18 @@ def test_config_normalises_experts_and_builds():
     assert cfg.experts == frozenset({"v", "o"}) and cfg.n_selections == 2
     assert isinstance(cfg.build(), SwitchHeadAttention)
     assert cfg.build().new_cache().length == 0
+
+
+def test_runs_under_autocast():
+    # Mixed precision (spec §3 trains under autocast): expert matmuls take the autocast dtype.
+    torch.manual_seed(8)
+    m = SwitchHeadConfig(d_model=32, n_heads=2, d_head=8, n_experts=4, k=2, pos="xl",
+                         experts=frozenset("qkvo")).build()
+    x = torch.randn(2, 16, 32)
+    ref = m(x)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)[0]
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 0.05
+    y.float().square().sum().backward()
+    assert m.w_v.grad is not None and m.w_o.grad is not None

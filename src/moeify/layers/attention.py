@@ -86,6 +86,16 @@ def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
     return w_XD
 
 
+def autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert matmul is a custom autograd Function, which autocast does not reach: under
+    autocast cast both operands to the autocast dtype, as autocast does for a Linear."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return x.to(dt), w.to(dt)
+    return x, w
+
+
 def check_inputs(q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None, d_model: int) -> None:
     if q_BTD.dim() != 3 or q_BTD.shape[-1] != d_model:
         raise ValueError(f"queries must be [B, T, d_model={d_model}], got {tuple(q_BTD.shape)}")

@@ -33,6 +33,7 @@ from torch import nn
 
 from moeify.layers.attention import (
     attention_probs,
+    autocast_operands,
     check_attention_common,
     check_inputs,
     check_positive,
@@ -151,7 +152,8 @@ class MoAAttention(nn.Module):
         logits_ME = x_MD @ self.w_router.t()
         top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
-        q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
+        xq_MD, w_q = autocast_operands(x_MD, self.w_q)
+        q_MKC = expert_matmul(xq_MD, top.idx, w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
         k_B1SC = (src_BSD @ self.w_k).view(B, 1, S, C)
         v_B1SC = (src_BSD @ self.w_v).view(B, 1, S, C)
@@ -163,9 +165,9 @@ class MoAAttention(nn.Module):
             w_pos_DHC=self.w_pos.view(D, 1, C) if xl else None,
             dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
         # One row per (token, slot): each slot's attention output through its own expert's W_o.
-        rows_NC = o_BKTC.transpose(1, 2).reshape(M * K, C)
-        y_ND = expert_matmul(rows_NC, top.idx.view(M * K, 1), self.w_o,
-                             top.gates.view(M * K, 1), impl=c.expert_impl, plan=plan)
+        rows_NC, w_o = autocast_operands(o_BKTC.transpose(1, 2).reshape(M * K, C), self.w_o)
+        y_ND = expert_matmul(rows_NC, top.idx.view(M * K, 1), w_o, top.gates.view(M * K, 1),
+                             impl=c.expert_impl, plan=plan)
         y_BTD = y_ND.view(B, T, K, D).sum(2)
 
         # Destination tokens are known valid only in self-attention (they are the new sources).

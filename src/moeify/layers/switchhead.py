@@ -34,6 +34,7 @@ from torch import nn
 
 from moeify.layers.attention import (
     attention_probs,
+    autocast_operands,
     check_attention_common,
     check_inputs,
     check_positive,
@@ -224,8 +225,9 @@ class SwitchHeadAttention(nn.Module):
         if name not in c.experts:
             return (x_BND @ w).view(B, N, H, C).transpose(1, 2)
         HK = H * c.k
-        y = expert_matmul(x_BND.reshape(B * N, D), sel.ids.view(B * N, HK), w,
-                          sel.gates.view(B * N, HK), groups=H, impl=c.expert_impl, plan=sel.plan)
+        x_MD, w = autocast_operands(x_BND.reshape(B * N, D), w)
+        y = expert_matmul(x_MD, sel.ids.view(B * N, HK), w, sel.gates.view(B * N, HK), groups=H,
+                          impl=c.expert_impl, plan=sel.plan)
         return y.view(B, N, H, C).transpose(1, 2)
 
     def _output(self, o_BHTC: torch.Tensor, sel: Selection | None) -> torch.Tensor:
@@ -236,8 +238,9 @@ class SwitchHeadAttention(nn.Module):
         if "o" not in c.experts:
             return o_BTHC.reshape(B, T, H * C) @ self.w_o
         M = B * T * H
-        y = expert_matmul(o_BTHC.reshape(M, C), sel.ids.view(M, c.k), self.w_o,
-                          sel.gates.view(M, c.k), impl=c.expert_impl, plan=sel.plan)
+        o_MC, w_o = autocast_operands(o_BTHC.reshape(M, C), self.w_o)
+        y = expert_matmul(o_MC, sel.ids.view(M, c.k), w_o, sel.gates.view(M, c.k),
+                          impl=c.expert_impl, plan=sel.plan)
         return y.view(B, T, H, c.d_model).sum(2)
 
     def _counts(self, sel: Selection, valid_M: torch.Tensor | None) -> torch.Tensor:
