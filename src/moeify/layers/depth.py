@@ -19,8 +19,9 @@ wᵀx). It does not change which tokens the top-k picks, but without it the caus
 sigmoid(r) > 0.5 could only split centred inputs at wᵀx = 0, i.e. route about half of them
 whatever the capacity; with it, method 1's BCE can move the threshold to the capacity quantile.
 
-Causal routing (the paper's sampling section). The sequence top-k looks at future tokens, so sampling cannot use it.
-Two learned causal rules are trained on top-k membership with binary cross-entropy, selectable:
+Causal routing (the paper's sampling section). The sequence top-k looks at future tokens, so
+sampling cannot use it. Two learned causal rules are trained on top-k membership with binary
+cross-entropy, selectable:
 
     "aux_bce":   the BCE is applied to the router logits themselves (method 1; it changes the
                  router, costing a little LM loss); route iff sigmoid(r) > 0.5.

@@ -50,8 +50,8 @@ def expert_counts(idx_MK: torch.Tensor, num_experts: int,
 
 
 @torch.no_grad()
-def routing_stats(counts_E: torch.Tensor, probs_ME: torch.Tensor,
-                  valid_M: torch.Tensor | None, n_real: int | None = None) -> dict[str, torch.Tensor]:
+def routing_stats(counts_E: torch.Tensor, probs_ME: torch.Tensor, valid_M: torch.Tensor | None,
+                  n_real: int | None = None) -> dict[str, torch.Tensor]:
     """The statistics every MoE feedforward reports (detached, cheap):
     tokens_per_expert [E], router_entropy (mean per-token entropy of ``probs_ME``), and
     dead_experts (how many of the first ``n_real`` experts got no token in this batch)."""

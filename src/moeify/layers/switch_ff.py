@@ -107,7 +107,8 @@ class SwitchFeedForward(nn.Module):
     def __init__(self, config: SwitchFFConfig):
         super().__init__()
         self.config = config
-        E, R, D, Fh = config.n_experts, config.n_experts + config.noop_experts, config.d_model, config.d_ff
+        E, D, Fh = config.n_experts, config.d_model, config.d_ff
+        R = E + config.noop_experts
         self.w_router_RD = nn.Parameter(torch.empty(R, D))
         self.w_in_EDF = nn.Parameter(torch.empty(E, D, Fh))
         self.w_out_EFD = nn.Parameter(torch.empty(E, Fh, D))

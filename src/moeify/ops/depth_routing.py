@@ -19,7 +19,8 @@ def gather_tokens(x_BTD: torch.Tensor, idx_BC: torch.Tensor) -> torch.Tensor:
     return x_BTD.gather(1, idx_BC[..., None].expand(-1, -1, x_BTD.shape[-1]))
 
 
-def scatter_tokens(x_BTD: torch.Tensor, idx_BC: torch.Tensor, new_BCD: torch.Tensor) -> torch.Tensor:
+def scatter_tokens(x_BTD: torch.Tensor, idx_BC: torch.Tensor,
+                   new_BCD: torch.Tensor) -> torch.Tensor:
     """``x_BTD`` with the rows ``idx_BC`` replaced by ``new_BCD`` (out of place). The indices of a
     row are unique (an expert-choice selection), so this is a plain scatter: every other token
     keeps its input exactly, and the gradient of a replaced row goes to ``new_BCD`` only."""
