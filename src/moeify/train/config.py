@@ -1,0 +1,390 @@
+"""TrainConfig: everything a training run needs besides the model, as a frozen JSON-able value,
+and ``--set key=value`` overrides parsed with type checking.
+
+Override keys:
+    lr=1e-3, steps=200, betas=0.9,0.98, ...      a TrainConfig field
+    model.d_model=32, model.n_layers=2, ...        a ModelConfig field; d_model and n_layers are
+                                                   propagated into every layer config that has
+                                                   them (they must agree, ModelConfig checks it)
+    model.attention.n_heads=2                      a field of every attention config in the
+    model.feedforward.d_ff=64, model.depth.X=...   pattern (likewise feedforward and depth)
+
+Model overrides are kept in ``TrainConfig.model_overrides`` (as "key=value" strings), so the
+preset name plus that tuple reproduces the model exactly; the resolved ModelConfig is also written
+into the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from moeify.models.config import ModelConfig
+
+AMP_MODES = ("auto", "fp32", "bf16", "fp16")
+TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A training run (switchhead.md §3), with defaults adapted to the tiny CPU presets.
+
+    The paper's recipe is Adam(W) lr 2.5e-4, betas (0.9, 0.999), no weight decay, cosine decay
+    (T_max = 100k) after an optional linear warm-up, 100k steps of batch 64, gradient clipping
+    0.1 (small) / 0.25 (big, enwik8), fp16 autocast with a grad scaler: ``paper_recipe(preset)``
+    returns it. The defaults below keep the optimiser, schedule shape and clipping style but are
+    sized so that ``moeify train`` finishes in about five minutes on two CPU cores: 300 steps of
+    16 x 128 bytes with a larger learning rate (1.5e-3, 20 warm-up steps) and clipping 0.25,
+    since a 1M-parameter model over 300 steps learns far too little at the paper's 2.5e-4.
+
+    preset / model_overrides: the model (``moeify presets``); overrides are "key=value" strings.
+    data:             corpus name or local path (moeify.data.corpora).
+    tokenizer:        "auto" = bytes for byte-level corpora (enwik8 convention: the byte values
+                      occurring in the train split), SentencePiece BPE otherwise (paper §3).
+    vocab_size:       SentencePiece vocabulary (8000 in the paper); the model's vocab_size is
+                      always set to the tokenizer's.
+    steps:            optimizer updates.
+    batch_size:       sequences per update, over all processes and accumulation steps.
+    grad_accum:       micro-batches per update (each process runs batch_size / (W * grad_accum)).
+    lr, betas, weight_decay: AdamW; weight decay applies to matrices only (dim >= 2).
+    warmup_steps:     linear warm-up; cosine_steps: the cosine's T_max after the warm-up
+                      (None: the remaining steps); min_lr_ratio: the cosine's floor / lr.
+    grad_clip:        global gradient-norm clipping threshold kappa (0 = off).
+    amp:              "auto" (bf16 on CUDA when supported, else fp16 with a grad scaler; fp32 on
+                      CPU), or force "fp32" / "bf16" / "fp16".
+    device:           "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ...
+    seed:             model initialisation and training randomness.
+    log_every:        steps between metric records; eval_every: steps between validations
+                      (0 = only at the end); eval_tokens: validation tokens scored (0 = the whole
+                      split); eval_batch_size: streams scored side by side.
+    checkpoint_every: steps between checkpoints (0 = only at the end); keep_checkpoints: how many
+                      complete checkpoints stay on disk.
+    tensorboard:      also write TensorBoard scalars (needs moeify[tensorboard]).
+    """
+
+    preset: str = "tiny-switchhead"
+    model_overrides: tuple[str, ...] = ()
+    data: str = "wiki-excerpt"
+    tokenizer: str = "auto"
+    vocab_size: int = 8000
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1.5e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    cosine_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 0.25
+    amp: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_tokens: int = 65536
+    eval_batch_size: int = 16
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "grad_accum", "vocab_size", "log_every",
+                    "eval_batch_size", "keep_checkpoints")
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.cosine_steps is not None and (not isinstance(self.cosine_steps, int)
+                                              or self.cosine_steps < 1):
+            raise ValueError(f"cosine_steps must be a positive integer or none, got "
+                             f"{self.cosine_steps!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), e.g. betas=0.9,0.999; got "
+                             f"{self.betas!r}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        object.__setattr__(self, "model_overrides", tuple(self.model_overrides))
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip=0 turns "
+                             "clipping off)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.tokenizer not in TOKENIZER_CHOICES:
+            raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got "
+                             f"{self.tokenizer!r}")
+        for o in self.model_overrides:
+            if not isinstance(o, str) or "=" not in o:
+                raise ValueError(f"model_overrides holds 'key=value' strings, got {o!r}")
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        d["model_overrides"] = list(self.model_overrides)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a TrainConfig dict is expected, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}; known: {sorted(known)}")
+        kw = dict(data)
+        for name in ("betas", "model_overrides"):
+            if name in kw and isinstance(kw[name], list):
+                kw[name] = tuple(kw[name])
+        return cls(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    # ------------------------------------------------------------------ overrides
+
+    def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> "TrainConfig":
+        """A copy with ``key=value`` overrides applied (model.* keys are validated against the
+        preset's ModelConfig and appended to model_overrides)."""
+        changes: dict[str, Any] = {}
+        model_ovr = list(self.model_overrides)
+        hints = typing.get_type_hints(TrainConfig)
+        for item in overrides:
+            key, value = split_override(item)
+            if key.startswith("model."):
+                model_ovr.append(f"{key}={value}")
+                continue
+            if key not in hints:
+                raise ValueError(f"--set {item}: unknown setting {key!r}; train settings are "
+                                 f"{', '.join(f.name for f in dataclasses.fields(TrainConfig))}"
+                                 ", model settings start with model. (e.g. model.d_model=64)")
+            if key == "model_overrides":
+                raise ValueError("set model fields with model.<field>=value, not model_overrides")
+            changes[key] = parse_value(value, hints[key], what=f"--set {item}")
+        out = dataclasses.replace(self, **changes, model_overrides=tuple(model_ovr))
+        if len(model_ovr) > len(self.model_overrides):
+            apply_model_overrides(base_model_config(out.preset), model_ovr)  # fail early
+        return out
+
+
+def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
+    """The published training recipe for a paper preset (switchhead.md §3)."""
+    parts = preset.split("-")
+    big = len(parts) > 1 and parts[1] in ("262m", "259m", "244m", "243m")
+    enwik8 = preset.startswith("enwik8")
+    switchall = "switchall" in preset
+    recipe = dict(
+        preset=preset, steps=100_000, cosine_steps=100_000, lr=2.5e-4, betas=(0.9, 0.999),
+        weight_decay=0.0, batch_size=32 if enwik8 else 64,
+        warmup_steps=4000 if big else 0,
+        grad_clip=0.25 if (big or enwik8 or switchall) else 0.1, amp="fp16",
+        data="enwik8" if enwik8 else ("wikitext-103" if preset.startswith("wt103") else "c4"),
+        eval_every=5000, checkpoint_every=5000, log_every=100, eval_tokens=0)
+    recipe.update(changes)
+    return TrainConfig(**recipe)
+
+
+# ---------------------------------------------------------------------- value parsing
+
+def split_override(item: str) -> tuple[str, str]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ValueError(f"--set expects key=value (e.g. --set lr=1e-3), got {item!r}")
+    key, value = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ValueError(f"--set {item!r}: the key before '=' is empty")
+    return key, value.strip()
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_value(text: str, hint: Any, *, what: str) -> Any:
+    """``text`` converted to the type ``hint`` (int, float, bool, str, Optional, tuple, set,
+    Literal), or a ValueError that names the expected type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if type(None) in args and text.lower() in ("none", "null"):
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return parse_value(text, a, what=what)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{what}: cannot parse {text!r}")
+    if origin is typing.Literal:
+        for a in args:
+            if str(a) == text:
+                return a
+        raise ValueError(f"{what}: expected one of {', '.join(map(str, args))}, got {text!r}")
+    if origin in (tuple, set, frozenset, list):
+        parts = [p.strip() for p in text.split(",") if p.strip()] if text else []
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(parts) != len(args):
+                raise ValueError(f"{what}: expected {len(args)} comma-separated values, got "
+                                 f"{text!r}")
+            return tuple(parse_value(p, a, what=what) for p, a in zip(parts, args))
+        elem = args[0] if args else str
+        vals = [parse_value(p, elem, what=what) for p in parts]
+        return origin(vals) if origin is not tuple else tuple(vals)
+    if hint is bool:
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"{what}: expected true or false, got {text!r}")
+    if hint is int:
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+            raise ValueError(f"{what}: expected an integer, got {text!r}") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{what}: expected a number, got {text!r}") from None
+    if hint is str or hint is Any or hint is None:
+        return text
+    raise ValueError(f"{what}: settings of type {hint} cannot be set from the command line")
+
+
+# ---------------------------------------------------------------------- model overrides
+
+_PATTERNS = ("attention", "feedforward", "depth")
+_PROPAGATED = ("d_model", "n_layers")
+
+
+def base_model_config(preset: str) -> ModelConfig:
+    from moeify.models.presets import get_preset
+
+    return get_preset(preset)
+
+
+def _field_hint(cls: type, name: str) -> Any:
+    try:
+        hints = typing.get_type_hints(cls, vars(importlib.import_module(cls.__module__)))
+    except Exception:
+        hints = {}
+    return hints.get(name)
+
+
+def _hint_from_value(value: Any) -> Any:
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int):
+        return int
+    if isinstance(value, float):
+        return float
+    if isinstance(value, frozenset):
+        return frozenset[str]
+    if isinstance(value, tuple):
+        return tuple[str, ...]
+    return str
+
+
+def _replace_layer(cfg: Any, name: str, text: str, what: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if name not in names:
+        raise ValueError(f"{what}: {type(cfg).__name__} has no field {name!r}; its fields are "
+                         f"{', '.join(names)}")
+    hint = _field_hint(type(cfg), name) or _hint_from_value(getattr(cfg, name))
+    return dataclasses.replace(cfg, **{name: parse_value(text, hint, what=what)})
+
+
+def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str, ...],
+                          ) -> ModelConfig:
+    """``config`` with "model.<...>=value" overrides applied in order."""
+    for item in overrides:
+        key, text = split_override(item)
+        what = f"--set {item}"
+        parts = key.split(".")
+        if parts[0] != "model" or len(parts) not in (2, 3):
+            raise ValueError(f"{what}: model settings are model.<field> or "
+                             f"model.<attention|feedforward|depth>.<field>")
+        if len(parts) == 3:
+            pattern, name = parts[1], parts[2]
+            if pattern not in _PATTERNS:
+                raise ValueError(f"{what}: {pattern!r} is not one of {', '.join(_PATTERNS)}")
+            entries = getattr(config, pattern)
+            if all(e is None for e in entries):
+                raise ValueError(f"{what}: this model has no {pattern} config to change")
+            new = tuple(None if e is None else _replace_layer(e, name, text, what)
+                        for e in entries)
+            config = dataclasses.replace(config, **{pattern: new})
+            continue
+        name = parts[1]
+        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+        if name not in fields:
+            raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
+                             f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"
+                             ".<field>")
+        hint = _field_hint(ModelConfig, name) or _hint_from_value(getattr(config, name))
+        value = parse_value(text, hint, what=what)
+        changes: dict[str, Any] = {name: value}
+        if name in _PROPAGATED:
+            for pattern in _PATTERNS:
+                changes[pattern] = tuple(
+                    e if e is None or name not in {f.name for f in dataclasses.fields(e)}
+                    else dataclasses.replace(e, **{name: value})
+                    for e in getattr(config, pattern))
+        try:
+            config = dataclasses.replace(config, **changes)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    return config
+
+
+def resolve_model_config(cfg: TrainConfig, vocab_size: int | None = None) -> ModelConfig:
+    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary."""
+    model = apply_model_overrides(base_model_config(cfg.preset), cfg.model_overrides)
+    if vocab_size is not None and vocab_size != model.vocab_size:
+        model = dataclasses.replace(model, vocab_size=vocab_size)
+    return model
+
+
+# Settings that may change when a run is resumed: they do not change what is learnt up to the
+# checkpoint (steps extends or shortens the run; the schedule follows the new length).
+RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_batch_size",
+                     "checkpoint_every", "keep_checkpoints", "tensorboard", "device")
+
+
+def check_resume_compatible(saved: TrainConfig, requested: TrainConfig) -> None:
+    """Raise if ``requested`` changes something a resumed run cannot change."""
+    if saved.preset != requested.preset or saved.model_overrides != requested.model_overrides:
+        raise ValueError(f"the checkpoint is from another preset: the run was trained as "
+                         f"{saved.preset!r} {list(saved.model_overrides) or ''} but "
+                         f"{requested.preset!r} {list(requested.model_overrides) or ''} was "
+                         "requested; resume without --preset/model overrides, or start a new run "
+                         "with --out")
+    bad = [f.name for f in dataclasses.fields(TrainConfig)
+           if f.name not in RESUMABLE_CHANGES + ("preset", "model_overrides")
+           and getattr(saved, f.name) != getattr(requested, f.name)]
+    if bad:
+        raise ValueError(f"cannot change {', '.join(bad)} when resuming (the run was trained with "
+                         + ", ".join(f"{b}={getattr(saved, b)!r}" for b in bad)
+                         + "); only " + ", ".join(RESUMABLE_CHANGES) + " may change. Start a "
+                         "new run with --out to train with different settings")

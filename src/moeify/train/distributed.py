@@ -1,0 +1,99 @@
+"""Data-parallel process group handling (torchrun; gloo on CPU, NCCL on CUDA).
+
+The only place besides the trainer that touches torch.distributed: model code is written for one
+device and data parallelism is applied from outside (ARCHITECTURE). A process group that the
+caller already initialised (tests do, with torch.multiprocessing) is used as it is; otherwise
+one is created when torchrun's WORLD_SIZE > 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ collectives
+    # With one process every helper is the identity, so the trainer has a single code path.
+
+    def all_reduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t.div_(self.world_size)
+        return t
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def setup_distributed(device_type: str) -> DistEnv:
+    """The process group of this run: an existing one, one from torchrun's environment, or none."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)), owns_group=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistEnv()
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+    return DistEnv(dist.get_rank(), dist.get_world_size(),
+                   int(os.environ.get("LOCAL_RANK", "0")), owns_group=True)
+
+
+def pick_device(spec: str, env: DistEnv) -> torch.device:
+    """``auto``: CUDA (this process's local rank) when available, else CPU."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"device {spec!r} is not a torch device: use auto, cpu, cuda or "
+                         "cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device=cuda was requested but CUDA is not available: use "
+                             "device=cpu (or auto)")
+        if device.index is None:
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return device

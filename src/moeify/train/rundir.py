@@ -1,0 +1,112 @@
+"""Run directories: what a run writes besides checkpoints, and loading a trained model back.
+
+    runs/NAME/
+        config.json         the resolved TrainConfig
+        model.json          the resolved ModelConfig (vocabulary = the tokenizer's)
+        tokenizer.json      the tokenizer (plus its model files), see moeify.data.tokenizers
+        metrics.jsonl       moeify.train.metrics
+        checkpoints/        moeify.train.checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeify.errors import MoeifyError
+from moeify.models.config import ModelConfig
+from moeify.train.checkpoint import (Checkpoint, checkpoint_dirs, load_checkpoint,
+                                     load_model_state, resolve_checkpoint, run_dir_of,
+                                     write_json_atomic)
+from moeify.train.config import TrainConfig
+
+CONFIG_FILE = "config.json"
+MODEL_CONFIG_FILE = "model.json"
+
+
+def model_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The ModelConfig as it reads back from JSON (tuples as lists), for comparisons."""
+    return json.loads(model_cfg.to_json())
+
+
+def write_run_files(run_dir: Path, cfg: TrainConfig, model_cfg: ModelConfig, tokenizer) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / CONFIG_FILE, cfg.to_dict())
+    write_json_atomic(run_dir / MODEL_CONFIG_FILE, model_config_dict(model_cfg))
+    tokenizer.save(run_dir)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise MoeifyError(f"{path} is missing: {path.parent} is not a moeify run directory "
+                          f"(no {what})")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MoeifyError(f"{path} is corrupt ({e}); it holds the run's {what}") from None
+
+
+def read_train_config(run_dir: Path) -> TrainConfig:
+    data = _read_json(Path(run_dir) / CONFIG_FILE, "training configuration")
+    try:
+        return TrainConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise MoeifyError(f"{Path(run_dir) / CONFIG_FILE} is not a valid training configuration "
+                          f"({e})") from None
+
+
+def read_model_config(run_dir: Path) -> ModelConfig:
+    data = _read_json(Path(run_dir) / MODEL_CONFIG_FILE, "model configuration")
+    try:
+        return ModelConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise MoeifyError(f"{Path(run_dir) / MODEL_CONFIG_FILE} is not a valid model "
+                          f"configuration ({e})") from None
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file() or bool(checkpoint_dirs(path))
+
+
+def default_run_dir(root: Path, preset: str, data: str) -> Path:
+    """``root/<preset>-<corpus>``, with -2, -3, ... appended when that run already exists."""
+    corpus = Path(data).name if ("/" in data or "\\" in data) else data
+    base = root / f"{preset}-{corpus}"
+    candidate, n = base, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+@dataclass
+class TrainedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    model_config: ModelConfig
+    train_config: TrainConfig | None
+    checkpoint: Checkpoint
+    run_dir: Path
+
+
+def load_trained(path: str | Path, device: str | torch.device = "cpu") -> TrainedModel:
+    """The model of a run (its latest checkpoint) or of one checkpoint, in eval mode."""
+    from moeify.data.tokenizers import load_tokenizer
+
+    ckpt_dir = resolve_checkpoint(path)
+    run_dir = run_dir_of(ckpt_dir)
+    model_cfg = read_model_config(run_dir)
+    tokenizer = load_tokenizer(run_dir)
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        raise MoeifyError(f"{run_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the "
+                          f"model {model_cfg.vocab_size}; the run directory is inconsistent")
+    ckpt = load_checkpoint(ckpt_dir, model_config=model_config_dict(model_cfg))
+    model = model_cfg.build()
+    load_model_state(model, ckpt)
+    model.to(device).eval()
+    train_cfg = read_train_config(run_dir) if (run_dir / CONFIG_FILE).is_file() else None
+    return TrainedModel(model, tokenizer, model_cfg, train_cfg, ckpt, run_dir)

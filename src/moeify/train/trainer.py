@@ -1,0 +1,415 @@
+"""The training loop (switchhead.md §3): AdamW, warm-up + cosine, clipping, accumulation,
+autocast, XL memory across steps, validation, atomic checkpoints, exact resume, data parallel.
+
+Shape legend: B rows of this process per update, b rows per micro-batch (B / grad_accum),
+T tokens per row (the model's context length), D d_model, L layers, W processes.
+
+One update: the process's [B, T+1] window is cut into grad_accum micro-batches of b rows; each
+runs forward with its rows of the XL memory (the previous window's block inputs, detached) and
+backward with loss / grad_accum (the model's aux losses, already weighted, are added); then the
+gradients are averaged over processes (DDP), clipped to norm kappa, and AdamW steps. Every
+micro-batch has the same number of tokens, so this equals one big batch: W processes with B rows
+each compute the update of one process with W*B rows (tests/test_train_ddp.py).
+
+Exactness of resume: the checkpoint holds everything the next update reads (weights, AdamW
+moments, schedule position, grad-scaler state, data position, every process's RNG state and the
+XL memory of every row), so a resumed run repeats the uninterrupted run's losses bit for bit on
+the same hardware and process count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from moeify.errors import MoeifyError
+from moeify.train import checkpoint as ckpt_io
+from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
+from moeify.train.distributed import DistEnv, pick_device, setup_distributed
+from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
+from moeify.train.progress import Progress
+from moeify.train.rundir import (model_config_dict, read_model_config, read_train_config,
+                                 write_run_files)
+from moeify.train.schedule import make_scheduler
+from moeify.train.validate import autocast_context, evaluate_stream
+
+
+class NonFiniteLoss(MoeifyError):
+    """The loss became NaN or infinite; the run stopped before updating the weights."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)   # step -> LM loss (all processes)
+    valid: dict[str, float] | None = None                      # the last validation
+    checkpoint: Path | None = None
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+def resolve_amp(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
+    """(autocast dtype or None, use a grad scaler). ``auto``: bf16 on CUDA when supported, else
+    fp16 with a scaler as in the paper; fp32 on CPU (CPU autocast is slower than fp32 here)."""
+    if mode == "fp32" or (mode == "auto" and device.type != "cuda"):
+        return None, False
+    if mode == "auto":
+        return (torch.bfloat16, False) if torch.cuda.is_bf16_supported() else (torch.float16, True)
+    if mode == "bf16":
+        return torch.bfloat16, False
+    if device.type != "cuda":
+        raise ValueError("amp=fp16 needs a CUDA device (it uses a grad scaler); on CPU use "
+                         "amp=bf16 or amp=fp32")
+    return torch.float16, True
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                      int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+
+
+class Trainer:
+    """Set up a run (fresh or resumed) in ``run_dir``; ``fit()`` trains it."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = False,
+                 quiet: bool = False, stream: TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.stream = stream if stream is not None else sys.stderr
+        device_type = "cuda" if cfg.device.startswith("cuda") or (
+            cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        self.env: DistEnv = setup_distributed(device_type)
+        self.device = pick_device(cfg.device, self.env)
+        self.quiet = quiet or not self.env.is_main
+        self.amp_dtype, use_scaler = resolve_amp(cfg.amp, self.device)
+        W = self.env.world_size
+        if cfg.batch_size % (W * cfg.grad_accum):
+            raise ValueError(f"batch_size={cfg.batch_size} must be divisible by processes x "
+                             f"grad_accum = {W} x {cfg.grad_accum}; change batch_size or "
+                             "grad_accum")
+        self.rows = cfg.batch_size // W
+        self.micro = self.rows // cfg.grad_accum
+
+        ckpt_dir = self._check_run_dir(resume)
+        self.corpus, self.tokenizer = self._data(resume=ckpt_dir is not None)
+        self.model_cfg = resolve_model_config(cfg, self.tokenizer.vocab_size)
+        if ckpt_dir is not None:
+            saved_model = read_model_config(self.run_dir)
+            if model_config_dict(saved_model) != model_config_dict(self.model_cfg):
+                raise MoeifyError(f"the checkpoint is from another model configuration than "
+                                  f"{cfg.preset!r} with the requested overrides; resume with the "
+                                  "run's own settings or start a new run with --out")
+        self.T = self.model_cfg.context_length
+
+        torch.manual_seed(cfg.seed)  # identical initial weights in every process
+        self.model = self.model_cfg.build().to(self.device)
+        torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
+        self.train_model: torch.nn.Module = self.model
+        if self.env.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Buffers are routing-usage counters local to each process: never broadcast them.
+            self.train_model = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
+
+        from moeify.data.stream import StreamBatcher, tokenize_split
+
+        self.train_tokens = self._rank0_first(lambda: tokenize_split(self.corpus, self.tokenizer,
+                                                                     "train"))
+        self.valid_tokens = self._rank0_first(lambda: tokenize_split(self.corpus, self.tokenizer,
+                                                                     "valid"))
+        self.batcher = StreamBatcher(self.train_tokens, self.rows, self.T,
+                                     rank=self.env.rank, world_size=W)
+        self.memory: list[torch.Tensor] | None = None
+        self.step = 0
+        self.tokens_seen = 0
+        self.last_checkpoint: Path | None = None
+        if ckpt_dir is not None:
+            self._restore(ckpt_dir)
+        elif self.env.is_main:
+            write_run_files(self.run_dir, cfg, self.model_cfg, self.tokenizer)
+            truncate_metrics(self.run_dir, 0)  # records of an earlier attempt without checkpoints
+        self.env.barrier()
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _rank0_first(self, fn):
+        """Run ``fn`` on process 0 first (it fills the caches), then on the others."""
+        if self.env.is_main:
+            out = fn()
+            self.env.barrier()
+            return out
+        self.env.barrier()
+        return fn()
+
+    def _check_run_dir(self, resume: bool | str | Path) -> Path | None:
+        if resume is False or resume is None:
+            if ckpt_io.checkpoint_dirs(self.run_dir):
+                raise MoeifyError(f"{self.run_dir} already holds a run with checkpoints; pass "
+                                  "--resume to continue it, or --out to start a new run")
+            return None
+        target = self.run_dir if resume is True else Path(resume)
+        ckpt = ckpt_io.resolve_checkpoint(target)
+        if ckpt_io.run_dir_of(ckpt).resolve() != self.run_dir.resolve():
+            raise MoeifyError(f"checkpoint {ckpt} belongs to run {ckpt_io.run_dir_of(ckpt)}, not "
+                              f"{self.run_dir}; resume it with --out {ckpt_io.run_dir_of(ckpt)}")
+        check_resume_compatible(read_train_config(self.run_dir), self.cfg)
+        return ckpt
+
+    def _data(self, *, resume: bool):
+        from moeify.data.corpora import load_corpus
+        from moeify.data.tokenizers import build_tokenizer, load_tokenizer
+
+        corpus = self._rank0_first(lambda: load_corpus(self.cfg.data))
+        if resume:
+            return corpus, load_tokenizer(self.run_dir)
+        kind = self.cfg.tokenizer
+        if kind == "auto":
+            kind = "byte" if corpus.byte_level else "sentencepiece"
+        tok = self._rank0_first(lambda: build_tokenizer(kind, corpus,
+                                                        vocab_size=self.cfg.vocab_size))
+        return corpus, tok
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _restore(self, ckpt_dir: Path) -> None:
+        ckpt = ckpt_io.load_checkpoint(ckpt_dir, model_config=model_config_dict(self.model_cfg),
+                                       map_location="cpu")
+        ckpt_io.load_model_state(self.model, ckpt)
+        st = ckpt.train_state
+        try:
+            self.optimizer.load_state_dict(st["optimizer"])
+            self.scheduler.load_state_dict(st["scheduler"])
+            if self.scaler.is_enabled() and st.get("scaler"):
+                self.scaler.load_state_dict(st["scaler"])
+            self.batcher.load_state_dict(st["data"])
+            rngs = st["rng"]
+            _set_rng_state(rngs[self.env.rank % len(rngs)], self.device)
+            mem = st.get("memory")
+            if mem is not None:
+                lo = self.env.rank * self.rows
+                self.memory = [m[lo:lo + self.rows].to(self.device) for m in mem]
+            self.step = int(st["step"])
+            self.tokens_seen = int(st.get("tokens_seen", 0))
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise MoeifyError(f"checkpoint {ckpt.path} has an unusable training state ({e}); "
+                              "use an earlier checkpoint") from None
+        self.last_checkpoint = ckpt.path
+        if self.env.is_main:
+            truncate_metrics(self.run_dir, self.step)
+
+    def save_checkpoint(self) -> Path | None:
+        """Collective: every process contributes its RNG state and XL memory rows."""
+        rngs = self.env.all_gather_object(_rng_state(self.device))
+        mem_local = None if self.memory is None else [m.detach().cpu() for m in self.memory]
+        mems = self.env.all_gather_object(mem_local)
+        error = None
+        path = None
+        if self.env.is_main:
+            memory = None if any(m is None for m in mems) else [
+                torch.cat([m[i] for m in mems], 0) for i in range(len(mems[0]))]
+            state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(),
+                     "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                     "data": self.batcher.state_dict(), "rng": rngs, "memory": memory,
+                     "tokens_seen": self.tokens_seen, "world_size": self.env.world_size}
+            meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg)}
+            try:
+                path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
+                                               state, meta=meta, keep=self.cfg.keep_checkpoints)
+            except OSError as e:
+                error = f"writing checkpoint step {self.step} in {self.run_dir} failed: {e}"
+        error = self.env.broadcast_object(error)
+        if error is not None:
+            raise MoeifyError(error + "; the previous checkpoint is intact")
+        self.last_checkpoint = path
+        return path
+
+    # ------------------------------------------------------------------ training
+
+    def _micro_batches(self, window_BT: torch.Tensor):
+        for a in range(self.cfg.grad_accum):
+            rows = slice(a * self.micro, (a + 1) * self.micro)
+            mem = None if self.memory is None else [m[rows] for m in self.memory]
+            yield a, window_BT[rows], mem
+
+    def train_step(self) -> dict[str, Any]:
+        """One update; returns the global LM loss and the last micro-batch's aux/stats."""
+        cfg = self.cfg
+        if self.batcher.starts_new_pass:
+            self.memory = None  # the streams restart: the old memory is not their past
+        window_BT = self.batcher.next().to(self.device, non_blocking=True)
+        self.train_model.train()
+        sums_2 = torch.zeros(2, device=self.device, dtype=torch.float32)
+        new_memory: list[list[torch.Tensor]] = []
+        out = None
+        for a, w_bT, mem in self._micro_batches(window_BT):
+            sync = (self.env.enabled and a < cfg.grad_accum - 1)
+            ctx = self.train_model.no_sync() if sync else contextlib.nullcontext()
+            with ctx:
+                with autocast_context(self.device, self.amp_dtype):
+                    out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem)
+                total = (out.loss + out.aux_loss) / cfg.grad_accum
+                self.scaler.scale(total).backward()
+            sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
+            if out.memory is not None:
+                new_memory.append(out.memory)
+        if new_memory:
+            self.memory = [torch.cat(parts, 0) for parts in zip(*new_memory)]
+        losses_2 = self.env.all_reduce_mean_(sums_2 / cfg.grad_accum)
+        loss, aux = (float(v) for v in losses_2.tolist())
+        if not (math.isfinite(loss) and math.isfinite(aux)):
+            self.optimizer.zero_grad(set_to_none=True)
+            last = (f"the last good checkpoint {self.last_checkpoint} is untouched"
+                    if self.last_checkpoint else "no checkpoint had been written yet")
+            raise NonFiniteLoss(
+                f"the training loss became {'nan' if loss != loss else loss} (aux {aux}) at step "
+                f"{self.step + 1}; the run stopped before updating the weights and {last}. Lower "
+                f"the learning rate (lr={cfg.lr}) or grad_clip, or train in fp32 (amp=fp32)")
+        self.scaler.unscale_(self.optimizer)
+        params = self.model.parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.tokens_seen += cfg.batch_size * self.T
+        return {"loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
+                "losses": out.losses, "stats": out.stats}
+
+    def validate(self) -> dict[str, float]:
+        return evaluate_stream(self.model, self.valid_tokens, self.tokenizer, seq_len=self.T,
+                               batch_size=self.cfg.eval_batch_size,
+                               max_tokens=self.cfg.eval_tokens, device=self.device,
+                               amp_dtype=self.amp_dtype)
+
+    def _score_name(self, loss: float) -> tuple[str, float]:
+        if self.tokenizer.byte_level:
+            return "bpc", loss / math.log(2)
+        return "ppl", math.exp(min(loss, 50.0))
+
+    def fit(self, stop_after: int | None = None) -> TrainResult:
+        """Train until ``cfg.steps`` (or, to simulate an interruption, ``stop_after``)."""
+        cfg = self.cfg
+        result = TrainResult(run_dir=self.run_dir, step=self.step)
+        sink = MetricsSink(self.run_dir, tensorboard=cfg.tensorboard) if self.env.is_main else None
+        progress = Progress(cfg.steps, self.step, stream=self.stream, enabled=not self.quiet)
+        t_start = time.perf_counter()
+        t_train = 0.0
+        window_losses: list[float] = []
+        t_mark, tok_mark = time.perf_counter(), self.tokens_seen
+        try:
+            if not self.quiet:
+                progress.message(self.describe())
+            while self.step < cfg.steps and (stop_after is None or self.step < stop_after):
+                rec = self.train_step()
+                result.losses[self.step] = rec["loss"]
+                window_losses.append(rec["loss"])
+                done = self.step == cfg.steps
+                if self.step % cfg.log_every == 0 or done:
+                    now = time.perf_counter()
+                    t_train += now - t_mark
+                    tps = (self.tokens_seen - tok_mark) / max(now - t_mark, 1e-9)
+                    mean_loss = sum(window_losses) / len(window_losses)
+                    name, score = self._score_name(mean_loss)
+                    if sink is not None:
+                        record = {"kind": "train", "step": self.step, "tokens": self.tokens_seen,
+                                  "loss": mean_loss, name: score, "lr": rec["lr"],
+                                  "tokens_per_s": tps, "grad_norm": float(rec["grad_norm"]),
+                                  "aux_loss": rec["aux_loss"]}
+                        record.update({f"aux/{k}": float(v) for k, v in rec["losses"].items()})
+                        record.update({f"stats/{k}": summarise_tensor(v)
+                                       for k, v in rec["stats"].items()})
+                        sink.write(record)
+                    progress.update(self.step, {"loss": mean_loss, name: score, "lr": rec["lr"]},
+                                    tps, force=done)
+                    window_losses = []
+                    t_mark, tok_mark = time.perf_counter(), self.tokens_seen
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
+                    t_train += time.perf_counter() - t_mark
+                    if self.env.is_main:
+                        result.valid = self._log_validation(sink, progress)
+                    t_mark, tok_mark = time.perf_counter(), self.tokens_seen
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or done:
+                    t_train += time.perf_counter() - t_mark
+                    result.checkpoint = self.save_checkpoint()
+                    t_mark, tok_mark = time.perf_counter(), self.tokens_seen
+        finally:
+            progress.close()
+            if sink is not None:
+                sink.close()
+        result.step = self.step
+        result.wall_s = time.perf_counter() - t_start
+        n_trained = len(result.losses) * cfg.batch_size * self.T
+        result.tokens_per_s = n_trained / max(t_train, 1e-9) if t_train else 0.0
+        return result
+
+    def _log_validation(self, sink: MetricsSink | None, progress: Progress) -> dict[str, float]:
+        t0 = time.perf_counter()
+        res = self.validate()
+        name = "bpc" if "bpc" in res else "ppl"
+        if sink is not None:
+            sink.write({"kind": "valid", "step": self.step, "tokens": res["tokens"],
+                        "loss": res["loss"], name: res[name],
+                        "seconds": time.perf_counter() - t0})
+        progress.message(f"validation at step {self.step}: loss {res['loss']:.4f}, {name} "
+                         f"{res[name]:.4f} ({res['tokens']} tokens)")
+        return res
+
+    def describe(self) -> str:
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return (f"training {self.cfg.preset} ({n_params / 1e6:.2f}M parameters) on "
+                f"{self.corpus.name} with the {self.tokenizer.name} tokenizer (vocab "
+                f"{self.tokenizer.vocab_size}): {self.cfg.steps} steps x {self.cfg.batch_size} x "
+                f"{self.T} tokens, {self.env.world_size} process(es) on {self.device}, "
+                f"run directory {self.run_dir}")
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = False,
+          stop_after: int | None = None, quiet: bool = False,
+          stream: TextIO | None = None) -> TrainResult:
+    """Train ``cfg`` into ``run_dir`` (resuming its latest checkpoint, or the checkpoint
+    ``resume`` names, when ``resume`` is given)."""
+    trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream)
+    try:
+        return trainer.fit(stop_after)
+    finally:
+        trainer.close()
