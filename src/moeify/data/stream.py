@@ -18,6 +18,7 @@ tells the trainer to reset XL memory there.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 _SAFE_BOUNDARY = re.compile(rb"[\x21-\x7e]\n[\x21-\x7e]")
 
 
-def _chunks(data: bytes, target: int) -> list[tuple[int, int]]:
+def _chunks(data, target: int) -> list[tuple[int, int]]:
     """Chunk boundaries (about ``target`` bytes apart) placed so that tokenising chunk by chunk
     gives the same tokens as tokenising the whole text: just after a newline that sits between
     two printable ASCII characters (a chunk grows until it reaches one)."""
@@ -63,15 +64,26 @@ def tokenize_split(corpus, tokenizer, split: str) -> np.ndarray:
         size_ok = path.stat().st_size == meta["tokens"] * dtype.itemsize
         if meta.get("dtype") == dtype.name and size_ok:
             return _memmap(path, dtype)
-    src = corpus.path(split)
-    data = src.read_bytes()
+    what = f"{corpus.name}/{split}"
+    if corpus.num_bytes(split) == 0:
+        n_tokens = _encode_to(path, b"", tokenizer, dtype, what)
+    else:
+        # Memory-mapped so that a large split is never held in memory whole.
+        with open(corpus.path(split), "rb") as src, \
+                mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            n_tokens = _encode_to(path, data, tokenizer, dtype, what)
+    cache.write_bytes_atomic(meta_path, json.dumps(
+        {"tokens": n_tokens, "dtype": dtype.name, "tokenizer": tokenizer.fingerprint()}).encode())
+    return _memmap(path, dtype)
+
+
+def _encode_to(path: Path, data, tokenizer, dtype: np.dtype, what: str) -> int:
     spans = _chunks(data, _CHUNK_BYTES)
-    cache.progress(f"tokenising {corpus.name}/{split} ({len(data) / 1e6:.1f} MB) with "
-                   f"{tokenizer.name}")
+    cache.progress(f"tokenising {what} ({len(data) / 1e6:.1f} MB) with {tokenizer.name}")
     t0 = last = time.monotonic()
     n_tokens = 0
     with cache.atomic_write(path) as f:
-        for i, (a, b) in enumerate(spans):
+        for a, b in spans:
             ids = tokenizer.encode_array(data[a:b])
             if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                 raise MoeifyError(f"tokenizer {tokenizer.name} produced ids outside its vocabulary")
@@ -83,11 +95,8 @@ def tokenize_split(corpus, tokenizer, split: str) -> np.ndarray:
                 done = b / len(data)
                 eta = (now - t0) * (1 - done) / max(done, 1e-9)
                 cache.progress(f"  {100 * done:.0f}% ({n_tokens} tokens), ETA {eta:.0f}s")
-    cache.write_bytes_atomic(meta_path, json.dumps(
-        {"tokens": n_tokens, "dtype": dtype.name, "bytes": len(data),
-         "tokenizer": tokenizer.fingerprint()}).encode())
-    cache.progress(f"  {split}: {n_tokens} tokens ({len(data) / max(n_tokens, 1):.2f} bytes/token)")
-    return _memmap(path, dtype)
+    cache.progress(f"  {what}: {n_tokens} tokens ({len(data) / max(n_tokens, 1):.2f} bytes/token)")
+    return n_tokens
 
 
 def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:

@@ -69,7 +69,8 @@ def lambada_accuracy(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], *,
         context, target, word = split_passage(text)
         items.append((tokenizer.encode(context), tokenizer.encode(target)))
         gold.append(word)
-    scores = score_continuations(logits_fn, items, batch_size=batch_size, max_len=max_len)
+    scores = score_continuations(logits_fn, items, batch_size=batch_size, max_len=max_len,
+                                 greedy=True)
     predicted = []
     for s in scores:
         words = tokenizer.decode(s.greedy).split()

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from moeify.errors import MoeifyError
@@ -24,7 +25,8 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class ContinuationScore:
-    """Per continuation token: its log-probability (float64) and the model's argmax there."""
+    """Per continuation token: its log-probability (float64) and, when requested, the model's
+    argmax there (empty otherwise)."""
 
     logprobs: torch.Tensor
     greedy: list[int]
@@ -55,12 +57,13 @@ def check_logits(logits_BTV: torch.Tensor, B: int, T: int, max_id: int) -> None:
 
 @torch.no_grad()
 def score_continuations(logits_fn: LogitsFn, items: Sequence[tuple[Sequence[int], Sequence[int]]],
-                        *, batch_size: int = 16, max_len: int | None = None,
-                        pad_id: int = 0) -> list[ContinuationScore]:
+                        *, batch_size: int = 16, max_len: int | None = None, pad_id: int = 0,
+                        greedy: bool = False) -> list[ContinuationScore]:
     """Score each (prefix_ids, continuation_ids) pair; both must be non-empty.
 
     ``max_len`` bounds the model input length (the model's context): longer inputs lose tokens
-    from the left of the prefix. Items are batched by length to limit padding."""
+    from the left of the prefix. ``greedy`` also records the argmax at each continuation
+    position. Items are batched by length to limit padding."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     inputs, n_cont = [], []
@@ -75,28 +78,30 @@ def score_continuations(logits_fn: LogitsFn, items: Sequence[tuple[Sequence[int]
             seq = seq[len(seq) - max_len:]
         inputs.append(seq)
         n_cont.append(len(cont))
-    targets = [list(cont) for _, cont in items]
     order = sorted(range(len(items)), key=lambda i: -len(inputs[i]))
     results: list[ContinuationScore | None] = [None] * len(items)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        T = len(inputs[idx[0]])
-        ids_BT = torch.full((len(idx), T), pad_id, dtype=torch.long)
-        tgt_BT = torch.zeros((len(idx), T), dtype=torch.long)
-        mask_BT = torch.zeros((len(idx), T), dtype=torch.bool)
+        B, T = len(idx), len(inputs[idx[0]])
+        ids_BT = np.full((B, T), pad_id, dtype=np.int64)
+        tgt_BT = np.zeros((B, T), dtype=np.int64)
+        mask_BT = np.zeros((B, T), dtype=bool)
         for row, i in enumerate(idx):
             L, C = len(inputs[i]), n_cont[i]
-            ids_BT[row, :L] = torch.tensor(inputs[i], dtype=torch.long)
-            tgt_BT[row, L - C:L] = torch.tensor(targets[i], dtype=torch.long)
+            ids_BT[row, :L] = inputs[i]
+            tgt_BT[row, L - C:L] = items[i][1]
             mask_BT[row, L - C:L] = True
-        logits_BTV = logits_fn(ids_BT)
-        check_logits(logits_BTV, len(idx), T, int(max(ids_BT.max(), tgt_BT.max())))
-        logp_BTV = torch.log_softmax(upcast(logits_BTV), dim=-1)
-        tgt_dev = tgt_BT.to(logp_BTV.device)
-        tok_logp_BT = logp_BTV.gather(-1, tgt_dev.unsqueeze(-1)).squeeze(-1).double().cpu()
-        greedy_BT = logits_BTV.argmax(-1).cpu()
-        for row, i in enumerate(idx):
-            sel = mask_BT[row]
-            results[i] = ContinuationScore(tok_logp_BT[row][sel].clone(),
-                                           greedy_BT[row][sel].tolist())
+        logits_BTV = upcast(logits_fn(torch.from_numpy(ids_BT)))
+        check_logits(logits_BTV, B, T, int(max(ids_BT.max(), tgt_BT.max())))
+        tgt = torch.from_numpy(tgt_BT).to(logits_BTV.device)
+        logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
+        tok_logp_BT = logp_BTV.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+        mask = torch.from_numpy(mask_BT)
+        counts = [n_cont[i] for i in idx]   # row-major masking keeps each row's tokens together
+        logps = torch.split(tok_logp_BT.double().cpu()[mask], counts)
+        argmax = logits_BTV.argmax(-1).cpu()[mask].tolist() if greedy else None
+        offset = 0
+        for i, lp, c in zip(idx, logps, counts):
+            results[i] = ContinuationScore(lp, argmax[offset:offset + c] if argmax else [])
+            offset += c
     return results  # type: ignore[return-value]
