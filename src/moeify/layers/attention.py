@@ -267,6 +267,7 @@ class DenseAttention(nn.Module):
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
+        """docs/interfaces.md; the returned Aux is empty (nothing is routed)."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD

@@ -140,6 +140,9 @@ class MoAAttention(nn.Module):
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
+        """docs/interfaces.md. ``aux.losses``: "balance", "z", "cv" (each when its coefficient is
+        non-zero); ``aux.stats``: "counts" [E] (selections per expert, valid tokens only, also
+        added to the ``usage`` buffer in training mode) and "router_entropy"."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD

@@ -255,6 +255,9 @@ class SwitchHeadAttention(nn.Module):
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
+        """docs/interfaces.md. ``aux.stats["sel_{p}_counts"]`` [H, E] (int64): how often each
+        expert of each head was selected for projection p (valid tokens only), also added to the
+        ``usage_{p}`` buffers in training mode. No aux losses (the paper uses none)."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
