@@ -211,3 +211,12 @@ def test_plan_mismatch_raises():
     x, idx, w, _ = make(4, 2, 3, 8, 8)
     with pytest.raises(ValueError, match="plan was built"):
         expert_matmul(x, idx, w, impl="segment", plan=make_plan(idx[:2], 3))
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_autocast_runs_in_the_autocast_dtype(impl):
+    x, idx, w, gates = make(16, 2, 4, 16, 16, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = expert_matmul(x, idx, w, gates, impl=impl)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, naive(x.double(), idx, w.double(), gates.double()), 2e-2)

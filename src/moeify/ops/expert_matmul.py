@@ -275,6 +275,11 @@ def expert_matmul(
     ``groups=G`` the sums over G consecutive equal groups of K, [M, G, F].
     ``plan`` (from ``make_plan(idx_MK, E)``) lets several calls share one sort.
     """
+    dev = x_MD.device.type
+    if torch.is_autocast_enabled(dev):
+        # A custom autograd Function is invisible to autocast: apply its matmul policy here.
+        dt = torch.get_autocast_dtype(dev)
+        x_MD, w_EDF = x_MD.to(dt), w_EDF.to(dt)
     _validate(x_MD, idx_MK, w_EDF, gates_MK, groups)
     E = w_EDF.shape[0]
     kind = resolve_impl(impl, x_MD, w_EDF)
