@@ -42,6 +42,9 @@ class TransformerBlock(nn.Module):
         """``mem_BMD``: the previous chunk's input to this block (XL memory, already detached).
         ``positions_BT``: explicit token positions (Mixture-of-Depths passes the positions of the
         tokens it routed); None means contiguous positions after the memory / cache."""
+        if positions_BT is not None and mem_BMD is not None:
+            raise ValueError("explicit token positions (Mixture-of-Depths) cannot be combined with "
+                             "XL memory; use a RoPE or position-free model without memory")
         h_BTD = self.ln1(x_BTD)
         kv_BSD = None if mem_BMD is None else self.ln1(torch.cat([mem_BMD, x_BTD], 1))
         valid_k = None if valid_BT is None or mem_BMD is not None else valid_BT
