@@ -1,0 +1,222 @@
+"""ModelConfig: what a TransformerLM is made of, per layer, as a frozen and JSON-serialisable value.
+
+Each of ``attention``, ``feedforward`` and ``depth`` is a *repeating pattern*: a tuple of layer
+configs, layer i uses entry ``i % len(pattern)``. One config means "every layer"; e.g.
+``depth=(None, MoDConfig(...))`` puts Mixture-of-Depths on every other block (the MoD paper's
+best setting), ``None`` meaning a plain block.
+
+Layer configs are the frozen dataclasses next to their modules (moeify.layers.*). In JSON every
+layer config is a dict with a ``"type"`` tag (its class name), so the trainer can write the
+resolved config into a run directory and read it back exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+# Modules whose dataclasses may appear in a ModelConfig; a type tag is looked up in these.
+LAYER_CONFIG_MODULES = (
+    "moeify.layers.attention",
+    "moeify.layers.switchhead",
+    "moeify.layers.moa",
+    "moeify.layers.feedforward",
+    "moeify.layers.depth",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only language model (switchhead.md §3).
+
+    vocab_size:     tokens in the vocabulary (8000 BPE for the paper's text presets).
+    d_model:        residual width d.
+    n_layers:       number of blocks L (every layer config's ``n_layers`` must equal it: the
+                    s = sqrt(2 / L) initialisation depends on it).
+    context_length: chunk length T: tokens per training sequence (and XL memory length).
+    attention:      attention config(s): DenseAttentionConfig, SwitchHeadConfig, MoAConfig.
+    feedforward:    feedforward config(s): DenseFFConfig, SigmaMoEConfig, SwitchFFConfig.
+    depth:          depth routing per block: None (plain block) or MoDConfig.
+    xl_memory:      carry the previous chunk's block inputs as memory (Transformer-XL).
+    dropout:        on the embeddings, the residual branches and before the output layer
+                    (the layers' own configs hold their inner dropout).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    context_length: int
+    attention: Any
+    feedforward: Any
+    depth: Any = None
+    xl_memory: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "context_length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must lie in [0, 1), got {self.dropout}")
+        if not isinstance(self.xl_memory, bool):
+            raise ValueError(f"ModelConfig.xl_memory must be True or False, got {self.xl_memory!r}")
+        for name in ("attention", "feedforward", "depth"):
+            object.__setattr__(self, name, self._pattern(name, getattr(self, name)))
+        if self.xl_memory and any(d is not None for d in self.depth):
+            # The memory would hold tokens a routed block never saw (layers/depth.py).
+            raise ValueError("depth routing (Mixture-of-Depths) cannot be combined with XL "
+                             "memory; set xl_memory=False and use RoPE attention")
+
+    def _pattern(self, name: str, value: Any) -> tuple:
+        pattern = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if not 1 <= len(pattern) <= self.n_layers:
+            raise ValueError(f"ModelConfig.{name} must hold between 1 and n_layers="
+                             f"{self.n_layers} configs (a pattern repeated over the layers), "
+                             f"got {len(pattern)}")
+        for i, cfg in enumerate(pattern):
+            if cfg is None:
+                if name != "depth":
+                    raise ValueError(f"ModelConfig.{name}[{i}] is None; every layer needs an "
+                                     f"{name} config (only depth may be None)")
+                continue
+            if not dataclasses.is_dataclass(cfg) or not hasattr(cfg, "build"):
+                raise ValueError(f"ModelConfig.{name}[{i}] must be a layer config dataclass with "
+                                 f"build() (e.g. from moeify.layers), got {type(cfg).__name__}")
+            d = getattr(cfg, "d_model", self.d_model)
+            if d != self.d_model:
+                raise ValueError(f"ModelConfig.{name}[{i}] ({type(cfg).__name__}) has d_model={d}"
+                                 f" but the model has d_model={self.d_model}; make them equal")
+            L = getattr(cfg, "n_layers", self.n_layers)
+            if L != self.n_layers:
+                raise ValueError(f"ModelConfig.{name}[{i}] ({type(cfg).__name__}) has n_layers="
+                                 f"{L} but the model has n_layers={self.n_layers}; the "
+                                 "initialisation scale sqrt(2/L) needs the model depth there")
+        return pattern
+
+    # ------------------------------------------------------------------ per-layer view
+
+    @property
+    def T(self) -> int:
+        return self.context_length
+
+    def attention_layers(self) -> list[Any]:
+        return [self.attention[i % len(self.attention)] for i in range(self.n_layers)]
+
+    def feedforward_layers(self) -> list[Any]:
+        return [self.feedforward[i % len(self.feedforward)] for i in range(self.n_layers)]
+
+    def depth_layers(self) -> list[Any]:
+        return [self.depth[i % len(self.depth)] for i in range(self.n_layers)]
+
+    def build(self):
+        """The TransformerLM this config describes."""
+        from moeify.models.lm import TransformerLM
+
+        return TransformerLM(self)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = [_encode(c) for c in v] if f.name in ("attention", "feedforward",
+                                                                "depth") else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a ModelConfig dict is expected, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; known: {sorted(known)}")
+        kwargs = dict(data)
+        for name in ("attention", "feedforward", "depth"):
+            if name in kwargs:
+                v = kwargs[name]
+                kwargs[name] = tuple(_decode(c) for c in (v if isinstance(v, list) else [v]))
+        return cls(**kwargs)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+
+# ---------------------------------------------------------------------- layer-config codec
+
+def layer_config_class(tag: str) -> type:
+    """The layer config dataclass named ``tag`` in one of LAYER_CONFIG_MODULES."""
+    for mod_name in LAYER_CONFIG_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        cls = getattr(mod, tag, None)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            return cls
+    raise ValueError(f"unknown layer config type {tag!r}; expected a config class from one of "
+                     f"{', '.join(LAYER_CONFIG_MODULES)}")
+
+
+def _encode(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {"type": type(value).__name__}
+        for f in dataclasses.fields(value):
+            out[f.name] = _encode(getattr(value, f.name))
+        return out
+    if isinstance(value, (set, frozenset)):
+        return sorted(_encode(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    raise ValueError(f"cannot write a {type(value).__name__} ({value!r}) to JSON")
+
+
+def _decode(value: Any) -> Any:
+    if not isinstance(value, dict) or "type" not in value:
+        return value
+    cls = layer_config_class(value["type"])
+    try:
+        hints = typing.get_type_hints(cls, vars(importlib.import_module(cls.__module__)))
+    except Exception:  # annotations naming TYPE_CHECKING-only imports: fall back to tuples
+        hints = {}
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in value:
+            kwargs[f.name] = _decode_field(value[f.name], hints.get(f.name))
+    unknown = sorted(set(value) - {"type"} - set(kwargs))
+    if unknown:
+        raise ValueError(f"unknown fields {unknown} for {cls.__name__}")
+    return cls(**kwargs)
+
+
+def _decode_field(value: Any, hint: Any) -> Any:
+    """Turn JSON lists back into the container type the field is annotated with."""
+    if isinstance(value, dict):
+        return _decode(value)
+    if not isinstance(value, list):
+        return value
+    origins = {typing.get_origin(hint) or hint}
+    for arg in typing.get_args(hint):  # Optional[...] / unions
+        origins.add(typing.get_origin(arg) or arg)
+    items = [_decode(v) for v in value]
+    if frozenset in origins:
+        return frozenset(items)
+    if set in origins:
+        return set(items)
+    if list in origins:
+        return items
+    return tuple(items)

@@ -1,0 +1,246 @@
+"""Exact cost accounting: parameter counts, and MACs / memory per attention layer (spec §6).
+
+Parameters are counted on the meta device: the real modules are constructed, so the count is the
+count of the model that trains, but no weight is ever allocated.
+
+MACs and memory use the formulas that printed the SwitchHead paper's tables (switchhead.md §6;
+they differ from the paper's Eq. 13). All quantities are per attention layer, per sequence,
+batch 1. Symbols: d = d_model, H = heads, d_h = d_head, E = experts, k = active experts,
+T = chunk length, C = 1 + memory chunks (2 with XL memory, 1 without).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from moeify.models.config import ModelConfig
+
+# The projections SwitchHead may turn into experts (spec §1).
+PROJECTIONS = ("q", "k", "v", "o")
+
+
+# --------------------------------------------------------------------------- formatting
+
+def format_count(x: int | float) -> str:
+    """The paper's print format: x/1e9 with one decimal and "G" above 1000M, else x/1e6 with one
+    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M")."""
+    if x / 1e6 > 1000:
+        return f"{x / 1e9:.1f}G"
+    return f"{x / 1e6:.1f}M"
+
+
+# --------------------------------------------------------------------------- MACs / memory
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """MACs and memory (floats held) of one attention layer for one sequence of T tokens."""
+
+    macs: int
+    memory: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"macs": self.macs, "memory": self.memory,
+                "macs_str": format_count(self.macs), "memory_str": format_count(self.memory)}
+
+
+def _positive(**values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def dense_attention_cost(*, d_model: int, n_heads: int, d_head: int, T: int, C: int,
+                         xl: bool) -> AttentionCost:
+    """Dense multi-head attention. XL adds the relative-position projection and its product with
+    the queries (the 2·H·d·T·d_h·C terms); RoPE / no positional encoding have neither."""
+    _positive(d_model=d_model, n_heads=n_heads, d_head=d_head, T=T, C=C)
+    d, H, dh = d_model, n_heads, d_head
+    macs = 2 * H * dh * C * T * T + 4 * d * H * dh * T
+    mem = 2 * H * C * T * T + 4 * H * dh * T
+    if xl:
+        macs += 2 * H * d * T * dh * C
+        mem += 2 * H * T * dh * C
+    return AttentionCost(macs, mem)
+
+
+def switchhead_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, k: int, T: int,
+                    C: int, experts: frozenset[str] | tuple[str, ...] = ("v", "o"), xl: bool,
+                    shared_selection: bool = False) -> AttentionCost:
+    """SwitchHead (spec §6): n_exp expert projections among Q, K, V, O cost k matmuls each,
+    the dense ones one each; n_sels selection matrices are evaluated over the C·T source tokens.
+
+    ``shared_selection`` (one W_S for V and O) counts a single selection; the paper's cost
+    formula has no term for this variant, so this is our accounting of it."""
+    _positive(d_model=d_model, n_heads=n_heads, d_head=d_head, n_experts=n_experts, k=k, T=T,
+              C=C)
+    exp = set(experts)
+    if not exp <= set(PROJECTIONS):
+        raise ValueError(f"experts must be a subset of {PROJECTIONS}, got {sorted(exp)}")
+    d, H, dh, E = d_model, n_heads, d_head, n_experts
+    n_exp = len(exp)
+    n_proj = n_exp * k + 4 - n_exp
+    n_sels = min(1, ("k" in exp) + ("v" in exp)) + min(1, ("q" in exp) + ("o" in exp))
+    if shared_selection:
+        n_sels = min(n_sels, 1)
+    macs = 2 * H * dh * C * T * T + n_proj * d * H * dh * T + n_exp * H * k * T * dh \
+        + n_sels * E * d * T * C
+    mem = 2 * H * C * T * T + 4 * H * dh * T + n_sels * E * T * C
+    if xl:
+        macs += 2 * H * d * T * dh
+        mem += 2 * H * T * dh
+    return AttentionCost(macs, mem)
+
+
+def moa_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, T: int, C: int,
+             xl: bool, k_term: int = 2) -> AttentionCost:
+    """MoA (spec §6) with H = the number of selected heads (MoA's top-k).
+
+    ``k_term`` is the k of the H·k·T·d_h term: 2 in every MoA row the SwitchHead paper printed
+    (the authors' accounting read it from an unrelated setting); with it, d_h = 88 and E = 10
+    reproduce Table 1 (140.1M / 223.5M / 306.8M / 390.2M MACs for H = 2, 4, 6, 8).
+    The position-projection term 2·d·T·d_h·C applies to XL only."""
+    _positive(d_model=d_model, n_heads=n_heads, d_head=d_head, n_experts=n_experts, T=T, C=C,
+              k_term=k_term)
+    d, H, dh, E = d_model, n_heads, d_head, n_experts
+    macs = 2 * H * dh * C * T * T + (2 * H + 2) * d * dh * T + H * k_term * T * dh + E * d * T
+    mem = 2 * H * C * T * T + (2 * H + 2) * dh * T + 2 * T * dh + E * T * C
+    if xl:
+        macs += 2 * d * T * dh * C
+    return AttentionCost(macs, mem)
+
+
+def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
+    """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig)."""
+    from moeify.layers.attention import DenseAttentionConfig
+    from moeify.layers.moa import MoAConfig
+    from moeify.layers.switchhead import SwitchHeadConfig
+
+    xl = cfg.pos == "xl"
+    if isinstance(cfg, DenseAttentionConfig):
+        return dense_attention_cost(d_model=cfg.d_model, n_heads=cfg.n_heads,
+                                    d_head=cfg.d_head, T=T, C=C, xl=xl)
+    if isinstance(cfg, SwitchHeadConfig):
+        return switchhead_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
+                               n_experts=cfg.n_experts, k=cfg.k, T=T, C=C,
+                               experts=cfg.experts, xl=xl,
+                               shared_selection=cfg.shared_selection)
+    if isinstance(cfg, MoAConfig):
+        return moa_cost(d_model=cfg.d_model, n_heads=cfg.k, d_head=cfg.d_head,
+                        n_experts=cfg.n_experts, T=T, C=C, xl=xl)
+    raise ValueError(f"no cost formula for attention config {type(cfg).__name__}; "
+                     "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig")
+
+
+# --------------------------------------------------------------------------- parameters
+
+def count_module_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def layer_parameters(cfg: Any) -> int:
+    """Parameters of the module a layer config builds, built on the meta device."""
+    with torch.device("meta"):
+        return count_module_parameters(cfg.build())
+
+
+@dataclass
+class ModelCost:
+    """Parameter counts and per-attention-layer costs of a ModelConfig."""
+
+    params: int
+    params_by_part: dict[str, int]
+    T: int
+    C: int
+    layers: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": self.params, "params_str": format_count(self.params),
+                "params_by_part": dict(self.params_by_part), "T": self.T, "C": self.C,
+                "layers": [dict(x) for x in self.layers]}
+
+
+def model_parameters(config: "ModelConfig") -> dict[str, int]:
+    """Parameter counts of a TransformerLM built from ``config``, split into embedding, output,
+    attention, feedforward, norms (the LayerNorms) and other (depth routers, ...), plus total.
+
+    Built on the meta device; a layer that repeats (same attention, feedforward and depth
+    config) is built once and counted as often as it occurs."""
+    from moeify.models.lm import TransformerLM, build_block
+
+    class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
+        def _build_blocks(self, config):
+            return nn.ModuleList()
+
+    parts = dict.fromkeys(("embedding", "attention", "feedforward", "norms", "output", "other"),
+                          0)
+    with torch.device("meta"):
+        _add_parts(parts, _Shell(config), "", 1)
+        layers = list(zip(config.attention_layers(), config.feedforward_layers(),
+                          config.depth_layers()))
+        unique: list[tuple] = []  # by equality: layer configs need not be hashable
+        for key in layers:
+            if key not in unique:
+                unique.append(key)
+        for key in unique:
+            _add_parts(parts, build_block(config, *key), "blocks.0.", layers.count(key))
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _add_parts(parts: dict[str, int], module: nn.Module, prefix: str, times: int) -> None:
+    for name, p in module.named_parameters():
+        name = prefix + name
+        if name.startswith("embedding."):
+            part = "embedding"
+        elif name.startswith("output."):
+            part = "output"
+        elif ".attention." in name:
+            part = "attention"
+        elif ".feedforward." in name:
+            part = "feedforward"
+        elif name.startswith("ln_f.") or ".ln1." in name or ".ln2." in name:
+            part = "norms"
+        else:
+            part = "other"
+        parts[part] += times * p.numel()
+
+
+def attention_summary(cfg: Any) -> str:
+    """A short description of an attention config: "SwitchHead H=2 d_h=76 E=5 k=2 VO xl"."""
+    name = type(cfg).__name__.removesuffix("Config").removesuffix("Attention") or "Dense"
+    parts = [name]
+    if hasattr(cfg, "n_experts") and name == "MoA":
+        parts += [f"H={cfg.k}/{cfg.n_experts}", f"d_h={cfg.d_head}"]
+    else:
+        parts += [f"H={cfg.n_heads}", f"d_h={cfg.d_head}"]
+        if hasattr(cfg, "n_experts"):
+            parts += [f"E={cfg.n_experts}", f"k={cfg.k}",
+                      "".join(p for p in "qkvo" if p in cfg.experts).upper()]
+            if getattr(cfg, "shared_selection", False):
+                parts.append("shared")
+    return " ".join(parts + [cfg.pos])
+
+
+def model_cost(config: "ModelConfig") -> ModelCost:
+    """Total parameters and, per attention layer, MACs and memory (spec §6).
+
+    A block under Mixture-of-Depths runs its attention only on the ceil(capacity · T) tokens it
+    routes (they attend only to each other), so its row uses that token count; this extends the
+    paper's formulas, which have no depth routing."""
+    from moeify.ops.routing import expert_choice_count
+
+    T = config.context_length
+    C = 2 if config.xl_memory else 1
+    parts = model_parameters(config)
+    layers = []
+    for i, (attn, depth) in enumerate(zip(config.attention_layers(), config.depth_layers())):
+        tokens = T if depth is None else expert_choice_count(T, depth.capacity)
+        c = attention_cost(attn, T=tokens, C=C)
+        layers.append({"layer": i, "attention": attention_summary(attn), "tokens": tokens,
+                       **c.to_dict()})
+    return ModelCost(params=parts.pop("total"), params_by_part=parts, T=T, C=C, layers=layers)

@@ -1,0 +1,157 @@
+"""TransformerLM: the decoder-only language model of switchhead.md §3, assembled from layers.
+
+    x = Drop(Embed(ids))                      embedding std 1/sqrt(d)
+    x = block_l(x, mem_l)   for l = 1..L      pre-LN blocks, optionally wrapped by depth routing
+    logits = Out(Drop(LN(x)))                 untied Linear(d, V) with bias
+
+XL memory: ``mem_l`` is the input of block l for the previous chunk, detached (one chunk of
+memory). The caller carries it: pass ``output.memory`` of one call as ``memory=`` of the next.
+Without ``xl_memory`` (the paper's RoPE models) no memory is kept or returned.
+
+Shape legend: B batch, T tokens of this call, M memory tokens, D d_model, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeify.layers.block import TransformerBlock
+from moeify.models.config import ModelConfig
+
+
+@dataclass
+class LMOutput:
+    """loss:     mean cross-entropy over the valid targets (None without targets), float32.
+                 It does NOT include the auxiliary losses: train on ``total_loss``.
+    logits:   [B, T, V].
+    aux_loss: sum over every layer of its Aux.losses (already weighted by their coefficients);
+              a zero tensor when no layer has one.
+    losses:   the individual aux losses, keyed "layers.{i}.{name}".
+    stats:    detached per-layer routing statistics, keyed "layers.{i}.{name}".
+    memory:   the XL memory for the next call (list of [B, T, D], detached), or None.
+    """
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    memory: list[torch.Tensor] | None = None
+
+    @property
+    def total_loss(self) -> torch.Tensor | None:
+        return None if self.loss is None else self.loss + self.aux_loss
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d, V = config.d_model, config.vocab_size
+        self.embedding = nn.Embedding(V, d)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = self._build_blocks(config)
+        self.ln_f = nn.LayerNorm(d)
+        self.output = nn.Linear(d, V, bias=True)
+        self.reset_parameters()
+
+    def _build_blocks(self, config: ModelConfig) -> nn.ModuleList:
+        return nn.ModuleList(build_block(config, attn, ff, depth) for attn, ff, depth in zip(
+            config.attention_layers(), config.feedforward_layers(), config.depth_layers()))
+
+    def reset_parameters(self) -> None:
+        """Embedding and output layer only; every layer initialises itself (§3)."""
+        d = self.config.d_model
+        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # switchhead.md §3
+        # The spec leaves the output layer's init open: the same 1/sqrt(fan_in) scale, bias 0.
+        nn.init.normal_(self.output.weight, std=d ** -0.5)
+        nn.init.zeros_(self.output.bias)
+
+    def new_cache(self) -> list:
+        """One attention KV cache per block, for incremental decoding: call ``forward`` with
+        ``cache=`` on successive pieces of a sequence (the first piece may be the whole prompt)
+        and the logits equal those of one full forward pass without memory."""
+        return [_attention_of(b).new_cache() for b in self.blocks]
+
+    def forward(
+        self,
+        ids_BT: torch.Tensor,
+        targets_BT: torch.Tensor | None = None,
+        *,
+        memory: list[torch.Tensor] | None = None,
+        cache: list | None = None,
+        valid_BT: torch.Tensor | None = None,
+    ) -> LMOutput:
+        """``memory``: the previous call's ``output.memory`` (XL models only; None on the first
+        chunk). ``cache``: from ``new_cache()``, for decoding (not combined with memory).
+        ``valid_BT``: False for padding; padded targets do not count in the loss."""
+        cfg = self.config
+        if ids_BT.dim() != 2:
+            raise ValueError(f"ids_BT must be [batch, tokens], got shape {tuple(ids_BT.shape)}")
+        if memory is not None and not cfg.xl_memory:
+            raise ValueError("memory was passed to a model without xl_memory; pass memory=None "
+                             "or build the model with xl_memory=True")
+        if memory is not None and cache is not None:
+            raise ValueError("pass either memory (chunked XL training/evaluation) or cache "
+                             "(incremental decoding), not both")
+        if memory is not None and len(memory) != len(self.blocks):
+            raise ValueError(f"memory must hold one tensor per block ({len(self.blocks)}), "
+                             f"got {len(memory)}")
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache must hold one entry per block ({len(self.blocks)}); "
+                             "make it with model.new_cache()")
+
+        x_BTD = self.drop(self.embedding(ids_BT))
+        keep_memory = cfg.xl_memory and cache is None
+        new_memory: list[torch.Tensor] = []
+        losses: dict[str, torch.Tensor] = {}
+        stats: dict[str, torch.Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            if keep_memory:
+                new_memory.append(x_BTD.detach())
+            mem_BMD = None if memory is None else memory[i]
+            x_BTD, aux = block(x_BTD, mem_BMD, cache=None if cache is None else cache[i],
+                               valid_BT=valid_BT)
+            for k, v in aux.losses.items():
+                losses[f"layers.{i}.{k}"] = v
+            for k, v in aux.stats.items():
+                stats[f"layers.{i}.{k}"] = v
+        logits_BTV = self.output(self.drop(self.ln_f(x_BTD)))
+
+        aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses
+                    else logits_BTV.new_zeros((), dtype=torch.float32))
+        loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT, valid_BT)
+        return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
+                        stats=stats, memory=new_memory if keep_memory else None)
+
+
+def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
+            valid_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy in float32 over the valid positions (all when None)."""
+    ce_BT = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
+                            reduction="none").view_as(targets_BT)
+    if valid_BT is None:
+        return ce_BT.mean()
+    w_BT = valid_BT.to(ce_BT.dtype)
+    return (ce_BT * w_BT).sum() / w_BT.sum().clamp(min=1.0)
+
+
+def build_block(config: ModelConfig, attn, ff, depth) -> nn.Module:
+    """One layer: a pre-LN block of ``attn`` and ``ff``, wrapped by depth routing if ``depth``."""
+    block = TransformerBlock(config.d_model, attn.build(), ff.build(), config.dropout)
+    if depth is None:
+        return block
+    from moeify.layers.depth import MixtureOfDepths
+
+    return MixtureOfDepths(depth, block)
+
+
+def _attention_of(block: nn.Module) -> nn.Module:
+    """The attention module of a block, looking through a depth-routing wrapper."""
+    while not isinstance(block, TransformerBlock):
+        block = block.block
+    return block.attention
