@@ -1,0 +1,60 @@
+"""``moeify count``: parameters, and per attention layer MACs and memory (SwitchHead spec §6)."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("count", help="parameters, attention MACs and memory of a preset",
+                       description="Count the parameters of a model (built on the meta device: "
+                       "no weights are allocated) and, per attention layer, the MACs and memory "
+                       "of one sequence with the formulas that printed the SwitchHead paper's "
+                       "tables. Add --json for the exact integers.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="preset name (see `moeify presets`)")
+    src.add_argument("--config", help="a ModelConfig JSON file (e.g. a run directory's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def load_config(args):
+    from moeify.models.config import ModelConfig
+    from moeify.models.presets import get_preset
+
+    if args.preset is not None:
+        return args.preset, get_preset(args.preset)
+    with open(args.config) as f:
+        return args.config, ModelConfig.from_json(f.read())
+
+
+def run(args) -> int:
+    import json
+
+    from moeify.models.cost import format_count, model_cost
+
+    name, config = load_config(args)
+    cost = model_cost(config)
+    if args.json:
+        print(json.dumps({"name": name, **cost.to_dict()}, indent=2))
+        return 0
+    print(f"{name}: {format_count(cost.params)} parameters ({cost.params:,})")
+    print("  " + ", ".join(f"{part} {n:,}" for part, n in cost.params_by_part.items() if n))
+    print(f"per attention layer, one sequence of T={cost.T} (C={cost.C}):")
+    width = max(len(r["attention"]) for r in cost.layers)
+    print(f"  {'layers':<8} {'attention':<{width}} {'tokens':>6} {'MACs':>8} {'memory':>8}")
+    for first, last, row in _runs(cost.layers):
+        span = str(first) if first == last else f"{first}-{last}"
+        print(f"  {span:<8} {row['attention']:<{width}} {row['tokens']:>6} {row['macs_str']:>8} "
+              f"{row['memory_str']:>8}")
+    return 0
+
+
+def _runs(layers):
+    """Group consecutive layers with identical cost rows."""
+    out = []
+    for row in layers:
+        key = {k: v for k, v in row.items() if k != "layer"}
+        if out and out[-1][2] == key:
+            out[-1][1] = row["layer"]
+        else:
+            out.append([row["layer"], row["layer"], key])
+    return out
