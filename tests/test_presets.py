@@ -1,0 +1,187 @@
+"""Presets: every one builds on the meta device, lands on its paper row's parameter count, and its
+name says what it builds. The expectations are transcribed from switchhead.md §4 (Table 9),
+§8 (Table 6) and §6 (MoA: d_h = 88, E = 10), independently of moeify.models.presets."""
+
+import json
+import re
+
+import pytest
+
+from moeify.cli.main import main
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.depth import MoDConfig
+from moeify.layers.feedforward import DenseFFConfig, SigmaMoEConfig, SwitchFFConfig
+from moeify.layers.moa import MoAConfig
+from moeify.layers.switchhead import SwitchHeadConfig
+from moeify.models.cost import model_parameters
+from moeify.models.presets import PRESETS, get_preset
+
+PAPER = [n for n in PRESETS if not n.startswith("tiny-")]
+TINY = [n for n in PRESETS if n.startswith("tiny-")]
+
+# size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
+SIZES = {
+    "47m": (412, 16, 256, True, 10, 41, 2053, 8000),
+    "262m": (1024, 18, 512, True, 16, 64, 4110, 8000),
+    "259m": (1024, 18, 512, True, None, None, None, 8000),
+    "41m": (512, 12, 512, True, 8, 64, 2053, 205),
+    "45m": (412, 16, 512, False, 10, 41, 2053, 8000),
+    "244m": (1024, 18, 1024, False, 16, 64, 4110, 8000),
+    "243m": (1024, 18, 1024, False, None, None, None, 8000),
+}
+# (dataset, size) -> SwitchHead row (H, d_h, E, k, d_ff) of Table 9.
+SWITCHHEAD_ROWS = {
+    ("wt103", "47m"): (2, 76, 5, 2, 2080), ("c4", "47m"): (2, 76, 5, 3, 2080),
+    ("pes2o", "47m"): (2, 76, 5, 3, 2080), ("wt103", "262m"): (2, 132, 8, 4, 4147),
+    ("c4", "262m"): (4, 112, 4, 2, 4188), ("pes2o", "262m"): (4, 112, 4, 2, 4188),
+    ("enwik8", "41m"): (2, 112, 4, 2, 2088), ("wt103", "45m"): (2, 64, 5, 3, 2092),
+    ("wt103", "243m"): (4, 100, 4, 2, 4136),
+}
+SWITCHALL_ROWS = {  # attention (H, d_h, E, k), sigma-MoE experts (G = 128, k = 4)
+    ("wt103", "47m"): ((2, 76, 5, 2), 16), ("c4", "47m"): ((2, 76, 5, 3), 16),
+    ("pes2o", "47m"): ((2, 76, 5, 3), 16), ("wt103", "259m"): ((4, 112, 4, 2), 32),
+    ("c4", "259m"): ((4, 112, 4, 2), 32), ("pes2o", "259m"): ((4, 112, 4, 2), 32),
+}
+TABLE6 = {"o": (112, 2065), "ko": (76, 2080), "vok": (56, 2115), "voq": (56, 2115),
+          "v": (112, 2065), "qo": (76, 2080), "vq": (76, 2080), "vkqo": (48, 2060),
+          "qko": (56, 2115), "qkv": (56, 2115), "vk": (76, 2080), "q": (112, 2065),
+          "k": (112, 2065), "qk": (76, 2080)}
+# MAC-matched variants (§4): (H, d_h) and the parameter count of the row.
+MACMATCHED = {"47m": ((3, 112), 63), "262m": ((6, 168), 376), "45m": ((3, 84), 54)}
+
+
+def expected_millions(name: str) -> int:
+    size = name.split("-")[1]
+    if name.endswith("-macmatched"):
+        return MACMATCHED[size][1]
+    return int(size[:-1])
+
+
+def test_issue_table_names_exist():
+    names = ["wt103-47m-dense", "wt103-47m-dense-h2", "wt103-47m-switchhead",
+             "wt103-47m-switchall", "wt103-47m-switchhead-macmatched",
+             "wt103-47m-switchhead-sharedsel", "wt103-262m-dense", "wt103-262m-dense-h2",
+             "wt103-262m-switchhead", "c4-262m-dense", "c4-262m-dense-h4", "c4-262m-switchhead",
+             "pes2o-262m-dense", "pes2o-262m-dense-h4", "pes2o-262m-switchhead",
+             "wt103-259m-switchall", "enwik8-41m-dense", "enwik8-41m-dense-h2",
+             "enwik8-41m-switchhead", "wt103-45m-rope-dense", "wt103-45m-rope-dense-h2",
+             "wt103-45m-rope-switchhead", "wt103-244m-rope-dense", "wt103-244m-rope-dense-h2",
+             "wt103-243m-rope-switchhead"]
+    for ds in ("wt103", "c4", "pes2o"):
+        names += [f"{ds}-47m-moa-h{h}" for h in (2, 4, 6, 8)]
+        names += [f"{ds}-47m-{m}" for m in ("dense", "dense-h2", "switchhead", "switchall",
+                                            "switchhead-macmatched", "switchhead-sharedsel")]
+    names += [f"wt103-47m-switchhead-experts-{t}" for t in TABLE6]
+    names += ["tiny-dense", "tiny-switchhead", "tiny-moa", "tiny-sigmamoe", "tiny-switchall",
+              "tiny-switch", "tiny-mod", "tiny-mode", "tiny-mode-integrated"]
+    missing = sorted(set(names) - set(PRESETS))
+    assert not missing
+    assert all(PRESETS[n].description for n in PRESETS)
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_preset_builds_on_meta_and_rounds_to_its_row(name):
+    total = model_parameters(get_preset(name))["total"]
+    assert round(total / 1e6) == expected_millions(name), total
+
+
+def test_wt103_47m_pair_matches_the_authors_counts():
+    # switchhead.md §4: the authors' modules give these exact counts.
+    dense = model_parameters(get_preset("wt103-47m-dense"))["total"]
+    sh = model_parameters(get_preset("wt103-47m-switchhead"))["total"]
+    assert abs(dense - 47_260_136) / 47_260_136 < 1e-3
+    assert abs(sh - 47_247_416) / 47_247_416 < 1e-3
+
+
+def _uniform(layers):
+    assert all(x == layers[0] for x in layers)
+    return layers[0]
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_preset_name_says_what_it_builds(name):
+    cfg = get_preset(name)
+    parts = name.split("-")
+    ds, size = parts[0], parts[1]
+    d, L, T, xl, dense_h, dense_dh, dense_dff, vocab = SIZES[size]
+    assert (cfg.d_model, cfg.n_layers, cfg.context_length, cfg.vocab_size) == (d, L, T, vocab)
+    rope = "rope" in parts
+    assert cfg.xl_memory == (not rope) == xl
+    att = _uniform(cfg.attention_layers())
+    ff = _uniform(cfg.feedforward_layers())
+    assert att.pos == ("rope" if rope else "xl") and att.n_layers == L
+    desc = PRESETS[name].description
+
+    if "dense" in parts:
+        m = re.search(r"-h(\d+)$", name)
+        H = int(m.group(1)) if m else dense_h
+        assert isinstance(att, DenseAttentionConfig)
+        assert (att.n_heads, att.n_heads * att.d_head) == (H, dense_h * dense_dh)
+        assert isinstance(ff, DenseFFConfig) and ff.d_ff == dense_dff
+        assert f"H={H}" in desc
+    elif "moa" in parts:
+        H = int(re.search(r"-moa-h(\d+)$", name).group(1))
+        assert isinstance(att, MoAConfig)
+        assert (att.k, att.n_experts, att.d_head) == (H, 10, 88)
+        assert f"H={H}" in desc and "E=10" in desc
+    elif "switchall" in parts:
+        (H, dh, E, k), ffE = SWITCHALL_ROWS[(ds, size)]
+        assert isinstance(att, SwitchHeadConfig) and isinstance(ff, SigmaMoEConfig)
+        assert (att.n_heads, att.d_head, att.n_experts, att.k) == (H, dh, E, k)
+        assert (ff.n_experts, ff.expert_size, ff.k) == (ffE, 128, 4)
+        assert f"H={H}" in desc and f"E={E}" in desc and f"k={k}" in desc
+    else:
+        assert "switchhead" in parts and isinstance(att, SwitchHeadConfig)
+        H, dh, E, k, dff = SWITCHHEAD_ROWS[(ds, size)]
+        experts = {"v", "o"}
+        if "experts" in parts:
+            experts = set(parts[-1])
+            dh, dff = TABLE6[parts[-1]]
+        if "macmatched" in parts:
+            H, dh = MACMATCHED[size][0]
+        assert (att.n_heads, att.d_head, att.n_experts, att.k) == (H, dh, E, k)
+        assert set(att.experts) == experts
+        assert att.shared_selection == ("sharedsel" in parts)
+        assert isinstance(ff, DenseFFConfig) and ff.d_ff == dff
+        assert f"H={H}" in desc and f"E={E}" in desc and f"k={k}" in desc
+
+
+TINY_FAMILY = {  # name -> (attention type, feedforward type, MoD on blocks)
+    "tiny-dense": (DenseAttentionConfig, DenseFFConfig, False),
+    "tiny-switchhead": (SwitchHeadConfig, DenseFFConfig, False),
+    "tiny-moa": (MoAConfig, DenseFFConfig, False),
+    "tiny-sigmamoe": (DenseAttentionConfig, SigmaMoEConfig, False),
+    "tiny-switchall": (SwitchHeadConfig, SigmaMoEConfig, False),
+    "tiny-switch": (DenseAttentionConfig, SwitchFFConfig, False),
+    "tiny-mod": (DenseAttentionConfig, DenseFFConfig, True),
+    "tiny-mode": (DenseAttentionConfig, (SwitchFFConfig, SigmaMoEConfig), True),
+    "tiny-mode-integrated": (DenseAttentionConfig, SwitchFFConfig, False),
+}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_preset_name_says_what_it_builds(name):
+    cfg = get_preset(name)
+    att_t, ff_t, routed = TINY_FAMILY[name]
+    assert cfg.vocab_size == 256 and cfg.n_layers == 4 and 64 <= cfg.d_model <= 256
+    assert all(isinstance(a, att_t) for a in cfg.attention_layers())
+    assert all(isinstance(f, ff_t) for f in cfg.feedforward_layers())
+    assert any(isinstance(d, MoDConfig) for d in cfg.depth_layers()) == routed
+    if name == "tiny-mode-integrated":
+        assert cfg.feedforward_layers()[0].noop_experts > 0
+    assert model_parameters(cfg)["total"] < 3_000_000
+
+
+def test_unknown_preset_suggests_names():
+    with pytest.raises(ValueError, match="did you mean wt103-47m-switchhead"):
+        get_preset("wt103-47m-switchhed")
+
+
+def test_presets_cli(capsys):
+    assert main(["presets", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in listed] == list(PRESETS)
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(PRESETS)
+    assert any(line.startswith("wt103-47m-switchhead ") and "E=5" in line for line in lines)
