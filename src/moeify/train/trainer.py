@@ -92,6 +92,20 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
 
 
+def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Buffers are routing-usage counters local to each process: never sync them in forward
+    # (the argument was renamed in recent torch; at init they are all zeros either way).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+               else {"broadcast_buffers": False})
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
+
+
 class Trainer:
     """Set up a run (fresh or resumed) in ``run_dir``; ``fit()`` trains it."""
 
@@ -137,12 +151,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
         self.train_model: torch.nn.Module = self.model
         if self.env.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Buffers are routing-usage counters local to each process: never broadcast them.
-            self.train_model = DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False)
+            self.train_model = _wrap_ddp(self.model, self.device)
 
         from moeify.data.stream import StreamBatcher, tokenize_split
 
