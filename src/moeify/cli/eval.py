@@ -1,0 +1,119 @@
+"""``moeify eval``: score a trained run on perplexity / bpc or a zero-shot task."""
+
+from __future__ import annotations
+
+TASKS = ("ppl", "lambada", "blimp", "cbt")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="evaluate a run: perplexity/bpc, LAMBADA, BLiMP or CBT",
+        description="Evaluate the latest checkpoint of a run (or a given checkpoint) as the "
+        "SwitchHead authors scored each task (spec evaluation.md). ppl: perplexity, and bits per "
+        "character for byte-level models, over a split of the run's corpus with XL memory "
+        "carried. lambada / blimp / cbt: zero-shot, every item scored on its own; their data is "
+        "found under --data-dir or $MOEIFY_DATA_DIR (blimp/, lambada/, cbt/) or at --data.")
+    p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--data-dir", help="directory laid out like $MOEIFY_DATA_DIR (overrides it)")
+    p.add_argument("--data", help="the task's data itself (ppl: a corpus name or path; blimp: a "
+                   "directory or .jsonl file; lambada: the .jsonl file; cbt: the directory)")
+    p.add_argument("--split", default="test", choices=("train", "valid", "test"),
+                   help="ppl: the corpus split (default test)")
+    p.add_argument("--limit", type=int, help="score only the first N items (blimp: per paradigm; "
+                   "cbt: per group; ppl: N tokens)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from moeify.train.distributed import DistEnv, pick_device
+    from moeify.train.rundir import load_trained
+    from moeify.train.trainer import resolve_amp
+    from moeify.train.validate import evaluate_stream, stateless_logits_fn
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be a positive integer, got {args.limit}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    device = pick_device(args.device, DistEnv())
+    amp_dtype = resolve_amp("auto", device)[0]
+    data_path = args.data
+    if data_path is None and args.data_dir is not None and args.task != "ppl":
+        from moeify.eval.paths import TASK_DATA
+
+        data_path = str(Path(args.data_dir) / TASK_DATA[args.task][0])
+    if data_path is not None and args.task != "ppl" and not Path(data_path).exists():
+        raise FileNotFoundError(f"{args.task} data not found at {data_path}")
+
+    tm = load_trained(args.run, device)
+    mc = tm.model_config
+    # Without memory, an XL model was trained to attend over its chunk plus one chunk of memory.
+    max_len = mc.context_length * (2 if mc.xl_memory else 1)
+    tok = tm.tokenizer
+    logits_fn = stateless_logits_fn(tm.model, device, amp_dtype)
+    result: dict = {"run": str(tm.run_dir), "checkpoint": tm.checkpoint.path.name,
+                    "step": tm.checkpoint.step, "task": args.task}
+    with torch.no_grad():
+        if args.task == "ppl":
+            from moeify.data.corpora import load_corpus
+            from moeify.data.stream import tokenize_split
+
+            corpus_spec = data_path or (tm.train_config.data if tm.train_config else None)
+            if corpus_spec is None:
+                raise ValueError("the run records no corpus: pass --data CORPUS")
+            corpus = load_corpus(corpus_spec)
+            tokens = tokenize_split(corpus, tok, args.split)
+            res = evaluate_stream(tm.model, tokens, tok, seq_len=mc.context_length,
+                                  batch_size=args.batch_size, max_tokens=args.limit or 0,
+                                  device=device, amp_dtype=amp_dtype)
+            result.update({"corpus": corpus.name, "split": args.split, **res})
+            if "bpc" not in res:
+                result["ppl"] = res["ppl"]
+        elif args.task == "lambada":
+            from moeify.eval.lambada import lambada_accuracy, load_lambada
+
+            texts = load_lambada(data_path, limit=args.limit)
+            result.update(lambada_accuracy(logits_fn, tok, texts, batch_size=args.batch_size,
+                                           max_len=max_len))
+        elif args.task == "blimp":
+            from moeify.eval.blimp import blimp_accuracy, load_blimp
+
+            pairs = load_blimp(data_path, limit_per_paradigm=args.limit)
+            # Whole sentences: a truncated sentence would not have the score the task defines.
+            result.update(blimp_accuracy(logits_fn, tok, pairs, batch_size=args.batch_size))
+        else:
+            from moeify.eval.cbt import cbt_accuracy, load_cbt
+
+            examples = load_cbt(data_path, limit=args.limit)
+            result.update(cbt_accuracy(logits_fn, tok, examples, batch_size=args.batch_size,
+                                       max_len=max_len))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_human(result)
+    return 0
+
+
+def _print_human(r: dict) -> None:
+    head = f"{r['task']} of {r['run']} ({r['checkpoint']})"
+    if r["task"] == "ppl":
+        parts = [f"loss {r['loss']:.4f}"]
+        if "bpc" in r:
+            parts.append(f"bpc {r['bpc']:.4f}")
+        else:
+            parts.append(f"perplexity {r['ppl']:.2f}")
+        print(f"{head}: {', '.join(parts)} over {r['tokens']} tokens of {r['corpus']}/{r['split']}")
+        return
+    n = r.get("n", r.get("pairs"))
+    print(f"{head}: accuracy {100 * r['accuracy']:.2f}% ({n} items)")
+    for key in ("fields", "groups"):
+        for name, acc in (r.get(key) or {}).items():
+            print(f"  {name:<24} {100 * acc:.2f}%")

@@ -1,0 +1,45 @@
+"""``moeify generate``: sample text from a trained run with its KV cache."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="sample a continuation of a prompt from a trained run",
+        description="Continue --prompt with tokens sampled from the run's latest checkpoint, "
+        "decoding with the KV cache (Mixture-of-Depths models use their causal router). "
+        "temperature 0 is greedy decoding.")
+    p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="make the sample reproducible")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import sys
+
+    from moeify.eval.generate import check_sampling_args, generate
+    from moeify.train.distributed import DistEnv, pick_device
+    from moeify.train.rundir import load_trained
+
+    check_sampling_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give some text to continue")
+    device = pick_device(args.device, DistEnv())
+    tm = load_trained(args.run, device)
+    ids = tm.tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens")
+    mc = tm.model_config
+    # The span the model was trained to attend over: its chunk, plus one chunk of XL memory.
+    window = mc.context_length * (2 if mc.xl_memory else 1)
+    new = generate(tm.model, ids, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, window=window)
+    sys.stdout.write(args.prompt + tm.tokenizer.decode(new) + "\n")
+    return 0
