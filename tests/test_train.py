@@ -203,3 +203,23 @@ def test_run_directory_holds_resolved_configs(env):
     assert all(a["d_model"] == 32 and a["n_layers"] == 2 for a in model["attention"])
     meta = json.loads((tmp / "run" / "checkpoints" / "step-00000001" / "meta.json").read_text())
     assert meta["model_config"] == model and meta["preset"] == "tiny-switchhead"
+
+
+def test_bf16_autocast_trains_on_cpu_and_fp16_needs_cuda(env):
+    tmp, corpus = env
+    res = train(tiny_cfg(corpus, steps=6, amp="bf16", checkpoint_every=0), tmp / "bf16",
+                quiet=True)
+    assert all(math.isfinite(v) for v in res.losses.values())
+    assert res.losses[6] < res.losses[1]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+            train(tiny_cfg(corpus, amp="fp16"), tmp / "fp16", quiet=True)
+
+
+def test_tensorboard_without_the_package_names_the_extra(env, monkeypatch):
+    import sys
+
+    tmp, corpus = env
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    with pytest.raises(MoeifyError, match=r"moeify\[tensorboard\]"):
+        train(tiny_cfg(corpus, steps=1, tensorboard=True), tmp / "tb", quiet=True)
