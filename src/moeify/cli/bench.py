@@ -23,6 +23,80 @@ def register(sub) -> None:
     em.add_argument("--json", action="store_true", help="print JSON instead of a table")
     em.set_defaults(func=run_expert_matmul)
 
+    at = bsub.add_parser(
+        "attention", help="one attention layer per preset: dense, SwitchHead, MoA side by side",
+        description="One attention layer at each preset's shapes (batch, T, XL memory), forward "
+        "and forward+backward time and peak memory, grouped by shape with ratios to the group's "
+        "dense baseline and the cost-accounting MAC and memory ratios beside them. The dense "
+        "baseline is also timed as a textbook implementation (same weights).")
+    at.add_argument("--preset", action="append", metavar="NAME",
+                    help="preset to include (repeatable; default: the WT103 47M dense, SwitchHead "
+                    "and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
+    at.add_argument("--batch", type=int, help="batch size (default: --tokens / T)")
+    at.add_argument("--tokens", type=int, default=2048,
+                    help="tokens per batch when --batch is not given (default 2048: 8 x 256, "
+                    "4 x 512)")
+    at.add_argument("--no-textbook", action="store_true", help="skip the textbook dense row")
+    _common(at)
+    at.set_defaults(func=run_attention)
+
+    st = bsub.add_parser(
+        "step", help="a whole training step (fwd, bwd, clip, AdamW) of full models",
+        description="A training step of each preset's full model side by side: time and peak "
+        "memory (weights, gradients, optimizer state and activations), ratios to the first "
+        "preset, and the cost-accounting MAC ratios.")
+    st.add_argument("--preset", action="append", metavar="NAME",
+                    help="preset to include, the first is the baseline (repeatable; default: "
+                    "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
+    st.add_argument("--batch", type=int, default=4)
+    _common(st, warmup=1)
+    st.set_defaults(func=run_step)
+
+
+def _common(p, warmup: int = 2) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the peak-memory measurements (one fresh process per case)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _setup_threads(args) -> None:
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
+def run_attention(args) -> int:
+    from moeify.bench.attention import DEFAULT_PRESETS, bench_attention, table
+    from moeify.bench.timing import emit
+
+    _setup_threads(args)
+    res = bench_attention(args.preset or DEFAULT_PRESETS, batch=args.batch, tokens=args.tokens,
+                          device=args.device, dtype=args.dtype, textbook=not args.no_textbook,
+                          memory=not args.no_memory, warmup=args.warmup, repeats=args.repeats)
+    emit(res, table(res), args.json)
+    return 0
+
+
+def run_step(args) -> int:
+    from moeify.bench.step import DEFAULT_STEP_PRESETS, bench_step, table
+    from moeify.bench.timing import emit
+
+    _setup_threads(args)
+    res = bench_step(args.preset or DEFAULT_STEP_PRESETS, batch=args.batch, device=args.device,
+                     dtype=args.dtype, memory=not args.no_memory, warmup=args.warmup,
+                     repeats=args.repeats)
+    emit(res, table(res), args.json)
+    return 0
+
 
 def run_expert_matmul(args) -> int:
     import torch

@@ -1,0 +1,207 @@
+"""Benchmark of one attention layer at a preset's shapes: the dense baseline, SwitchHead and MoA
+side by side, forward and forward+backward time and peak memory, with the cost-accounting MAC
+and memory ratios (SwitchHead spec §6) beside the measured ones.
+
+Shape legend: B batch, T chunk length (queries), S = 2T source tokens with XL memory (else T),
+D d_model.
+
+Cases are grouped by shape (d_model, T, XL memory); within a group every case sees the same
+input and the ratios are to the group's baseline, its first dense preset. A "textbook" row times
+``moeify.bench.textbook`` with the baseline's weights: the dense layer written as the papers'
+reference code writes it, so the baseline is shown not to be slowed artificially.
+
+The layer runs as inside a block: training mode, queries x [B, T, D], and with XL memory the
+source [mem ; x] built inside the timed call (so gradients reach x through both sides), with a
+fixed random output gradient; MoA's auxiliary losses are part of the backward. Times are medians
+of interleaved repeats (``interleaved_median_times``); "fwd" runs under ``torch.no_grad``
+(inference), "fwd+bwd" is a training call. Peak memory is that of one call in a fresh process
+(``moeify.bench.memory``), above the weights and inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from moeify.bench.memory import peak_memory
+from moeify.bench.textbook import textbook_attention
+from moeify.bench.timing import format_table, interleaved_median_times
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.models.config import ModelConfig
+from moeify.models.cost import attention_cost, attention_summary
+from moeify.models.presets import get_preset
+
+DEFAULT_PRESETS = ("wt103-47m-dense", "wt103-47m-switchhead", "wt103-47m-moa-h4",
+                   "wt103-45m-rope-dense", "wt103-45m-rope-switchhead")
+DEFAULT_TOKENS = 2048  # batch = tokens // T: 8 x 256 for the 47M XL rows, 4 x 512 for RoPE 45M
+TEXTBOOK_SUFFIX = " (textbook)"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_for(device: str, dtype: str):
+    """float32: plain; bfloat16 / float16: autocast with float32 weights, as training runs."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=DTYPES[dtype])
+
+
+def resolve_cases(presets: Sequence) -> list[tuple[str, ModelConfig]]:
+    """Preset names (or ready ``(name, ModelConfig)`` pairs) -> ``(name, config)`` pairs."""
+    out = []
+    for p in presets:
+        if isinstance(p, str):
+            out.append((p, get_preset(p)))
+        else:
+            name, cfg = p
+            if not isinstance(cfg, ModelConfig):
+                raise ValueError(f"case {name!r}: expected a ModelConfig, got {type(cfg).__name__}")
+            out.append((name, cfg))
+    if not out:
+        raise ValueError("no presets to benchmark; pass at least one --preset")
+    return out
+
+
+def group_by_shape(cases: list[tuple[str, ModelConfig]]) -> list[list[tuple[str, ModelConfig]]]:
+    """Groups of cases with equal (d_model, T, XL memory), in order of first appearance; each
+    group's first dense-attention case moves to the front (the baseline)."""
+    groups: dict[tuple, list] = {}
+    for name, cfg in cases:
+        groups.setdefault((cfg.d_model, cfg.context_length, cfg.xl_memory), []).append((name, cfg))
+    out = []
+    for members in groups.values():
+        dense = [i for i, (_, c) in enumerate(members)
+                 if isinstance(c.attention_layers()[0], DenseAttentionConfig)]
+        if dense:
+            members.insert(0, members.pop(dense[0]))
+        out.append(members)
+    return out
+
+
+def layer_phases(config_json: str, *, batch: int, textbook: bool = False, device: str = "cpu",
+                 dtype: str = "float32", seed: int = 0) -> dict:
+    """The timed calls of one case: {"fwd": ..., "fwd+bwd": ...}. Also the memory factory
+    (``moeify.bench.memory``), hence JSON-able arguments."""
+    cfg = ModelConfig.from_json(config_json)
+    attn_cfg = cfg.attention_layers()[0]
+    if textbook and not isinstance(attn_cfg, DenseAttentionConfig):
+        raise ValueError("the textbook implementation exists for dense attention only")
+    torch.manual_seed(seed)
+    layer = attn_cfg.build().to(device)
+    layer.train()
+    B, T, D = batch, cfg.context_length, cfg.d_model
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
+    mem = torch.randn(B, T, D, generator=g).to(device) if cfg.xl_memory else None
+    grad_y = torch.randn(B, T, D, generator=g).to(device)
+    params = list(layer.parameters())
+
+    def call():
+        kv = None if mem is None else torch.cat([mem, x], 1)
+        with autocast_for(device, dtype):
+            if textbook:
+                return textbook_attention(layer, x, kv), []
+            y, aux = layer(x, kv)
+            return y, list(aux.losses.values())
+
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd():
+        y, losses = call()
+        torch.autograd.backward([y, *losses], [grad_y.to(y.dtype)]
+                                + [torch.ones_like(v) for v in losses])
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or not b else a / b
+
+
+def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
+                    tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
+                    textbook: bool = True, memory: bool = True, warmup: int = 2,
+                    repeats: int = 5, seed: int = 0) -> dict:
+    """Time (and measure) every case; one result group per shape (see the module docstring).
+    ``batch`` fixes the batch of every group, else it is ``tokens // T`` (at least 1)."""
+    if batch is not None and batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch}")
+    if tokens < 1 or repeats < 1 or warmup < 0:
+        raise ValueError("tokens and repeats must be positive and warmup non-negative")
+    autocast_for(device, dtype)  # validates dtype
+    groups = []
+    for members in group_by_shape(resolve_cases(presets)):
+        base_name, base_cfg = members[0]
+        T, xl = base_cfg.context_length, base_cfg.xl_memory
+        B = batch or max(1, tokens // T)
+        C = 2 if xl else 1
+        cases = []  # (label, preset name, config, textbook)
+        for name, cfg in members:
+            cases.append((name, name, cfg, False))
+            if (textbook and name == base_name
+                    and isinstance(cfg.attention_layers()[0], DenseAttentionConfig)):
+                cases.append((name + TEXTBOOK_SUFFIX, name, cfg, True))
+        fns = {}
+        for label, _, cfg, tb in cases:
+            ph = layer_phases(cfg.to_json(), batch=B, textbook=tb, device=device, dtype=dtype,
+                              seed=seed)
+            fns[(label, "fwd")], fns[(label, "fwd+bwd")] = ph["fwd"], ph["fwd+bwd"]
+        times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
+        del fns
+
+        peaks = {}
+        if memory:
+            for label, _, cfg, tb in cases:
+                peaks[label] = peak_memory(
+                    "moeify.bench.attention:layer_phases",
+                    dict(config_json=cfg.to_json(), batch=B, textbook=tb, device=device,
+                         dtype=dtype, seed=seed), device=device)
+        base_cost = attention_cost(base_cfg.attention_layers()[0], T=T, C=C)
+        rows = []
+        for label, name, cfg, tb in cases:
+            attn = cfg.attention_layers()[0]
+            cost = attention_cost(attn, T=T, C=C)
+            peak = peaks.get(label, {}).get("fwd+bwd")
+            rows.append({
+                "case": label,
+                "attention": attention_summary(attn) + (" textbook" if tb else ""),
+                "fwd ms": times[(label, "fwd")] * 1e3,
+                "fwd+bwd ms": times[(label, "fwd+bwd")] * 1e3,
+                "fwd x": _ratio(times[(label, "fwd")], times[(base_name, "fwd")]),
+                "fwd+bwd x": _ratio(times[(label, "fwd+bwd")], times[(base_name, "fwd+bwd")]),
+                "MACs": cost.macs,
+                "MACs x": cost.macs / base_cost.macs,
+                "fwd peak MiB": peaks.get(label, {}).get("fwd"),
+                "peak MiB": peak,
+                "peak x": _ratio(peak, peaks.get(base_name, {}).get("fwd+bwd")),
+                "Mem x": cost.memory / base_cost.memory,
+            })
+        groups.append({"baseline": base_name, "batch": B, "T": T, "S": C * T, "xl_memory": xl,
+                       "d_model": base_cfg.d_model, "rows": rows})
+    return {"bench": "attention", "device": str(device), "dtype": dtype,
+            "threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats,
+            "groups": groups}
+
+
+COLUMNS = ["case", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "MACs x", "peak MiB", "peak x",
+           "Mem x"]
+
+
+def table(result: dict) -> str:
+    parts = []
+    for g in result["groups"]:
+        mem = f"XL memory {g['S'] - g['T']}" if g["xl_memory"] else "no memory"
+        head = (f"one attention layer, d={g['d_model']} T={g['T']} {mem}, batch {g['batch']}, "
+                f"{result['dtype']} on {result['device']} ({result['threads']} threads), median "
+                f"of {result['repeats']}; x = ratio to {g['baseline']}; MACs x / Mem x: cost "
+                "accounting (spec §6); peak: fwd+bwd above weights and inputs")
+        parts.append(head + "\n" + format_table(g["rows"], COLUMNS))
+    return "\n\n".join(parts)

@@ -1,0 +1,132 @@
+"""Benchmark of a whole training step (forward, backward, clipping, optimizer) of full models,
+side by side: time and peak memory, with the cost-accounting MAC ratios beside them.
+
+Shape legend: B batch, T chunk length, V vocabulary, D d_model.
+
+The step is the paper's recipe (switchhead.md §3) on random tokens: training mode (dropout on),
+one chunk of XL memory for XL models (computed once at setup, the same for every step), the LM
+loss plus any auxiliary losses, backward, gradient clipping at 0.1, AdamW (lr 2.5e-4, betas
+0.9 / 0.999, no weight decay). Times are medians of interleaved repeats; with bfloat16 or
+float16 the forward runs under autocast (no loss scaling: this is a timing).
+
+Peak memory is measured in a fresh process from before the model is built, so it counts
+everything the training process holds: weights, gradients, the AdamW state and the activations
+(two steps are run, the first allocates the optimizer state).
+
+MAC columns (per sequence, forward): "attn MACs x" sums the attention layers' MACs of spec §6;
+"model MACs x" adds the dense feedforward (2·d·d_ff·T per layer) and the output layer (d·V·T),
+and is left empty for models whose feedforward has no formula here (MoE feedforwards).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from moeify.bench.attention import autocast_for, resolve_cases
+from moeify.bench.memory import peak_memory
+from moeify.bench.timing import format_table, interleaved_median_times
+from moeify.layers.feedforward import DenseFFConfig
+from moeify.models.config import ModelConfig
+from moeify.models.cost import model_cost
+
+DEFAULT_STEP_PRESETS = ("wt103-47m-dense", "wt103-47m-switchhead", "wt103-47m-moa-h4")
+GRAD_CLIP = 0.1  # κ of the small models (switchhead.md §3)
+LR = 2.5e-4
+
+
+def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str = "float32",
+                seed: int = 0, steps: int = 1) -> dict:
+    """``steps`` training steps as phases {"step 1": ..., ...}; also the memory factory."""
+    cfg = ModelConfig.from_json(config_json)
+    torch.manual_seed(seed)
+    model = cfg.build().to(device)
+    model.train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.context_length + 1),
+                           generator=g).to(device)
+    memory = None
+    if cfg.xl_memory:
+        with torch.no_grad(), autocast_for(device, dtype):
+            memory = model(ids_BT[:, :-1]).memory
+
+    def step():
+        with autocast_for(device, dtype):
+            out = model(ids_BT[:, :-1], ids_BT[:, 1:], memory=memory)
+        (out.loss + out.aux_loss).backward()
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return {f"step {i + 1}": step for i in range(steps)}
+
+
+def model_forward_macs(cfg: ModelConfig) -> tuple[int, int | None]:
+    """(attention MACs, whole-model MACs or None) per sequence, forward (module docstring)."""
+    attn = sum(r["macs"] for r in model_cost(cfg).layers)
+    T, d = cfg.context_length, cfg.d_model
+    total = attn + d * cfg.vocab_size * T
+    for ff in cfg.feedforward_layers():
+        if not isinstance(ff, DenseFFConfig):
+            return attn, None
+        total += 2 * d * ff.d_ff * T
+    return attn, total
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or not b else a / b
+
+
+def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, device: str = "cpu",
+               dtype: str = "float32", memory: bool = True, warmup: int = 1, repeats: int = 5,
+               seed: int = 0) -> dict:
+    """Time (and measure) a training step of every model; ratios are to the first one."""
+    if batch < 1 or repeats < 1 or warmup < 0:
+        raise ValueError("batch and repeats must be positive and warmup non-negative")
+    autocast_for(device, dtype)  # validates dtype
+    cases = resolve_cases(presets)
+    base_name = cases[0][0]
+    fns = {name: step_phases(cfg.to_json(), batch=batch, device=device, dtype=dtype,
+                             seed=seed)["step 1"] for name, cfg in cases}
+    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
+    del fns
+    peaks = {}
+    if memory:
+        for name, cfg in cases:
+            ph = peak_memory("moeify.bench.step:step_phases",
+                             dict(config_json=cfg.to_json(), batch=batch, device=device,
+                                  dtype=dtype, seed=seed, steps=2),
+                             device=device, baseline="before_setup")
+            peaks[name] = ph["step 2"]
+    macs = {name: model_forward_macs(cfg) for name, cfg in cases}
+    rows = []
+    for name, cfg in cases:
+        rows.append({
+            "case": name,
+            "params": model_cost(cfg).params,
+            "T": cfg.context_length,
+            "step ms": times[name] * 1e3,
+            "time x": _ratio(times[name], times[base_name]),
+            "peak MiB": peaks.get(name),
+            "peak x": _ratio(peaks.get(name), peaks.get(base_name)),
+            "attn MACs x": _ratio(macs[name][0], macs[base_name][0]),
+            "model MACs x": _ratio(macs[name][1], macs[base_name][1]),
+        })
+    return {"bench": "step", "baseline": base_name, "batch": batch, "device": str(device),
+            "dtype": dtype, "threads": torch.get_num_threads(), "warmup": warmup,
+            "repeats": repeats, "rows": rows}
+
+
+COLUMNS = ["case", "params", "step ms", "time x", "peak MiB", "peak x", "attn MACs x",
+           "model MACs x"]
+
+
+def table(result: dict) -> str:
+    head = (f"training step (fwd, bwd, clip, AdamW), batch {result['batch']}, {result['dtype']} "
+            f"on {result['device']} ({result['threads']} threads), median of {result['repeats']}; "
+            f"x = ratio to {result['baseline']}; peak: whole process above start-up (weights, "
+            "grads, AdamW state, activations); MACs x: cost accounting per sequence")
+    return head + "\n" + format_table(result["rows"], COLUMNS)

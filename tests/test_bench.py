@@ -1,0 +1,168 @@
+"""The benchmarks: the textbook dense layer against DenseAttention (outputs and gradients), the
+structure of `moeify bench attention` / `bench step` results, and the peak-memory probe.
+
+Shape legend: B batch, T queries, S sources (memory + current), D d_model.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from moeify.bench.attention import bench_attention, group_by_shape, layer_phases, resolve_cases
+from moeify.bench.memory import peak_memory
+from moeify.bench.step import bench_step, model_forward_macs
+from moeify.bench.textbook import textbook_attention
+from moeify.cli.main import main
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.models.presets import get_preset
+
+f64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(name, T=8):
+    return name, dataclasses.replace(get_preset(name), context_length=T)
+
+
+# ---------------------------------------------------------------------------- textbook
+
+
+@pytest.mark.parametrize("pos", ["xl", "rope", "none"])
+@pytest.mark.parametrize("memory", [False, True])
+def test_textbook_equals_dense_layer(pos, memory):
+    torch.manual_seed(0)
+    layer = DenseAttentionConfig(d_model=12, n_heads=3, d_head=6, pos=pos, n_layers=2).build()
+    layer = layer.double()
+    if pos == "xl":  # exercise u, v and the learned scale away from their initial values
+        with torch.no_grad():
+            layer.bias_u.normal_()
+            layer.bias_v.normal_()
+            layer.scale.fill_(0.3)
+    B, T, M, D = 2, 5, 4, 12
+    x = torch.randn(B, T, D, dtype=f64, requires_grad=True)
+    mem = torch.randn(B, M, D, dtype=f64)
+    kv = (lambda: torch.cat([mem, x], 1)) if memory else (lambda: None)
+    g = torch.randn(B, T, D, dtype=f64)
+    params = [x] + list(layer.parameters())
+    y_ref, _ = layer(x, kv())
+    y_tb = textbook_attention(layer, x, kv())
+    torch.testing.assert_close(y_tb, y_ref, rtol=1e-10, atol=1e-12)
+    g_ref = torch.autograd.grad((y_ref * g).sum(), params)
+    g_tb = torch.autograd.grad((y_tb * g).sum(), params)
+    for a, b in zip(g_tb, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_textbook_rejects_short_source():
+    layer = DenseAttentionConfig(d_model=8, n_heads=2, d_head=4, pos="xl").build()
+    with pytest.raises(ValueError, match="source"):
+        textbook_attention(layer, torch.randn(1, 4, 8), torch.randn(1, 3, 8))
+
+
+# ---------------------------------------------------------------------------- attention bench
+
+
+def test_grouping_puts_dense_first_and_splits_shapes():
+    cases = resolve_cases([tiny("tiny-switchhead"), tiny("tiny-dense"),
+                           tiny("tiny-moa", T=16)])
+    groups = group_by_shape(cases)
+    assert [[n for n, _ in g] for g in groups] == [["tiny-dense", "tiny-switchhead"],
+                                                   ["tiny-moa"]]
+
+
+def test_bench_attention_rows_and_ratios():
+    res = bench_attention([tiny("tiny-switchhead"), tiny("tiny-dense"), tiny("tiny-moa")],
+                          batch=2, repeats=1, warmup=0, memory=False)
+    (group,) = res["groups"]
+    assert group["baseline"] == "tiny-dense" and group["batch"] == 2 and group["S"] == 16
+    rows = {r["case"]: r for r in group["rows"]}
+    assert list(rows) == ["tiny-dense", "tiny-dense (textbook)", "tiny-switchhead", "tiny-moa"]
+    base = rows["tiny-dense"]
+    assert base["fwd x"] == 1.0 and base["fwd+bwd x"] == 1.0 and base["MACs x"] == 1.0
+    for r in rows.values():
+        assert r["fwd ms"] > 0 and r["fwd+bwd ms"] > 0 and r["peak MiB"] is None
+        assert r["fwd+bwd x"] == pytest.approx(r["fwd+bwd ms"] / base["fwd+bwd ms"])
+    # spec §6 by hand, T = 8, C = 2: dense XL H=4 d_h=32 d=128; SwitchHead H=2 d_h=32 E=4 k=2 VO
+    T, C, d = 8, 2, 128
+    dense = 2 * 4 * 32 * C * T * T + 4 * d * 4 * 32 * T + 2 * 4 * d * T * 32 * C
+    sh = (2 * 2 * 32 * C * T * T + (2 * 2 + 2) * d * 2 * 32 * T + 2 * 2 * 2 * T * 32
+          + 2 * 4 * d * T * C + 2 * 2 * d * T * 32)
+    assert rows["tiny-switchhead"]["MACs"] == sh
+    assert rows["tiny-switchhead"]["MACs x"] == pytest.approx(sh / dense)
+    assert rows["tiny-dense (textbook)"]["MACs"] == dense
+
+
+def test_layer_phases_backward_reaches_input_and_weights():
+    name, cfg = tiny("tiny-switchhead")
+    ph = layer_phases(cfg.to_json(), batch=1)
+    ph["fwd"]()
+    ph["fwd+bwd"]()  # runs, and leaves no gradients behind for the next repeat
+    with pytest.raises(ValueError, match="dense attention"):
+        layer_phases(cfg.to_json(), batch=1, textbook=True)
+
+
+def test_peak_memory_sees_the_attention_matrices():
+    # Dense XL, B=4, H=4, T=128, S=256: each [B, H, T, S] float32 tensor is 2 MiB and the
+    # backward holds several (logits, probabilities, their gradients).
+    cfg = get_preset("tiny-dense")
+    peaks = peak_memory("moeify.bench.attention:layer_phases",
+                        dict(config_json=cfg.to_json(), batch=4))
+    assert set(peaks) == {"fwd", "fwd+bwd"}
+    assert 4.0 <= peaks["fwd+bwd"] < 500.0
+    assert peaks["fwd"] <= peaks["fwd+bwd"]
+
+
+def test_cli_bench_attention_json(capsys):
+    assert main(["bench", "attention", "--preset", "tiny-dense", "--preset", "tiny-switchhead",
+                 "--batch", "1", "--repeats", "1", "--warmup", "0", "--no-memory",
+                 "--no-textbook", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["case"] for r in res["groups"][0]["rows"]] == ["tiny-dense", "tiny-switchhead"]
+
+
+def test_cli_bench_rejects_bad_input(capsys):
+    assert main(["bench", "attention", "--preset", "no-such-preset", "--no-memory"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+    assert main(["bench", "step", "--batch", "0", "--no-memory"]) == 2
+    assert "batch" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- step bench
+
+
+def test_bench_step_rows():
+    res = bench_step([tiny("tiny-dense"), tiny("tiny-switchhead"), tiny("tiny-sigmamoe")],
+                     batch=2, repeats=1, warmup=0, memory=False)
+    rows = {r["case"]: r for r in res["rows"]}
+    assert res["baseline"] == "tiny-dense" and rows["tiny-dense"]["time x"] == 1.0
+    assert all(r["step ms"] > 0 for r in rows.values())
+    assert rows["tiny-sigmamoe"]["model MACs x"] is None  # no formula for a MoE feedforward
+    assert rows["tiny-sigmamoe"]["attn MACs x"] == 1.0  # same dense attention
+
+
+def test_model_forward_macs_by_hand():
+    _, cfg = tiny("tiny-dense")
+    attn, total = model_forward_macs(cfg)
+    T, C, d, L, V, d_ff = 8, 2, 128, 4, 256, 512
+    per_layer = 2 * 4 * 32 * C * T * T + 4 * d * 4 * 32 * T + 2 * 4 * d * T * 32 * C
+    assert attn == L * per_layer
+    assert total == L * (per_layer + 2 * d * d_ff * T) + d * V * T
+
+
+def test_step_phases_run_in_order():
+    from moeify.bench.step import step_phases
+
+    _, cfg = tiny("tiny-switchhead")
+    ph = step_phases(cfg.to_json(), batch=1, steps=2)
+    assert list(ph) == ["step 1", "step 2"]
+    ph["step 1"]()
+    ph["step 2"]()
