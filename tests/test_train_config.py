@@ -93,3 +93,10 @@ def test_schedule_is_linear_warmup_then_cosine():
         expect.append(lr * (floor + (1 - floor) * c))
     assert got == pytest.approx(expect, rel=1e-12)
     assert got[3] == pytest.approx(lr) and got[-1] == pytest.approx(lr * floor)
+
+
+def test_cpu_threads_leave_busy_cores_alone():
+    from moeify.train.distributed import cpu_threads_for_load
+
+    assert [cpu_threads_for_load(2, load) for load in (0.0, 0.9, 1.0, 7.5)] == [2, 2, 1, 1]
+    assert cpu_threads_for_load(16, 3.2) == 13

@@ -44,6 +44,10 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
     device = pick_device(args.device, DistEnv())
+    if device.type == "cpu":
+        from moeify.train.distributed import configure_cpu_threads
+
+        configure_cpu_threads()
     amp_dtype = resolve_amp("auto", device)[0]
     data_path = args.data
     if data_path is None and args.data_dir is not None and args.task != "ppl":

@@ -31,6 +31,10 @@ def run(args) -> int:
     if not args.prompt:
         raise ValueError("--prompt is empty: give some text to continue")
     device = pick_device(args.device, DistEnv())
+    if device.type == "cpu":
+        from moeify.train.distributed import configure_cpu_threads
+
+        configure_cpu_threads()
     tm = load_trained(args.run, device)
     ids = tm.tokenizer.encode(args.prompt)
     if not ids:

@@ -79,6 +79,10 @@ def run(args) -> int:
     if resume is None:
         run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset,
                                                                   cfg.data)
+    if not cfg.device.startswith("cuda"):
+        from moeify.train.distributed import configure_cpu_threads
+
+        configure_cpu_threads()
     result = train(cfg, run_dir, resume=resume if resume is not None else False,
                    quiet=args.quiet)
     from moeify.train.progress import format_duration, format_rate

@@ -405,7 +405,9 @@ class Trainer:
         return (f"training {self.cfg.preset} ({n_params / 1e6:.2f}M parameters) on "
                 f"{self.corpus.name} with the {self.tokenizer.name} tokenizer (vocab "
                 f"{self.tokenizer.vocab_size}): {self.cfg.steps} steps x {self.cfg.batch_size} x "
-                f"{self.T} tokens, {self.env.world_size} process(es) on {self.device}, "
+                f"{self.T} tokens, {self.env.world_size} process(es) on {self.device}"
+                + (f" ({torch.get_num_threads()} threads), " if self.device.type == "cpu"
+                   else ", ") +
                 f"run directory {self.run_dir}")
 
     def close(self) -> None:
