@@ -34,13 +34,34 @@ def test_sigmoid_topk_is_float32_unrenormalised_and_differentiable():
 
 
 def test_softmax_topk_and_renormalisation():
-    logits = torch.randn(4, 6, dtype=torch.float64)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     r = softmax_topk(logits, 3)
-    p = torch.softmax(logits, -1)
+    p = torch.softmax(logits.detach(), -1)
+    assert r.scores.dtype == torch.float32
     assert torch.allclose(r.scores, p.float())
-    assert torch.allclose(r.gates, p.float().gather(-1, r.idx))
+    for m in range(4):  # the three most probable experts, by brute force
+        want = sorted(range(6), key=lambda e: -p[m, e].item())[:3]
+        assert set(r.idx[m].tolist()) == set(want)
+        assert torch.allclose(r.gates[m], p[m, r.idx[m]].float())
+    # Gates are differentiable through the full softmax: d gate_i / d logit_j = p_i (δij - p_j).
+    r.gates[0].sum().backward()
+    chosen = torch.zeros(6, dtype=torch.float64)
+    chosen[r.idx[0]] = 1.0
+    p0 = p[0]
+    want_grad = p0 * chosen - p0 * (p0 * chosen).sum()
+    torch.testing.assert_close(logits.grad[0], want_grad, rtol=1e-5, atol=1e-6)
     rn = softmax_topk(logits, 3, renormalize=True)
     assert torch.allclose(rn.gates.sum(-1), torch.ones(4))
+    torch.testing.assert_close(rn.gates, r.gates.detach() / r.gates.detach().sum(-1, keepdim=True))
+
+
+def test_softmax_exclude_keeps_the_full_softmax():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    r = softmax_topk(logits, 2, exclude=torch.tensor([[True, False, False, False]]))
+    assert sorted(r.idx[0].tolist()) == [1, 2]
+    p = torch.softmax(logits, -1)  # an excluded expert still counts in the normaliser
+    torch.testing.assert_close(r.gates.sort(-1, descending=True).values, p[:, 1:3])
 
 
 def test_exclude_removes_experts_from_choice():
