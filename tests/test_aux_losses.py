@@ -56,3 +56,30 @@ def test_cv_squared_and_entropies():
     logits = torch.zeros(5, 4)
     assert abs(batch_entropy_loss(logits).item() + math.log(4)) < 1e-6  # minus max entropy
     assert abs(router_entropy(torch.full((3, 4), 0.25)).item() - math.log(4)) < 1e-6
+
+
+def test_moa_balance_ignores_padding_and_counts_carry_no_gradient():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.9, 0.05, 0.05]],
+                         requires_grad=True)
+    idx = torch.tensor([[0, 1], [1, 2], [0, 2]])
+    valid = torch.tensor([True, True, False])  # the third token is padding
+    loss = moa_balance_loss(probs, idx, valid)
+    psum = torch.tensor([0.6, 0.9, 0.5]) / 2.0  # first two tokens only
+    cnt = torch.tensor([1.0, 2.0, 1.0]) / 4.0
+    assert abs(loss.item() - 3 * (psum * cnt).sum().item()) < 1e-6
+    loss.backward()
+    # d/dp_te of E * sum_e (p_sum_e / S) * c_e with S = sum of all valid probabilities (= 2):
+    # E * (c_e - sum_e' c_e' p_sum_e' / S) / S for valid tokens, 0 for padding.
+    want_row = 3 * (cnt - (cnt * psum).sum()) / 2.0
+    torch.testing.assert_close(probs.grad[:2], want_row.expand(2, 3))
+    assert torch.count_nonzero(probs.grad[2]) == 0
+
+
+def test_entropies_ignore_padding():
+    logits = torch.tensor([[0.0, 0.0], [5.0, -5.0]])
+    valid = torch.tensor([True, False])
+    # Only the uniform first token counts: batch entropy and per-token entropy are log 2.
+    assert abs(batch_entropy_loss(logits, valid).item() + math.log(2)) < 1e-6
+    probs = torch.softmax(logits, -1)
+    assert abs(router_entropy(probs, valid).item() - math.log(2)) < 1e-6
+    assert router_entropy(probs).item() < math.log(2) - 0.1  # padding would lower it
