@@ -26,7 +26,11 @@ def switchhead_attention(d, H, dh, E, experts, xl):
 def test_wt103_47m_switchhead_from_10_head_dense():
     r = match_preset("wt103-47m-dense", n_heads=2, n_experts=5, k=2)
     assert r.d_head == 76
-    assert abs(r.d_ff - 2080) / 2080 < 0.01
+    assert r.d_ff == 2080  # Table 9 exactly (the module docstring promises it)
+    # §5 by hand: d_ff* = 2053 + (attention deficit) / (2·d + 1 per hidden unit), expressed as
+    # ff_multiplier = d_ff* / d with two decimals, d_ff = int(d · ff_multiplier).
+    deficit = dense_xl_attention(412, 10, 41) - switchhead_attention(412, 2, 76, 5, "vo", True)
+    assert r.d_ff == _d_ff_by_hand(412, 2053, deficit)
     # §5: the attention gets (slightly) fewer parameters than the dense one ...
     dense_att = dense_xl_attention(412, 10, 41)
     assert r.dense_attention_params == dense_att
@@ -67,11 +71,22 @@ def test_table6_expert_subsets(experts, d_head, d_ff):
     assert abs(r.d_ff - d_ff) <= 4  # the paper's own choices are approximate here (§5)
 
 
+def _d_ff_by_hand(d, d_ff_dense, deficit):
+    exact = d_ff_dense + deficit / (2 * d + 1)  # a dense FFN unit: d in, d out, one bias
+    return int(d * (round(exact * 100 / d) / 100) + 1e-9)
+
+
 def test_moa_presets_use_the_matched_d_ff():
-    for H, d_ff in MOA_47M_D_FF.items():
+    # MoA at d_h = 88, E = 10 has 2·E·d·d_h (expert Q, O) + 3·d·d_h (K, V, XL projection) + E·d
+    # (router) parameters, whatever the number H of selected heads: one d_ff for every H.
+    moa_att = 23 * 412 * 88 + 10 * 412
+    want = _d_ff_by_hand(412, 2053, dense_xl_attention(412, 10, 41) - moa_att)
+    assert want == 2060
+    for H in (2, 4, 6, 8):
         r = match_preset("wt103-47m-dense", n_heads=H, n_experts=10, kind="moa", d_head=88)
-        assert r.d_ff == d_ff
-        assert get_preset(f"wt103-47m-moa-h{H}").feedforward[0].d_ff == d_ff
+        assert r.attention_params == moa_att
+        assert r.d_ff == want == MOA_47M_D_FF[H]
+        assert get_preset(f"wt103-47m-moa-h{H}").feedforward[0].d_ff == want
     # searching d_head instead lands on Table 1's back-solved 88 as well:
     # MoA has 2·E·d·d_h (expert Q, O) + 3·d·d_h (K, V, XL projection) + E·d (router)
     r = match_preset("wt103-47m-dense", n_heads=4, n_experts=10, kind="moa")
