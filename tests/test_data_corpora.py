@@ -160,11 +160,10 @@ def test_wiki_excerpt_from_the_gensim_wheel(tmp_path, monkeypatch):
         load_corpus("wiki-excerpt", refresh=True)
 
 
-def test_wiki_excerpt_from_moeify_data_dir():
-    data_dir = os.environ.get("MOEIFY_DATA_DIR")
-    if not data_dir or not (Path(data_dir) / "wiki-excerpt" / "enwiki_excerpt.xml").is_file():
-        pytest.skip("MOEIFY_DATA_DIR is not set to a directory with wiki-excerpt/"
-                    "enwiki_excerpt.xml (CI sets it to the shared data directory)")
+def test_wiki_excerpt_from_moeify_data_dir(shared_data_dir):
+    if not (shared_data_dir / "wiki-excerpt" / "enwiki_excerpt.xml").is_file():
+        pytest.skip(f"no wiki-excerpt/enwiki_excerpt.xml under {shared_data_dir}: set "
+                    "MOEIFY_DATA_DIR to the shared data directory")
     corpus = load_corpus("wiki-excerpt")
     parts = _splits(corpus)
     whole = b"".join(parts[s] for s in SPLITS)

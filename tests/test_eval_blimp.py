@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -126,10 +125,10 @@ def test_load_blimp(tmp_path, monkeypatch):
         load_blimp()
 
 
-def test_the_shared_blimp_release_loads():
-    data_dir = os.environ.get("MOEIFY_DATA_DIR")
-    if not data_dir or not (Path(data_dir) / "blimp").is_dir():
-        pytest.skip("MOEIFY_DATA_DIR is not set to a directory with blimp/*.jsonl")
+def test_the_shared_blimp_release_loads(shared_data_dir):
+    if not (shared_data_dir / "blimp").is_dir():
+        pytest.skip(f"no blimp/ under {shared_data_dir}: set MOEIFY_DATA_DIR to the shared data "
+                    "directory")
     pairs = load_blimp(limit_per_paradigm=10)
     assert len({p.paradigm for p in pairs}) == 67 and len(pairs) == 670
     assert {p.field for p in pairs} >= {"morphology", "syntax", "semantics"}

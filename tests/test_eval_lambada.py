@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,10 +85,10 @@ def test_missing_data_says_what_to_do(tmp_path, monkeypatch):
         load_lambada(tmp_path / "nope.jsonl")
 
 
-def test_the_shared_lambada_test_set_loads():
-    data_dir = os.environ.get("MOEIFY_DATA_DIR")
-    if not data_dir or not (Path(data_dir) / "lambada" / "lambada_test.jsonl").is_file():
-        pytest.skip("MOEIFY_DATA_DIR is not set to a directory with lambada/lambada_test.jsonl")
+def test_the_shared_lambada_test_set_loads(shared_data_dir):
+    if not (shared_data_dir / "lambada" / "lambada_test.jsonl").is_file():
+        pytest.skip(f"no lambada/lambada_test.jsonl under {shared_data_dir}: set MOEIFY_DATA_DIR "
+                    "to the shared data directory")
     texts = load_lambada()
     assert len(texts) == 5153
     assert all(len(split_passage(t)[2]) > 0 for t in texts)
