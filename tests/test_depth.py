@@ -310,6 +310,19 @@ def test_decoding_never_uses_the_sequence_topk():
     assert aux.stats["mod.fraction_routed"] == 0 and not cache.valid.any()
 
 
+def test_router_logits_are_float32_under_autocast():
+    torch.manual_seed(3)
+    mod = MoDConfig(d_model=32).build(_ZeroUpdateBlock())
+    with torch.no_grad():
+        mod.router_bias.fill_(0.3)
+    x = torch.randn(2, 16, 32)
+    want = x.double() @ mod.router_D.detach().double() + 0.3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mod.router_logits(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_xl_memory_is_rejected_with_a_clear_message():
     mod = _mod()
     x = torch.randn(1, 4, 6, dtype=torch.float64)

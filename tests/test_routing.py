@@ -10,6 +10,7 @@ from moeify.ops.routing import (
     expert_capacity,
     expert_choice,
     expert_choice_count,
+    router_logits,
     sigmoid_topk,
     softmax_topk,
 )
@@ -136,3 +137,17 @@ def test_expert_capacity():
     assert expert_capacity(100, 4, 1.0, k=2) == 50
     with pytest.raises(ValueError):
         expert_capacity(10, 2, 0.0)
+
+
+def test_router_logits_stay_float32_under_autocast():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    w, b = torch.randn(8, 32), torch.randn(8)
+    want = (x.double() @ w.double().T + b.double()).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.nn.functional.linear(x, w).dtype == torch.bfloat16  # what a Linear does
+        got = router_logits(x, w, b)
+        got_bf16_input = router_logits(x.bfloat16(), w)
+    assert got.dtype == torch.float32 and got_bf16_input.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_bf16_input, x.bfloat16().float() @ w.T, rtol=1e-5, atol=1e-5)

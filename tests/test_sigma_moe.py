@@ -183,6 +183,26 @@ def test_router_runs_in_float32_for_low_precision_inputs():
     assert y.dtype == torch.bfloat16 and aux.losses["entropy"].dtype == torch.float32
 
 
+def test_router_runs_in_float32_under_autocast():
+    # Mixed-precision training (spec §3) must not put the selection in half precision.
+    torch.manual_seed(10)
+    m = SigmaMoEConfig(d_model=32, n_experts=8, expert_size=4, k=2, entropy_coef=1.0).build()
+    x = torch.randn(4, 16, 32)
+    x_MD = x.view(-1, 32)
+    want = x_MD.double() @ m.w_sel_ED.detach().double().T
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, gates, idx = m.route(x_MD)
+        _, aux = m(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
+    s = torch.sigmoid(want)
+    assert torch.equal(_topk_mask(s, 2).bool(),
+                       torch.zeros_like(s, dtype=torch.bool).scatter_(1, idx, True))
+    p_bar = torch.softmax(want, -1).mean(0)
+    torch.testing.assert_close(aux.losses["entropy"].double(), (p_bar * p_bar.log()).sum(),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(k=5), "k must lie"), (dict(k=0), "k must lie"), (dict(n_experts=0), "n_experts"),
     (dict(expert_size=0), "expert_size"), (dict(entropy_coef=-1.0), "entropy_coef"),

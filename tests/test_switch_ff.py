@@ -250,12 +250,25 @@ def test_expert_dropout_acts_in_training_only():
     assert not torch.allclose(y1, y0)
 
 
-def test_router_is_float32_with_low_precision_inputs():
+@pytest.mark.parametrize("mode", ["bf16 module", "autocast"])
+def test_router_is_float32_with_low_precision_inputs(mode):
+    # The losses are float32 in any case (aux_losses upcasts); their VALUES show whether the
+    # router ran in float32: a bfloat16 router is off by ~1e-2 relative.
     torch.manual_seed(5)
-    m = SwitchFFConfig(d_model=8, d_ff=8, n_experts=4).build().bfloat16()
-    y, aux = m(torch.randn(2, 3, 8, dtype=torch.bfloat16))
+    m = SwitchFFConfig(d_model=32, d_ff=8, n_experts=4, balance_coef=1.0, z_coef=1.0).build()
+    x = torch.randn(4, 16, 32)
+    if mode == "bf16 module":
+        m, x = m.bfloat16(), x.bfloat16()
+        y, aux = m(x)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, aux = m(x)
     assert y.dtype == torch.bfloat16
-    assert aux.losses["balance"].dtype == torch.float32 and aux.losses["z"].dtype == torch.float32
+    w = m.w_router_RD.detach().double()
+    balance, z = _hand_losses(x.reshape(-1, 32).double(), w, 1.0, 1.0)
+    torch.testing.assert_close(aux.losses["z"].double(), z.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux.losses["balance"].double(), balance.double(),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_init_is_a_tenth_of_the_usual_scale():

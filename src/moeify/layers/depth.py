@@ -48,7 +48,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.common import Aux, accumulate_usage, register_usage
@@ -60,7 +59,7 @@ from moeify.ops.depth_routing import (
     membership_bce,
     scatter_tokens,
 )
-from moeify.ops.routing import expert_choice
+from moeify.ops import routing
 
 CAUSAL_ROUTERS = ("aux_bce", "predictor")
 
@@ -129,8 +128,9 @@ class MixtureOfDepths(nn.Module):
         nn.init.normal_(self.router_D, std=depth_scale(c.n_layers) / c.d_model ** 0.5)
 
     def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_BTD.float(), self.router_D.float()[None],
-                        self.router_bias.float()[None]).squeeze(-1)  # float32
+        """r = wᵀx + b, float32 [B, T] (also under autocast: the top-k is sensitive to rounding)."""
+        return routing.router_logits(x_BTD, self.router_D[None],
+                                     self.router_bias[None]).squeeze(-1)
 
     def causal_logits(self, x_BTD: torch.Tensor, logits_BT: torch.Tensor) -> torch.Tensor:
         """Logits of the causal rule: the router itself, or the stop-gradient predictor."""
@@ -158,7 +158,7 @@ class MixtureOfDepths(nn.Module):
 
         B, T, D = x_BTD.shape
         c = self.config
-        idx_BC, selected_BT = expert_choice(logits_BT, c.capacity, valid_BS=valid_BT)
+        idx_BC, selected_BT = routing.expert_choice(logits_BT, c.capacity, valid_BS=valid_BT)
         if positions_BT is None:
             positions_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
         pos_BC = positions_BT.gather(1, idx_BC)

@@ -33,7 +33,7 @@ from moeify.layers.ff_common import (
 )
 from moeify.ops.aux_losses import batch_entropy_loss
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan, resolve_impl
-from moeify.ops.routing import sigmoid_topk
+from moeify.ops.routing import router_logits, sigmoid_topk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +112,7 @@ class SigmaMoE(nn.Module):
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
         c = self.config
-        logits_ME = F.linear(x_MD.float(), self.w_sel_ED.float())  # routing in float32 (spec)
+        logits_ME = router_logits(x_MD, self.w_sel_ED)  # float32 even under autocast (spec)
         exclude_ME = None
         if self.training and c.expert_dropout > 0:
             exclude_ME = torch.rand_like(logits_ME) < c.expert_dropout

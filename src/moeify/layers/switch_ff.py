@@ -42,7 +42,7 @@ from moeify.layers.common import Aux, accumulate_usage, register_usage
 from moeify.layers.ff_common import check_probability, expert_counts, routing_stats, trunc_normal_
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan, resolve_impl
-from moeify.ops.routing import capacity_mask, expert_capacity, softmax_topk
+from moeify.ops.routing import capacity_mask, expert_capacity, router_logits, softmax_topk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +142,7 @@ class SwitchFeedForward(nn.Module):
         M, K, N = B * T, c.k, B * T * c.k
         valid_M = None if valid_BT is None else valid_BT.reshape(M)
 
-        logits_MR = F.linear(x_MD.float(), self.w_router_RD.float())  # float32 router (Switch §2.4)
+        logits_MR = router_logits(x_MD, self.w_router_RD)  # float32, also under autocast (§2.4)
         top = softmax_topk(logits_MR, K)
         # Best choice first: position priority puts every first choice before any second one.
         gates_MK, order_MK = top.gates.sort(-1, descending=True)

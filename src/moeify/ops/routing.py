@@ -3,8 +3,9 @@
 Shape legend: M tokens (rows), E experts, K experts kept per token, B batch, S sequence, C kept.
 
 Scores are always computed in float32 whatever the input dtype (Switch Transformer's "selective
-precision"; SwitchHead and sigma-MoE do the same). Expert indices carry no gradient; the gate
-values do, through the scores they were gathered from.
+precision"; SwitchHead and sigma-MoE do the same), also under autocast: ``router_logits``
+computes a router's logits that way. Expert indices carry no gradient; the gate values do,
+through the scores they were gathered from.
 """
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 class TopK(NamedTuple):
     gates: torch.Tensor  # [..., K] float32, differentiable
     idx: torch.Tensor  # [..., K] int64, no gradient
     scores: torch.Tensor  # [..., E] float32: the full sigmoid or softmax the gates came from
+
+
+def router_logits(x_MD: torch.Tensor, w_ED: torch.Tensor,
+                  bias_E: torch.Tensor | None = None) -> torch.Tensor:
+    """x · wᵀ (+ bias) in float32: [..., E]. Autocast is switched off around it, because autocast
+    would run the Linear in half precision even on float32 operands, and a router's choices are
+    sensitive to the rounding (Switch §2.4; spec: selection scores in float32)."""
+    with torch.autocast(x_MD.device.type, enabled=False):
+        return F.linear(x_MD.float(), w_ED.float(), None if bias_E is None else bias_E.float())
 
 
 def _check_k(k: int, num_experts: int) -> None:
