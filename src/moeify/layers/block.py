@@ -41,13 +41,17 @@ class TransformerBlock(nn.Module):
     ) -> tuple[torch.Tensor, Aux]:
         """``mem_BMD``: the previous chunk's input to this block (XL memory, already detached).
         ``positions_BT``: explicit token positions (Mixture-of-Depths passes the positions of the
-        tokens it routed); None means contiguous positions after the memory / cache."""
+        tokens it routed); None means contiguous positions after the memory / cache.
+        ``valid_BT``: False for padding, which no query attends to and the feedforward's aux
+        losses ignore. The memory carries no validity: every memory token counts as valid."""
         if positions_BT is not None and mem_BMD is not None:
             raise ValueError("explicit token positions (Mixture-of-Depths) cannot be combined with "
                              "XL memory; use a RoPE or position-free model without memory")
         h_BTD = self.ln1(x_BTD)
         kv_BSD = None if mem_BMD is None else self.ln1(torch.cat([mem_BMD, x_BTD], 1))
-        valid_k = None if valid_BT is None or mem_BMD is not None else valid_BT
+        valid_k = valid_BT
+        if valid_BT is not None and mem_BMD is not None:
+            valid_k = torch.cat([valid_BT.new_ones(mem_BMD.shape[:2]), valid_BT], 1)
         a_BTD, aux = self.attention(h_BTD, kv_BSD, causal=True, cache=cache,
                                     pos_q=positions_BT, pos_k=positions_BT, valid_k=valid_k)
         x_BTD = x_BTD + self.drop(a_BTD)
