@@ -90,15 +90,13 @@ def test_depth_args_and_length_controls(depth, args, lo, hi):
     assert len({e.expression for e in exs}) == len(exs)
 
 
-def test_deterministic_and_disjoint_splits():
+def test_deterministic_splits():
     a = generate_splits(n_train=300, n_valid=50, n_test=50, seed=7)
     b = generate_splits(n_train=300, n_valid=50, n_test=50, seed=7)
     c = generate_splits(n_train=300, n_valid=50, n_test=50, seed=8)
     assert a == b
-    assert a["train"] != c["train"]
-    sets = {k: {e.expression for e in v} for k, v in a.items()}
-    assert not (sets["train"] & sets["valid"] or sets["train"] & sets["test"]
-                or sets["valid"] & sets["test"])
+    assert a["train"] != c["train"] and a["valid"] != a["test"]
+    assert [len(a[k]) for k in ("train", "valid", "test")] == [300, 50, 50]
 
 
 def test_bad_settings_are_value_errors():
@@ -160,6 +158,13 @@ def test_answer_accuracy_metric():
     wrong = listops_accuracy(_oracle(tok, lambda e: (ref_eval(e.split())[0] + 1) % 10), tok,
                              exs)
     assert wrong["accuracy"] == 0.0
+    # Accuracy on expressions absent from training: an oracle right only on "seen" ones.
+    seen = {e.expression for e in exs[:10]}
+    half = listops_accuracy(
+        _oracle(tok, lambda e: ref_eval(e.split())[0] + (0 if e in seen else 1)), tok, exs,
+        train_expressions=seen)
+    assert half["seen_fraction"] == pytest.approx(10 / 40) and half["n_unseen"] == 30
+    assert half["accuracy"] == pytest.approx(10 / 40) and half["accuracy_unseen"] == 0.0
 
 
 def test_answer_metric_needs_single_token_digits():
