@@ -1,0 +1,112 @@
+"""Read-only access to run directories for analysis (never imports moeify.train).
+
+The layout is the trainer's (documented in moeify.train.rundir and moeify.train.checkpoint):
+
+    RUN/model.json                       the resolved ModelConfig
+    RUN/config.json                      the resolved training configuration (a plain dict here)
+    RUN/tokenizer.json (+ model files)   moeify.data.tokenizers.load_tokenizer
+    RUN/metrics.jsonl                    {"kind": "train" | "valid", "step", "tokens", ...}
+    RUN/checkpoints/latest               name of the newest complete checkpoint
+    RUN/checkpoints/step-*/model.safetensors, meta.json
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeify.errors import MoeifyError
+from moeify.models.config import ModelConfig
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise MoeifyError(f"{path.parent} is not a moeify run directory: {path.name} ({what}) "
+                          "is missing; give the directory a `moeify train --out DIR` wrote")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MoeifyError(f"{path} is corrupt ({e})") from None
+
+
+def check_run_dir(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MoeifyError(f"run directory {run_dir} does not exist")
+    return run_dir
+
+
+def read_model_config(run_dir: str | Path) -> ModelConfig:
+    path = check_run_dir(run_dir) / "model.json"
+    try:
+        return ModelConfig.from_dict(_read_json(path, "model configuration"))
+    except (TypeError, ValueError) as e:
+        raise MoeifyError(f"{path} is not a valid model configuration ({e})") from None
+
+
+def read_train_config(run_dir: str | Path) -> dict[str, Any]:
+    """config.json as a dict ({} when absent)."""
+    path = check_run_dir(run_dir) / "config.json"
+    return _read_json(path, "training configuration") if path.is_file() else {}
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl (a torn last line from a crash is skipped)."""
+    path = check_run_dir(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise MoeifyError(f"{path} is missing: the run has not logged any metrics yet")
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    root = check_run_dir(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        ckpt = root / pointer.read_text().strip()
+        if (ckpt / "model.safetensors").is_file():
+            return ckpt
+    steps = sorted(p for p in root.glob("step-*") if (p / "model.safetensors").is_file()) \
+        if root.is_dir() else []
+    if not steps:
+        raise MoeifyError(f"{run_dir} has no checkpoint yet (checkpoints/step-*/"
+                          "model.safetensors); train it first")
+    return steps[-1]
+
+
+@dataclass
+class RunModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    config: ModelConfig
+    checkpoint: Path
+
+
+def load_run_model(run_dir: str | Path, device: str | torch.device = "cpu") -> RunModel:
+    """The run's model from its latest checkpoint, in eval mode, with its tokenizer."""
+    from safetensors.torch import load_file
+
+    from moeify.data.tokenizers import load_tokenizer
+
+    config = read_model_config(run_dir)
+    tokenizer = load_tokenizer(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    try:
+        state = load_file(str(ckpt / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise MoeifyError(f"{ckpt / 'model.safetensors'} is corrupt ({e})") from None
+    model = config.build()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MoeifyError(f"{ckpt} does not fit the run's model.json (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    return RunModel(model.to(device).eval(), tokenizer, config, ckpt)
