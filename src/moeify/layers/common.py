@@ -1,11 +1,18 @@
-"""What every routed layer returns beside its output, and its training-only usage buffers."""
+"""What every layer shares: the Aux record it returns beside its output, the training-only usage
+buffers of routed layers, the config checks and the initialisers of the papers' recipes.
+
+Shape legend: X rows of a selection matrix (one per expert), D d_model.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from moeify.ops.expert_matmul import IMPLEMENTATIONS
 
 
 @dataclass
@@ -43,3 +50,67 @@ def accumulate_usage(module: nn.Module, name: str, counts: torch.Tensor) -> None
     if module.training:
         c = counts.detach()
         getattr(module, name).add_((c.round() if c.is_floating_point() else c).long())
+
+
+# ----------------------------------------------------------------------------------------------
+# Config checks: ValueError naming the config class, the field and the value.
+
+
+def check_positive(cfg, *names: str) -> None:
+    """Each field must be a positive int (bool and float are refused: they would fail later)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be a positive integer, "
+                             f"got {value!r}")
+
+
+def check_probability(cfg, *names: str) -> None:
+    """Each field must lie in [0, 1) (dropout rates)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must lie in [0, 1), got {value}")
+
+
+def check_nonnegative(cfg, *names: str) -> None:
+    """Each field must be >= 0 (loss coefficients: 0 disables the loss)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not value >= 0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be >= 0 (0 disables the loss), "
+                             f"got {value}")
+
+
+def check_expert_impl(cfg) -> None:
+    """``cfg.expert_impl`` must name a moeify.ops.expert_matmul implementation or "auto"."""
+    allowed = IMPLEMENTATIONS + ("auto",)
+    if cfg.expert_impl not in allowed:
+        raise ValueError(f"{type(cfg).__name__}.expert_impl must be one of {allowed}, "
+                         f"got {cfg.expert_impl!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialisers.
+
+
+def init_scale(n_layers: int) -> float:
+    """s = sqrt(2 / L), the depth scale of the SwitchHead and sigma-MoE initialisation
+    (switchhead.md §3, moe-family.md)."""
+    return math.sqrt(2.0 / n_layers)
+
+
+@torch.no_grad()
+def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:
+    """Truncated normal at two standard deviations (the dense baseline and Switch initialisers)."""
+    return nn.init.trunc_normal_(w, std=std, a=-2.0 * std, b=2.0 * std)
+
+
+@torch.no_grad()
+def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
+    """Rescale every row of a selection matrix to the same L2 norm while keeping the overall
+    standard deviation (switchhead.md §3; the authors' renorm_keep_std): no expert starts with a
+    larger router norm than another."""
+    std = w_XD.std()
+    w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return w_XD.mul_(std / w_XD.std())

@@ -50,8 +50,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moeify.layers.common import Aux, accumulate_usage, register_usage
-from moeify.layers.ff_common import depth_scale
+from moeify.layers.common import (
+    Aux,
+    accumulate_usage,
+    check_nonnegative,
+    check_positive,
+    init_scale,
+    register_usage,
+)
 from moeify.ops.depth_routing import (
     causal_route,
     gather_tokens,
@@ -83,18 +89,14 @@ class MoDConfig:
     n_layers: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "predictor_hidden", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MoDConfig.{name} must be a positive integer, "
-                                 f"got {getattr(self, name)}")
+        check_positive(self, "d_model", "predictor_hidden", "n_layers")
         if not 0.0 < self.capacity <= 1.0:
             raise ValueError(f"MoDConfig.capacity is the fraction of tokens that enter the "
                              f"block and must lie in (0, 1], got {self.capacity}")
         if self.causal_router not in CAUSAL_ROUTERS:
             raise ValueError(f"MoDConfig.causal_router must be one of {CAUSAL_ROUTERS}, "
                              f"got {self.causal_router!r}")
-        if self.aux_coef < 0:
-            raise ValueError(f"MoDConfig.aux_coef must be >= 0, got {self.aux_coef}")
+        check_nonnegative(self, "aux_coef")
 
     def build(self, block: nn.Module) -> "MixtureOfDepths":
         return MixtureOfDepths(self, block)
@@ -125,7 +127,7 @@ class MixtureOfDepths(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         c = self.config
-        nn.init.normal_(self.router_D, std=depth_scale(c.n_layers) / c.d_model ** 0.5)
+        nn.init.normal_(self.router_D, std=init_scale(c.n_layers) / c.d_model ** 0.5)
 
     def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """r = wᵀx + b, float32 [B, T] (also under autocast: the top-k is sensitive to rounding)."""

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeify.layers.common import Aux
-from moeify.layers.ff_common import check_probability, depth_scale, trunc_normal_
+from moeify.layers.common import Aux, check_positive, check_probability, init_scale, trunc_normal_
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,11 +35,8 @@ class DenseFFConfig:
     n_layers: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DenseFFConfig.{name} must be a positive integer, "
-                                 f"got {getattr(self, name)}")
-        check_probability("DenseFFConfig.dropout", self.dropout)
+        check_positive(self, "d_model", "d_ff", "n_layers")
+        check_probability(self, "dropout")
 
     def build(self) -> "DenseFeedForward":
         return DenseFeedForward(self)
@@ -57,7 +53,7 @@ class DenseFeedForward(nn.Module):
 
     def reset_parameters(self) -> None:
         # switchhead.md §3: dense baseline Linears trunc-normal, std sqrt(2 / (L · fan_in)).
-        s = depth_scale(self.config.n_layers)
+        s = init_scale(self.config.n_layers)
         for lin in (self.w1, self.w2):
             trunc_normal_(lin.weight, s / lin.in_features ** 0.5)
             nn.init.zeros_(lin.bias)

@@ -1,41 +1,13 @@
-"""Pieces the feedforward layers share: initialisers and the routing statistics of an MoE layer.
+"""The routing statistics every MoE feedforward reports.
 
 Shape legend: M tokens (rows), K experts per token, E experts (router outputs).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moeify.ops.aux_losses import router_entropy
-
-
-def depth_scale(n_layers: int) -> float:
-    """The SwitchHead / sigma-MoE initialisation scale s = sqrt(2 / L) (switchhead.md §3)."""
-    return math.sqrt(2.0 / n_layers)
-
-
-@torch.no_grad()
-def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:
-    """Truncated normal at two standard deviations (the dense baseline and Switch initialisers)."""
-    return torch.nn.init.trunc_normal_(w, std=std, a=-2.0 * std, b=2.0 * std)
-
-
-@torch.no_grad()
-def renorm_rows_keep_std_(w_ED: torch.Tensor) -> torch.Tensor:
-    """Rescale every row of a selection matrix to the same L2 norm while keeping the overall
-    standard deviation (switchhead.md §3; the authors' renorm_keep_std): no expert starts with a
-    larger router norm than another."""
-    std = w_ED.std()
-    w_ED.div_(w_ED.norm(dim=1, keepdim=True))
-    return w_ED.mul_(std / w_ED.std())
-
-
-def check_probability(name: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must lie in [0, 1), got {value}")
 
 
 @torch.no_grad()

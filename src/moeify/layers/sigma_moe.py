@@ -23,16 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeify.layers.common import Aux, accumulate_usage, register_usage
-from moeify.layers.ff_common import (
+from moeify.layers.common import (
+    Aux,
+    accumulate_usage,
+    check_expert_impl,
+    check_nonnegative,
+    check_positive,
     check_probability,
-    depth_scale,
-    expert_counts,
-    renorm_rows_keep_std_,
-    routing_stats,
+    init_scale,
+    register_usage,
+    renorm_rows_,
 )
+from moeify.layers.ff_common import expert_counts, routing_stats
 from moeify.ops.aux_losses import batch_entropy_loss
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan, resolve_impl
+from moeify.ops.expert_matmul import expert_matmul, make_plan, resolve_impl
 from moeify.ops.routing import router_logits, sigmoid_topk
 
 
@@ -61,21 +65,13 @@ class SigmaMoEConfig:
     expert_impl: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_experts", "expert_size", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SigmaMoEConfig.{name} must be a positive integer, "
-                                 f"got {getattr(self, name)}")
+        check_positive(self, "d_model", "n_experts", "expert_size", "n_layers")
         if not 1 <= self.k <= self.n_experts:
             raise ValueError(f"SigmaMoEConfig.k must lie in [1, n_experts={self.n_experts}], "
                              f"got {self.k}; lower k or add experts")
-        if self.entropy_coef < 0:
-            raise ValueError(f"SigmaMoEConfig.entropy_coef must be >= 0 (0 disables the "
-                             f"regulariser), got {self.entropy_coef}")
-        check_probability("SigmaMoEConfig.expert_dropout", self.expert_dropout)
-        check_probability("SigmaMoEConfig.dropout", self.dropout)
-        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
-            raise ValueError(f"SigmaMoEConfig.expert_impl must be one of "
-                             f"{IMPLEMENTATIONS + ('auto',)}, got {self.expert_impl!r}")
+        check_nonnegative(self, "entropy_coef")
+        check_probability(self, "expert_dropout", "dropout")
+        check_expert_impl(self)
 
     def build(self) -> "SigmaMoE":
         return SigmaMoE(self)
@@ -103,11 +99,11 @@ class SigmaMoE(nn.Module):
         # moe-family.md sigma-MoE init: keys and selection N(0, s²/d), values N(0, s²/(E·G)),
         # selection rows renormalised to equal norm.
         c = self.config
-        s = depth_scale(c.n_layers)
+        s = init_scale(c.n_layers)
         nn.init.normal_(self.keys_EDG, std=s / c.d_model ** 0.5)
         nn.init.normal_(self.w_sel_ED, std=s / c.d_model ** 0.5)
         nn.init.normal_(self.values_EGD, std=s / (c.n_experts * c.expert_size) ** 0.5)
-        renorm_rows_keep_std_(self.w_sel_ED)
+        renorm_rows_(self.w_sel_ED)
 
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""

@@ -38,10 +38,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeify.layers.common import Aux, accumulate_usage, register_usage
-from moeify.layers.ff_common import check_probability, expert_counts, routing_stats, trunc_normal_
+from moeify.layers.common import (
+    Aux,
+    accumulate_usage,
+    check_expert_impl,
+    check_nonnegative,
+    check_positive,
+    check_probability,
+    register_usage,
+    trunc_normal_,
+)
+from moeify.layers.ff_common import expert_counts, routing_stats
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan, resolve_impl
+from moeify.ops.expert_matmul import expert_matmul, make_plan, resolve_impl
 from moeify.ops.routing import capacity_mask, expert_capacity, router_logits, softmax_topk
 
 
@@ -70,10 +79,7 @@ class SwitchFFConfig:
     expert_impl: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff", "n_experts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SwitchFFConfig.{name} must be a positive integer, "
-                                 f"got {getattr(self, name)}")
+        check_positive(self, "d_model", "d_ff", "n_experts")
         if self.noop_experts < 0:
             raise ValueError(f"SwitchFFConfig.noop_experts must be >= 0, got {self.noop_experts}")
         choices = self.n_experts + self.noop_experts
@@ -84,14 +90,9 @@ class SwitchFFConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SwitchFFConfig.{name} must be positive (use dropless=True to "
                                  f"never drop tokens), got {getattr(self, name)}")
-        for name in ("balance_coef", "z_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SwitchFFConfig.{name} must be >= 0 (0 disables the loss), "
-                                 f"got {getattr(self, name)}")
-        check_probability("SwitchFFConfig.expert_dropout", self.expert_dropout)
-        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
-            raise ValueError(f"SwitchFFConfig.expert_impl must be one of "
-                             f"{IMPLEMENTATIONS + ('auto',)}, got {self.expert_impl!r}")
+        check_nonnegative(self, "balance_coef", "z_coef")
+        check_probability(self, "expert_dropout")
+        check_expert_impl(self)
 
     def build(self) -> "SwitchFeedForward":
         return SwitchFeedForward(self)
