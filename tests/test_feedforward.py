@@ -70,7 +70,8 @@ def test_dense_ff_dropout_is_inner_and_training_only():
 
 
 @pytest.mark.parametrize("bad", [dict(d_ff=0), dict(d_model=-1), dict(dropout=1.0),
-                                 dict(dropout=-0.1), dict(n_layers=0)])
+                                 dict(dropout=-0.1), dict(n_layers=0), dict(d_ff=8.0),
+                                 dict(n_layers=True)])
 def test_dense_ff_config_validation(bad):
     kw = dict(d_model=4, d_ff=8) | bad
     with pytest.raises(ValueError, match="DenseFFConfig"):
