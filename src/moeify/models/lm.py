@@ -21,6 +21,7 @@ from torch import nn
 
 from moeify.layers.block import TransformerBlock
 from moeify.models.config import ModelConfig
+from moeify.ops.aux_losses import masked_mean
 
 
 @dataclass
@@ -134,10 +135,7 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
     """Mean next-token cross-entropy in float32 over the valid positions (all when None)."""
     ce_BT = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                             reduction="none").view_as(targets_BT)
-    if valid_BT is None:
-        return ce_BT.mean()
-    w_BT = valid_BT.to(ce_BT.dtype)
-    return (ce_BT * w_BT).sum() / w_BT.sum().clamp(min=1.0)
+    return masked_mean(ce_BT, valid_BT)
 
 
 def build_block(config: ModelConfig, attn, ff, depth) -> nn.Module:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def _masked_mean(x_M: torch.Tensor, valid_M: torch.Tensor | None) -> torch.Tensor:
+def masked_mean(x_M: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``x_M`` over the valid entries (all when None); 0 when none is valid. Any shape,
+    ``valid_M`` of the same shape."""
     if valid_M is None:
         return x_M.mean()
     w = valid_M.to(x_M.dtype)
@@ -26,7 +28,7 @@ def _masked_rows_mean(x_ME: torch.Tensor, valid_M: torch.Tensor | None) -> torch
 
 def z_loss(logits_ME: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): mean over tokens of logsumexp(logits)^2."""
-    return _masked_mean(torch.logsumexp(logits_ME.float(), -1).square(), valid_M)
+    return masked_mean(torch.logsumexp(logits_ME.float(), -1).square(), valid_M)
 
 
 def switch_balance_loss(
@@ -78,4 +80,4 @@ def batch_entropy_loss(logits_ME: torch.Tensor, valid_M: torch.Tensor | None = N
 def router_entropy(probs_ME: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
     """Mean per-token entropy of a router's distribution (a statistic, not a loss)."""
     p = probs_ME.float()
-    return _masked_mean(-(p * torch.log(p.clamp_min(1e-12))).sum(-1), valid_M)
+    return masked_mean(-(p * torch.log(p.clamp_min(1e-12))).sum(-1), valid_M)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.aux_losses import masked_mean
+
 
 def gather_tokens(x_BTD: torch.Tensor, idx_BC: torch.Tensor) -> torch.Tensor:
     """The tokens ``idx_BC`` of every sequence, in the order given: [B, C, D]."""
@@ -35,10 +37,7 @@ def membership_bce(
     with it: method 1 on the router logits themselves, method 2 on a stop-gradient predictor."""
     bce_BT = F.binary_cross_entropy_with_logits(
         logits_BT.float(), target_BT.float(), reduction="none")
-    if valid_BT is None:
-        return bce_BT.mean()
-    w_BT = valid_BT.float()
-    return (bce_BT * w_BT).sum() / w_BT.sum().clamp_min(1.0)
+    return masked_mean(bce_BT, valid_BT)
 
 
 def causal_route(logits_BT: torch.Tensor, valid_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,8 +50,4 @@ def causal_route(logits_BT: torch.Tensor, valid_BT: torch.Tensor | None = None) 
 def masked_agreement(a_BT: torch.Tensor, b_BT: torch.Tensor,
                      valid_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Fraction of valid tokens where the bool masks agree (e.g. causal rule vs. top-k), float32."""
-    same_BT = (a_BT == b_BT).float()
-    if valid_BT is None:
-        return same_BT.mean()
-    w_BT = valid_BT.float()
-    return (same_BT * w_BT).sum() / w_BT.sum().clamp_min(1.0)
+    return masked_mean((a_BT == b_BT).float(), valid_BT)
