@@ -41,7 +41,8 @@ def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
 
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "eval", "generate"]
+COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "eval", "generate", "plot",
+            "compare"]
 
 
 def build_parser() -> argparse.ArgumentParser:
