@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from moeify.layers.common import check_positive, check_probability
+
 # Modules whose dataclasses may appear in a ModelConfig; a type tag is looked up in these.
 LAYER_CONFIG_MODULES = (
     "moeify.layers.attention",
@@ -57,12 +59,8 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "context_length"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelConfig.dropout must lie in [0, 1), got {self.dropout}")
+        check_positive(self, "vocab_size", "d_model", "n_layers", "context_length")
+        check_probability(self, "dropout")
         if not isinstance(self.xl_memory, bool):
             raise ValueError(f"ModelConfig.xl_memory must be True or False, got {self.xl_memory!r}")
         for name in ("attention", "feedforward", "depth"):
