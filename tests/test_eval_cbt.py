@@ -118,6 +118,11 @@ def test_accuracy_is_the_mean_over_groups(tmp_path):
     assert out["n"] == 5
 
 
+def test_no_groups_is_a_clear_error():
+    with pytest.raises(ValueError, match="at least one group"):
+        cbt_accuracy(unigram_model, ByteTokenizer(), {})
+
+
 def _write_group_files(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     for g in CBT_GROUPS:

@@ -55,6 +55,11 @@ def test_context_truncation_keeps_the_target():
         lambada_accuracy(next_char_model, ByteTokenizer(), texts, max_len=3)
 
 
+def test_no_passages_is_a_clear_error():
+    with pytest.raises(ValueError, match="at least one passage"):
+        lambada_accuracy(next_char_model, ByteTokenizer(), [])
+
+
 def test_split_passage():
     assert split_passage("He said hello  there\n") == ("He said hello", "  there", "there")
     with pytest.raises(MoeifyError, match="context and a last word"):

@@ -117,6 +117,8 @@ def example_items(tokenizer, ex: CBTExample) -> list[tuple[list[int], list[int]]
 def cbt_accuracy(logits_fn: LogitsFn, tokenizer, examples: Mapping[str, Sequence[CBTExample]], *,
                  batch_size: int = 16, max_len: int | None = None) -> dict:
     """``accuracy`` (mean over the groups given), ``groups`` {group: acc}, ``n`` examples."""
+    if not examples:
+        raise ValueError("cbt_accuracy needs at least one group of examples, e.g. load_cbt()")
     groups = {}
     n_total = 0
     for g, exs in examples.items():

@@ -64,6 +64,8 @@ def lambada_accuracy(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], *,
 
     Returns ``accuracy``, ``correct``, ``n`` and, with ``return_predictions``, the predicted
     words."""
+    if not texts:
+        raise ValueError("lambada_accuracy needs at least one passage (load_lambada() reads them)")
     items, gold = [], []
     for text in texts:
         context, target, word = split_passage(text)
