@@ -42,6 +42,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     import dataclasses
+    import os
     from pathlib import Path
 
     from moeify.errors import MoeifyError
@@ -77,6 +78,9 @@ def run(args) -> int:
     cfg = dataclasses.replace(base, **explicit).with_overrides(args.overrides)
     resolve_model_config(cfg)  # unknown presets and bad model overrides fail before any data work
     if resume is None:
+        if args.out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Each process would pick its own numbered default directory.
+            raise ValueError("with torchrun, name the run directory: --out runs/NAME")
         run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset,
                                                                   cfg.data)
     if not cfg.device.startswith("cuda"):
