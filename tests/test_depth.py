@@ -330,6 +330,12 @@ def test_xl_memory_is_rejected_with_a_clear_message():
         mod(x, mem_BMD=x)
 
 
+def test_wrong_input_width_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"MixtureOfDepths expects input \[batch, tokens, "
+                                         r"d_model=6\]"):
+        _mod()(torch.randn(1, 4, 5, dtype=torch.float64))
+
+
 def test_usage_buffer_changes_in_training_only_and_loss_always_present():
     mod = _mod(capacity=0.25)
     x = torch.randn(2, 8, 6, dtype=torch.float64)

@@ -78,6 +78,19 @@ def test_dense_ff_config_validation(bad):
         DenseFFConfig(**kw)
 
 
+@pytest.mark.parametrize("cfg", [
+    DenseFFConfig(d_model=4, d_ff=8),
+    feedforward.SigmaMoEConfig(d_model=4, n_experts=3, expert_size=2, k=2),
+    feedforward.SwitchFFConfig(d_model=4, d_ff=8, n_experts=3),
+])
+def test_wrong_input_shapes_name_the_expected_shape(cfg):
+    ff = cfg.build()
+    with pytest.raises(ValueError, match=r"d_model=4\], got \(2, 3, 5\)"):
+        ff(torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match=r"valid_BT must be \[batch, tokens\] = \[2, 3\]"):
+        ff(torch.randn(2, 3, 4), valid_BT=torch.ones(2, 4, dtype=torch.bool))
+
+
 def test_configs_are_frozen_keyword_only_and_entry_point_reexports():
     cfg = DenseFFConfig(d_model=4, d_ff=8)
     with pytest.raises(dataclasses.FrozenInstanceError):

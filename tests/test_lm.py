@@ -223,3 +223,12 @@ def test_forward_rejects_bad_calls():
         m(ids, memory=m(ids).memory, cache=m.new_cache())
     with pytest.raises(ValueError, match="batch, tokens"):
         m(ids[0])
+    with pytest.raises(ValueError, match="integer token ids"):
+        m(ids.float())
+    with pytest.raises(ValueError, match="targets_BT must have the shape of ids_BT"):
+        m(ids, ids[:, :7])
+    with pytest.raises(ValueError, match="valid_BT must have the shape of ids_BT"):
+        m(ids, valid_BT=torch.ones(1, 7, dtype=torch.bool))
+    two = torch.randint(0, 50, (2, 8))
+    with pytest.raises(ValueError, match="same batch rows"):
+        m(two, memory=m(ids).memory)  # memory of a batch of 1

@@ -90,6 +90,17 @@ def check_expert_impl(cfg) -> None:
                          f"got {cfg.expert_impl!r}")
 
 
+def check_token_input(who: str, x_BTD: torch.Tensor, d_model: int,
+                      valid_BT: torch.Tensor | None = None) -> None:
+    """A layer's input must be [B, T, d_model], and ``valid_BT`` (if given) [B, T]."""
+    if x_BTD.dim() != 3 or x_BTD.shape[-1] != d_model:
+        raise ValueError(f"{who} expects input [batch, tokens, d_model={d_model}], "
+                         f"got {tuple(x_BTD.shape)}")
+    if valid_BT is not None and tuple(valid_BT.shape) != tuple(x_BTD.shape[:2]):
+        raise ValueError(f"{who}: valid_BT must be [batch, tokens] = "
+                         f"{list(x_BTD.shape[:2])}, got {tuple(valid_BT.shape)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Initialisers.
 

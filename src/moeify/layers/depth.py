@@ -55,6 +55,7 @@ from moeify.layers.common import (
     accumulate_usage,
     check_nonnegative,
     check_positive,
+    check_token_input,
     init_scale,
     register_usage,
 )
@@ -153,6 +154,7 @@ class MixtureOfDepths(nn.Module):
             raise ValueError("Mixture-of-Depths does not support XL memory (the memory would "
                              "hold tokens the block never saw); use RoPE attention without "
                              "memory for routed blocks")
+        check_token_input("MixtureOfDepths", x_BTD, self.config.d_model, valid_BT)
         logits_BT = self.router_logits(x_BTD)
         causal_BT = self.causal_logits(x_BTD, logits_BT)
         if cache is not None:

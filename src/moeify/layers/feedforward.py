@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeify.layers.common import Aux, check_positive, check_probability, init_scale, trunc_normal_
+from moeify.layers.common import (
+    Aux,
+    check_positive,
+    check_probability,
+    check_token_input,
+    init_scale,
+    trunc_normal_,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +67,7 @@ class DenseFeedForward(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, *,
                 valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
+        check_token_input("DenseFeedForward", x_BTD, self.config.d_model, valid_BT)
         h_BTF = self.drop(F.relu(self.w1(x_BTD)))
         return self.w2(h_BTF), Aux()
 

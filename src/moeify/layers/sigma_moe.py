@@ -30,6 +30,7 @@ from moeify.layers.common import (
     check_nonnegative,
     check_positive,
     check_probability,
+    check_token_input,
     init_scale,
     register_usage,
     renorm_rows_,
@@ -122,6 +123,7 @@ class SigmaMoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor, *,
                 valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
         c = self.config
+        check_token_input("SigmaMoE", x_BTD, c.d_model, valid_BT)
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
         valid_M = None if valid_BT is None else valid_BT.reshape(B * T)

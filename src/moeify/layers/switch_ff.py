@@ -45,6 +45,7 @@ from moeify.layers.common import (
     check_nonnegative,
     check_positive,
     check_probability,
+    check_token_input,
     register_usage,
     trunc_normal_,
 )
@@ -137,6 +138,7 @@ class SwitchFeedForward(nn.Module):
     def forward(self, x_BTD: torch.Tensor, *,
                 valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
         c = self.config
+        check_token_input("SwitchFeedForward", x_BTD, c.d_model, valid_BT)
         E, R = c.n_experts, c.n_experts + c.noop_experts
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)

@@ -93,6 +93,12 @@ class TransformerLM(nn.Module):
         cfg = self.config
         if ids_BT.dim() != 2:
             raise ValueError(f"ids_BT must be [batch, tokens], got shape {tuple(ids_BT.shape)}")
+        if ids_BT.is_floating_point() or ids_BT.is_complex() or ids_BT.dtype == torch.bool:
+            raise ValueError(f"ids_BT must hold integer token ids, got dtype {ids_BT.dtype}")
+        for name, t in (("targets_BT", targets_BT), ("valid_BT", valid_BT)):
+            if t is not None and t.shape != ids_BT.shape:
+                raise ValueError(f"{name} must have the shape of ids_BT {tuple(ids_BT.shape)}, "
+                                 f"got {tuple(t.shape)}")
         if memory is not None and not cfg.xl_memory:
             raise ValueError("memory was passed to a model without xl_memory; pass memory=None "
                              "or build the model with xl_memory=True")
@@ -102,6 +108,12 @@ class TransformerLM(nn.Module):
         if memory is not None and len(memory) != len(self.blocks):
             raise ValueError(f"memory must hold one tensor per block ({len(self.blocks)}), "
                              f"got {len(memory)}")
+        if memory is not None and any(m.dim() != 3 or m.shape[0] != ids_BT.shape[0]
+                                      or m.shape[2] != cfg.d_model for m in memory):
+            raise ValueError(f"memory tensors must be [batch={ids_BT.shape[0]}, tokens, "
+                             f"d_model={cfg.d_model}], got {[tuple(m.shape) for m in memory]}: "
+                             "pass the previous call's output.memory for the same batch rows, "
+                             "or memory=None to start afresh")
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"cache must hold one entry per block ({len(self.blocks)}); "
                              "make it with model.new_cache()")
