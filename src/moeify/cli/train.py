@@ -91,6 +91,8 @@ def run(args) -> int:
                    quiet=args.quiet)
     from moeify.train.progress import format_duration, format_rate
 
+    if result.rank != 0:
+        return 0
     v = result.valid
     if v is not None:
         name = "bpc" if "bpc" in v else "ppl"

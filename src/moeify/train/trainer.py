@@ -56,6 +56,7 @@ class TrainResult:
     checkpoint: Path | None = None
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
+    rank: int = 0                                              # this process (data parallel)
 
 
 def resolve_amp(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
@@ -335,7 +336,7 @@ class Trainer:
     def fit(self, stop_after: int | None = None) -> TrainResult:
         """Train until ``cfg.steps`` (or, to simulate an interruption, ``stop_after``)."""
         cfg = self.cfg
-        result = TrainResult(run_dir=self.run_dir, step=self.step)
+        result = TrainResult(run_dir=self.run_dir, step=self.step, rank=self.env.rank)
         sink = MetricsSink(self.run_dir, tensorboard=cfg.tensorboard) if self.env.is_main else None
         progress = Progress(cfg.steps, self.step, stream=self.stream, enabled=not self.quiet)
         t_start = time.perf_counter()
