@@ -33,8 +33,8 @@ KINDS = ("switchhead", "moa")
 
 @dataclass(frozen=True)
 class MatchResult:
-    """The matched model and how close it lands. Per-layer counts are of one block's attention
-    (resp. feedforward); totals are whole models."""
+    """The matched model and how close it lands. ``*attention_params`` count one block's
+    attention layer (dense baseline and new); ``dense_params`` and ``params`` whole models."""
 
     config: ModelConfig
     d_head: int

@@ -1,7 +1,8 @@
 """Auxiliary routing losses, unweighted: the layer multiplies by its coefficient.
 
-Every loss takes an optional ``valid_M`` bool mask so padding tokens count neither in the
-loss nor in its normalisation. All are computed in float32.
+Every loss over tokens takes an optional ``valid_M`` bool mask so padding tokens count neither
+in the loss nor in its normalisation (``cv_squared`` works on per-expert sums, already masked by
+its caller). All are computed in float32.
 Shape legend: M tokens, E experts.
 """
 
