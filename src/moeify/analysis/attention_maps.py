@@ -144,17 +144,22 @@ def compute_attention_maps(model: nn.Module, ids_T, *, layer: int = 0,
     kv_BSD = args[1] if len(args) > 1 else kwargs.pop("kv_BSD", None)
     out = attn.inspect(q_BTD, kv_BSD, **kwargs)
 
-    ids = ids_1T[0].tolist()
+    labels = token_labels(tokenizer, ids_1T[0].tolist())
     T = q_BTD.shape[1]
     S = T if kv_BSD is None else kv_BSD.shape[1]
-    dst = token_labels(tokenizer, ids[-T:]) if T <= len(ids) else [str(i) for i in range(T)]
-    src = dst if S == T else [str(i) for i in range(S)]
-    def np_(key, idx=0):
+    # A depth-routed block sees a subset of the tokens, named by its explicit positions.
+    pos_q, pos_k = kwargs.get("pos_q"), kwargs.get("pos_k")
+    dst = [labels[i] for i in pos_q[0].tolist()] if pos_q is not None else labels[-T:]
+    src = [labels[i] for i in pos_k[0].tolist()] if pos_k is not None else (
+        dst if S == T else [f"m{i}" for i in range(S - T)] + dst)
+
+    def first(key):
         v = out.get(key)
-        return None if v is None else v[idx].float().cpu().numpy()
+        return None if v is None else v[0].float().cpu().numpy()
+
     return AttentionMaps(kind=layer_kind(attn), layer=layer, dst_tokens=dst, src_tokens=src,
-                         probs_HTS=np_("probs_BHTS"), sel_dst_THE=np_("sel_dst_BTHE"),
-                         sel_src_SHE=np_("sel_src_BSHE"))
+                         probs_HTS=first("probs_BHTS"), sel_dst_THE=first("sel_dst_BTHE"),
+                         sel_src_SHE=first("sel_src_BSHE"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ def plot_curves(curves: list[Curve], out: str | Path, *, title: str | None = Non
               ("train_time", "train_value"), ("valid_time", "valid_value"))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, t, (xs, ys) in zip(axes.flat, titles, series):
+        # The first quarter of training drops far more than runs differ later: leave it out of
+        # the y range (the lines still start there) so the differences that matter are visible.
+        tail = [v for c in curves for v in getattr(c, ys)[len(getattr(c, ys)) // 4:]]
         for i, c in enumerate(curves):
             x, y = getattr(c, xs), getattr(c, ys)
             if not x:
@@ -132,6 +135,9 @@ def plot_curves(curves: list[Curve], out: str | Path, *, title: str | None = Non
         ax.set_ylabel(m, fontsize=8)
         if log_y or (log_y is None and m == "ppl"):
             ax.set_yscale("log")
+        if len(tail) >= 4 and max(tail) > min(tail):
+            pad = 0.05 * (max(tail) - min(tail))
+            ax.set_ylim(min(tail) - pad, max(tail) + pad)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     axes.flat[1].legend(fontsize=7)
