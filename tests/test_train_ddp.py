@@ -66,13 +66,16 @@ def test_two_processes_match_one_process_with_the_same_global_batch(setup):
         for s in range(1, 5):
             assert abs(other[s] - single.losses[s]) < 1e-5, (s, other[s], single.losses[s])
     assert abs(two["valid"]["loss"] - single.valid["loss"]) < 1e-5
-    # Weights: Adam divides by sqrt(v), so entries whose gradient is ~1e-9 (the XL position
-    # projection's rows for slow sinusoids) turn float rounding into visible differences; 1e-4
-    # is still 30x below one update (lr 3e-3), which is what averaging wrong gradients moves.
+    # Weights. Adam divides by sqrt(v), so an entry whose gradient is at the level of float
+    # rounding moves by a rounding-dependent amount of order lr. The XL position projection
+    # (w_pos) has such entries: its gradient sums large sinusoid terms that cancel to ~1e-9, so
+    # its weights are held to 1e-3 only (averaging wrong gradients moves weights by ~lr = 3e-3
+    # per step); every other weight must agree to 1e-5.
     w1 = ck.load_checkpoint(tmp / "one").model_state
     for run in ("two", "accum"):
         w = ck.load_checkpoint(tmp / run).model_state
         for k in w1:
-            torch.testing.assert_close(w[k], w1[k], rtol=0, atol=1e-4, msg=f"{run}: {k}")
+            atol = 1e-3 if k.endswith("w_pos") else 1e-5
+            torch.testing.assert_close(w[k], w1[k], rtol=0, atol=atol, msg=f"{run}: {k}")
     # The loss really moved: a silent no-op update would also "match".
     assert single.losses[4] < single.losses[1] - 0.2
