@@ -190,9 +190,12 @@ def attention_probs(q_BHTC: torch.Tensor, k_BHSC: torch.Tensor, **kwargs) -> tor
     """The attention probabilities [B, H, T, S] that ``positional_attention`` weights the values
     with, for analysis: the same call applied to identity values (probs @ I = probs), so masks,
     positions and the core are exactly the forward pass's. Takes ``positional_attention``'s
-    keyword arguments except ``cache`` and ``dropout_p``."""
+    keyword arguments except ``cache`` and ``dropout_p``. The core runs its reference path
+    (explicit softmax): identity values are S wide rather than d_head, which fused cores need
+    not support, and every core computes the same probabilities (tests/test_attention_*)."""
     B, Hk, S, _ = k_BHSC.shape
     eye_BHSS = torch.eye(S, dtype=q_BHTC.dtype, device=q_BHTC.device).expand(B, Hk, S, S)
+    kwargs["impl"] = "reference"
     return positional_attention(q_BHTC, k_BHSC, eye_BHSS, cache=None, dropout_p=0.0, **kwargs)
 
 # ----------------------------------------------------------------------------------------------
