@@ -118,6 +118,14 @@ class Trainer:
         device_type = "cuda" if cfg.device.startswith("cuda") or (
             cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.env: DistEnv = setup_distributed(device_type)
+        try:
+            self._setup(resume, quiet)
+        except BaseException:
+            self.env.close()  # a process group this run created must not outlive it
+            raise
+
+    def _setup(self, resume: bool | str | Path, quiet: bool) -> None:
+        cfg = self.cfg
         self.device = pick_device(cfg.device, self.env)
         self.quiet = quiet or not self.env.is_main
         self.amp_dtype, use_scaler = resolve_amp(cfg.amp, self.device)
@@ -176,13 +184,22 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
 
     def _rank0_first(self, fn):
-        """Run ``fn`` on process 0 first (it fills the caches), then on the others."""
+        """Run ``fn`` on process 0 first (it fills the caches), then on the others. When it
+        fails on process 0 every process raises, instead of the others waiting forever."""
+        if not self.env.enabled:
+            return fn()
+        out, error, exc = None, None, None
         if self.env.is_main:
-            out = fn()
-            self.env.barrier()
-            return out
-        self.env.barrier()
-        return fn()
+            try:
+                out = fn()
+            except Exception as e:  # re-raised below, after telling the other processes
+                error, exc = str(e), e
+        error = self.env.broadcast_object(error)
+        if exc is not None:
+            raise exc
+        if error is not None:
+            raise MoeifyError(f"process 0 failed while preparing the data: {error}")
+        return out if self.env.is_main else fn()
 
     def _check_run_dir(self, resume: bool | str | Path) -> Path | None:
         if resume is False or resume is None:
