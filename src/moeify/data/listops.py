@@ -24,9 +24,9 @@ the root is always an operator (a lone digit is not a task), ``max_depth`` count
 nesting (1 = a flat list), and expressions may repeat (the small default space has few short
 expressions; deduplicating would starve them, and excluding held-out expressions from training
 would remove most two-digit lists from it). The answer metric therefore also reports accuracy
-on the held-out expressions that never occur in training. The defaults (nesting depth 2, at most 3 arguments, 4-16
-tokens) are far smaller than the original's (depth 10, up to 5 arguments, lengths up to 2000)
-so that a small model learns the task on a CPU in minutes.
+on the held-out expressions that never occur in training. The defaults (nesting depth 2, at
+most 3 arguments, 4-16 tokens) are far smaller than the original's (depth 10, up to 5
+arguments, lengths up to 2000) so that a small model learns the task on a CPU in minutes.
 """
 
 from __future__ import annotations
