@@ -13,13 +13,18 @@ Given x_MD, idx_MK (ids in [0, E)), w_EDF and optional gates_MK:
     without gates:  y[m, k]    = x[m] @ w[idx[m, k]]                                  -> [M, K, F]
     with gates:     y[m]       = sum_k gates[m, k] * x[m] @ w[idx[m, k]]              -> [M, F]
     with gates and groups=G:   y[m, g] = sum over k in group g of the same            -> [M, G, F]
+    with gates and sum_rows=R: y[m] = sum over the R rows m·R + r and all k of the same -> [M/R, F]
+                               (SwitchHead's output experts: rows (token, head), one sum per token)
 
 Implementations (``impl=``):
     "reference"  dense and obviously correct: x @ w for every expert, then pick; float64-safe.
     "gather"     per-row gathered batched matmul, w[idx] -> [N, D, F]; the naive baseline.
     "segment"    rows sorted by expert once (an ExpertPlan), one torch.mm per expert segment.
     "grouped"    the same sorted layout through torch.nn.functional.grouped_mm.
-    "auto"       the fastest correct one for the device and dtype (see ``resolve_impl``).
+    "padded"     the sorted rows padded to an [E, rows of the largest expert] grid and multiplied
+                 by one torch.bmm (moeify.ops.padded_matmul).
+    "auto"       the fastest correct one for the device and dtype (see ``resolve_impl``); on CPU
+                 it also takes "padded" for a routing whose padding is small (``padding_pays``).
 
 The sorted implementations share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
@@ -29,12 +34,14 @@ grad_x with one index_add over the sorted rows and grad_w per expert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped")
+from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_pays
+
+IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded")
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -53,6 +60,9 @@ class ExpertPlan:
     inverse_N: torch.Tensor  # int64 [N]: flat pair index -> sorted position
     counts_E: torch.Tensor  # int64 [E]: pairs per expert
     offsets_E: torch.Tensor  # int32 [E]: cumulative end offset of each expert's segment
+    # Layouts derived from the sort (the padded grid), built on first use and shared by every
+    # expert matmul that reuses the plan.
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_pairs(self) -> int:
@@ -238,10 +248,11 @@ def resolve_impl(impl: str, x: torch.Tensor, w: torch.Tensor) -> str:
         return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x, w) else "segment"
     # CPU: grouped_mm and the per-segment loop call the same GEMM; the segment loop measured as
     # fast or faster (moeify bench expert-matmul) and has no alignment preconditions.
+    # expert_matmul may still switch "auto" to "padded" once it has the routing.
     return "segment"
 
 
-def _validate(x, idx, w, gates, groups):
+def _validate(x, idx, w, gates, groups, sum_rows=1):
     if x.dim() != 2:
         raise ValueError(f"x must be [M, D], got shape {tuple(x.shape)}")
     if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
@@ -255,6 +266,11 @@ def _validate(x, idx, w, gates, groups):
                          f"got {tuple(gates.shape)}")
     if groups < 1 or idx.shape[1] % groups:
         raise ValueError(f"groups={groups} must be a positive divisor of K={idx.shape[1]}")
+    if sum_rows < 1 or x.shape[0] % sum_rows:
+        raise ValueError(f"sum_rows={sum_rows} must be a positive divisor of the number of rows "
+                         f"M={x.shape[0]}")
+    if sum_rows > 1 and (gates is None or groups != 1):
+        raise ValueError("sum_rows > 1 needs gates and groups=1 (it sums gated rows)")
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
 
@@ -266,13 +282,15 @@ def expert_matmul(
     gates_MK: torch.Tensor | None = None,
     *,
     groups: int = 1,
+    sum_rows: int = 1,
     impl: str = "auto",
     plan: ExpertPlan | None = None,
 ) -> torch.Tensor:
     """Multiply each row by the weights of each of its experts (see the module docstring).
 
     Returns [M, K, F] without gates; with gates the gate-weighted sum over K, [M, F], or with
-    ``groups=G`` the sums over G consecutive equal groups of K, [M, G, F].
+    ``groups=G`` the sums over G consecutive equal groups of K, [M, G, F]; with
+    ``sum_rows=R`` (gated, groups=1) also summed over every R consecutive rows, [M / R, F].
     ``plan`` (from ``make_plan(idx_MK, E)``) lets several calls share one sort.
     """
     dev = x_MD.device.type
@@ -280,19 +298,33 @@ def expert_matmul(
         # A custom autograd Function is invisible to autocast: apply its matmul policy here.
         dt = torch.get_autocast_dtype(dev)
         x_MD, w_EDF = x_MD.to(dt), w_EDF.to(dt)
-    _validate(x_MD, idx_MK, w_EDF, gates_MK, groups)
+    _validate(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
     E = w_EDF.shape[0]
     kind = resolve_impl(impl, x_MD, w_EDF)
     if kind in ("reference", "gather"):
         _check_ids(idx_MK, E)
         fn = _reference if kind == "reference" else _gather
-        return fn(x_MD, idx_MK, w_EDF, gates_MK, groups)
+        return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
     if plan is None:
         plan = make_plan(idx_MK, E)
     elif plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
     K = idx_MK.shape[1]
+    if kind == "segment" and impl == "auto" and x_MD.device.type == "cpu" and padding_pays(plan):
+        kind = "padded"
+    if kind == "padded":
+        # The row sum happens inside: the output gradient is gathered per slot from [M / R, F].
+        return PaddedExpertMatmul.apply(x_MD, w_EDF, gates_MK, padded_layout(plan), K, groups,
+                                        sum_rows)
     rows_N = torch.div(plan.order_N, K, rounding_mode="floor")
-    return _SortedExpertMatmul.apply(x_MD, w_EDF, gates_MK, plan.order_N, plan.inverse_N,
-                                     rows_N, plan, kind, K, groups)
+    return _sum_rows(_SortedExpertMatmul.apply(x_MD, w_EDF, gates_MK, plan.order_N,
+                                               plan.inverse_N, rows_N, plan, kind, K, groups),
+                     sum_rows)
+
+
+def _sum_rows(y_MF: torch.Tensor, sum_rows: int) -> torch.Tensor:
+    if sum_rows == 1:
+        return y_MF
+    M, Fo = y_MF.shape
+    return y_MF.view(M // sum_rows, sum_rows, Fo).sum(1)
