@@ -33,7 +33,9 @@ from moeify.ops.positional import (
     rope_dims,
     xl_logits_at,
     xl_logits_contiguous,
+    xl_position_table,
 )
+from moeify.ops.xl_attention import xl_attention
 
 POSITIONAL = ("xl", "rope", "none")
 
@@ -142,7 +144,9 @@ def positional_attention(
     ones); queries likewise (explicit ``pos_q``, else the last T source positions). In
     self-attention a single given position tensor serves both sides. The contiguous fast paths
     (SDPA's causal mask, the XL diagonal shift) apply only when nothing is cached and no position
-    is given; otherwise masks and XL logits are computed from the actual positions.
+    is given; otherwise masks and XL logits are computed from the actual positions. On the
+    contiguous XL path without dropout the core is the fused Function of
+    moeify.ops.xl_attention; ``impl="reference"`` keeps the explicit logits + softmax.
     """
     B, _, T, _ = q_BHTC.shape
     S_new = k_BHSC.shape[-2]
@@ -175,6 +179,17 @@ def positional_attention(
         # The position logits are linear in the query: scale the [B, H, T, C] query rather than
         # the [B, H, T, S] logits.
         qp = qp * scale
+        if not explicit and impl == "auto" and dropout_p == 0.0:
+            # Fused core (ops/xl_attention.py): the shift as a view, no expanded table.
+            qc = qp if content_bias_HC is None and pos_bias_HC is None else (
+                q_BHTC if content_bias_HC is None
+                else q_BHTC + content_bias_HC[:, None].to(q_BHTC.dtype)) * scale
+            p_HRC = xl_position_table(w_pos_DHC, S, T, causal=causal, dtype=qp.dtype)
+            out = xl_attention(qc, qp, k_BHSC, v_BHSC, p_HRC, allowed_BTS=mask.allowed_BTS,
+                               causal_square=mask.causal_square)
+            if mask.nonempty_BT is not None:
+                out = out * mask.nonempty_BT[:, None, :, None].to(out.dtype)
+            return out
         if explicit:
             bias = xl_logits_at(qp, w_pos_DHC, pq_BT, pk_BS)
         else:

@@ -17,10 +17,13 @@ destination-side one (computed from the query input) serves O and Q, the source-
 one selection matrix serves both sides, and in self-attention its scores are computed once.
 
 Speed: each selection's top-k is taken once and sorted once (``make_plan``); every expert matmul
-sharing it reuses that plan. Source-side experts run with rows = source tokens, ids = h·E + e and
-``groups=H``, so the gate-weighted sum per head never materialises a [rows, k, C] tensor;
-O experts run with rows = destination tokens × heads. The attention core stays on
-scaled_dot_product_attention for RoPE and no positions; XL computes its logits explicitly.
+sharing it reuses that plan (and, on CPU, the padded layout built from it: one batched matmul
+for all H·E experts, moeify.ops.padded_matmul). Source-side experts run with rows = source
+tokens, ids = h·E + e and ``groups=H``, so the gate-weighted sum per head never materialises a
+[rows, k, C] tensor; O experts run with rows = destination tokens × heads and ``sum_rows=H``,
+so the sum over heads happens inside the expert matmul, with the gates folded into the narrow
+[rows, C] inputs. The attention core stays on scaled_dot_product_attention for RoPE and no
+positions; XL runs the fused core of moeify.ops.xl_attention.
 """
 
 from __future__ import annotations
@@ -239,9 +242,10 @@ class SwitchHeadAttention(nn.Module):
             return o_BTHC.reshape(B, T, H * C) @ self.w_o
         M = B * T * H
         o_MC, w_o = autocast_operands(o_BTHC.reshape(M, C), self.w_o)
-        y = expert_matmul(o_MC, sel.ids.view(M, c.k), w_o, sel.gates.view(M, c.k),
+        # Rows are (token, head); sum_rows=H sums the heads inside the expert matmul.
+        y = expert_matmul(o_MC, sel.ids.view(M, c.k), w_o, sel.gates.view(M, c.k), sum_rows=H,
                           impl=c.expert_impl, plan=sel.plan)
-        return y.view(B, T, H, c.d_model).sum(2)
+        return y.view(B, T, c.d_model)
 
     def _counts(self, sel: Selection, valid_M: torch.Tensor | None) -> torch.Tensor:
         c = self.config

@@ -58,6 +58,38 @@ def rope_inv_freq(n_rot: int, base: float = ROPE_BASE, device=None) -> torch.Ten
     return base ** -exps
 
 
+def _rotate_into(out, x, cos, sin, half: int, n_rot: int) -> torch.Tensor:
+    """out = x rotated by the angles (cos, sin): x * cos + rotate_half(x) * sin on the first
+    n_rot channels, with rotate_half(x) = [-x2 ; x1]; the rest copied. Written in place into
+    the slices of ``out`` (four multiply-adds and a copy, no concatenation)."""
+    x1, x2 = x[..., :half], x[..., half:n_rot]
+    o1, o2 = out[..., :half], out[..., half:n_rot]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    if n_rot < x.shape[-1]:
+        out[..., n_rot:].copy_(x[..., n_rot:])
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """The rotation as one Function: its backward is the rotation by the opposite angles (the
+    transpose of a rotation), computed the same way, where autograd would differentiate the
+    multiplies, the subtraction and the concatenation one by one."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, half, n_rot):
+        ctx.save_for_backward(cos, sin)
+        ctx.dims = (half, n_rot)
+        return _rotate_into(torch.empty_like(x), x, cos, sin, half, n_rot)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        half, n_rot = ctx.dims
+        return _rotate_into(torch.empty_like(grad), grad, cos, -sin, half, n_rot), \
+            None, None, None, None
+
+
 def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
                base: float = ROPE_BASE) -> torch.Tensor:
     """Rotate the first ``n_rot`` channels of every head by the angles of the token positions.
@@ -69,9 +101,7 @@ def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
     ang_BTF = _positions_2d(pos_BT).to(torch.float64)[..., None] * inv_F
     cos_B1TF = ang_BTF.cos().to(x_BHTC.dtype)[:, None]
     sin_B1TF = ang_BTF.sin().to(x_BHTC.dtype)[:, None]
-    x1, x2, rest = x_BHTC[..., :half], x_BHTC[..., half:n_rot], x_BHTC[..., n_rot:]
-    # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2 ; x1]
-    return torch.cat([x1 * cos_B1TF - x2 * sin_B1TF, x2 * cos_B1TF + x1 * sin_B1TF, rest], -1)
+    return _Rope.apply(x_BHTC, cos_B1TF, sin_B1TF, half, n_rot)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,17 +133,24 @@ def rel_shift(x_BHTR: torch.Tensor, S: int) -> torch.Tensor:
     return padded[..., 1:, :].reshape(*lead, T, R)[..., :S]
 
 
+def xl_position_table(w_pos_DHC: torch.Tensor, S: int, T: int, *, causal: bool,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """P(r) = W_pos · emb(r) for the distances S-1 down to 0 (causal: a query never looks
+    forward) or down to 1 - T (cross-attention): [H or 1, R, C], row m holding S - 1 - m."""
+    D = w_pos_DHC.shape[0]
+    lowest = 0 if causal else 1 - T
+    dist_R = torch.arange(S - 1, lowest - 1, -1, device=w_pos_DHC.device)
+    emb_RD = sinusoidal_embedding(dist_R, D, dtype)
+    return torch.einsum("rd,dhc->hrc", emb_RD, w_pos_DHC.to(dtype))
+
+
 def xl_logits_contiguous(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, S: int, *,
                          causal: bool) -> torch.Tensor:
     """q · P(p_i - p_j) for default positions (query i at S - T + i, key j at j): [B, H, T, S].
     ``w_pos_DHC`` is the position projection d_model -> (H or 1) x d_head. A causal mask only
     needs distances >= 0; cross-attention needs down to 1 - T."""
     T = qp_BHTC.shape[-2]
-    D = w_pos_DHC.shape[0]
-    lowest = 0 if causal else 1 - T
-    dist_R = torch.arange(S - 1, lowest - 1, -1, device=qp_BHTC.device)
-    emb_RD = sinusoidal_embedding(dist_R, D, qp_BHTC.dtype)
-    p_HRC = torch.einsum("rd,dhc->hrc", emb_RD, w_pos_DHC)
+    p_HRC = xl_position_table(w_pos_DHC, S, T, causal=causal, dtype=qp_BHTC.dtype)
     return rel_shift(qp_BHTC @ p_HRC.transpose(-1, -2), S)
 
 
@@ -149,6 +186,7 @@ def default_positions(B: int, T: int, S_new: int, past: int,
 
 __all__ = [
     "ROPE_BASE", "rope_dims", "rope_inv_freq", "apply_rope", "sinusoid_inv_freq",
-    "sinusoidal_embedding", "rel_shift", "xl_logits_contiguous", "xl_logits_at",
+    "sinusoidal_embedding", "rel_shift", "xl_position_table", "xl_logits_contiguous",
+    "xl_logits_at",
     "default_positions",
 ]
