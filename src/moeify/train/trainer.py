@@ -379,7 +379,7 @@ class Trainer:
                                   "loss": mean_loss, name: score, "lr": rec["lr"],
                                   "tokens_per_s": tps, "grad_norm": float(rec["grad_norm"]),
                                   "aux_loss": rec["aux_loss"]}
-                        record.update({f"aux/{k}": float(v) for k, v in rec["losses"].items()})
+                        record.update({f"aux/{k}": float(v.detach()) for k, v in rec["losses"].items()})
                         record.update({f"stats/{k}": summarise_tensor(v)
                                        for k, v in rec["stats"].items()})
                         sink.write(record)
