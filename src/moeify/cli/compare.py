@@ -307,7 +307,7 @@ def child_main(spec_path: str) -> int:
     tokens = tokenize_split(load_corpus(cfg.data), tm.tokenizer, "valid")
     final = evaluate_stream(tm.model, tokens, tm.tokenizer, seq_len=tm.model_config.context_length,
                             batch_size=cfg.eval_batch_size, max_tokens=spec["final_eval_tokens"])
-    blimp = None
+    blimp = {"error": "skipped (--blimp-per-paradigm 0)"}
     if spec["blimp_per_paradigm"]:
         try:
             pairs = load_blimp(spec["blimp_data"], limit_per_paradigm=spec["blimp_per_paradigm"])
