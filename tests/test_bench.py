@@ -84,6 +84,7 @@ def test_bench_attention_rows_and_ratios():
                           batch=2, repeats=1, warmup=0, memory=False)
     (group,) = res["groups"]
     assert group["baseline"] == "tiny-dense" and group["batch"] == 2 and group["S"] == 16
+    assert res["threads"] == 1 and isinstance(res["omp_wait_policy"], str)
     rows = {r["case"]: r for r in group["rows"]}
     assert list(rows) == ["tiny-dense", "tiny-dense (textbook)", "tiny-switchhead", "tiny-moa"]
     base = rows["tiny-dense"]

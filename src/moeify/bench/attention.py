@@ -21,6 +21,7 @@ of interleaved repeats (``interleaved_median_times``); "fwd" runs under ``torch.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Sequence
 
 import torch
@@ -38,6 +39,12 @@ DEFAULT_PRESETS = ("wt103-47m-dense", "wt103-47m-switchhead", "wt103-47m-moa-h4"
 DEFAULT_TOKENS = 2048  # batch = tokens // T: 8 x 256 for the 47M XL rows, 4 x 512 for RoPE 45M
 TEXTBOOK_SUFFIX = " (textbook)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def omp_wait_policy() -> str:
+    """The OpenMP wait policy this process runs under ("default": libgomp's spinning); see
+    moeify.cli.bench for why the benchmarks prefer PASSIVE on a shared machine."""
+    return os.environ.get("OMP_WAIT_POLICY", "default")
 
 
 def autocast_for(device: str, dtype: str):
@@ -187,8 +194,8 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
         groups.append({"baseline": base_name, "batch": B, "T": T, "S": C * T, "xl_memory": xl,
                        "d_model": base_cfg.d_model, "rows": rows})
     return {"bench": "attention", "device": str(device), "dtype": dtype,
-            "threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats,
-            "groups": groups}
+            "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
+            "warmup": warmup, "repeats": repeats, "groups": groups}
 
 
 COLUMNS = ["case", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "MACs x", "peak MiB", "peak x",
@@ -200,7 +207,8 @@ def table(result: dict) -> str:
     for g in result["groups"]:
         mem = f"XL memory {g['S'] - g['T']}" if g["xl_memory"] else "no memory"
         head = (f"one attention layer, d={g['d_model']} T={g['T']} {mem}, batch {g['batch']}, "
-                f"{result['dtype']} on {result['device']} ({result['threads']} threads), median "
+                f"{result['dtype']} on {result['device']} ({result['threads']} threads, OpenMP "
+                f"{result['omp_wait_policy']}), median "
                 f"of {result['repeats']}; x = ratio to {g['baseline']}; MACs x / Mem x: cost "
                 "accounting (spec §6); peak: fwd+bwd above weights and inputs")
         parts.append(head + "\n" + format_table(g["rows"], COLUMNS))

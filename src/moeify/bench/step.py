@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from moeify.bench.attention import autocast_for, resolve_cases
+from moeify.bench.attention import autocast_for, omp_wait_policy, resolve_cases
 from moeify.bench.memory import peak_memory
 from moeify.bench.timing import format_table, interleaved_median_times
 from moeify.layers.feedforward import DenseFFConfig
@@ -116,8 +116,9 @@ def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, devi
             "model MACs x": _ratio(macs[name][1], macs[base_name][1]),
         })
     return {"bench": "step", "baseline": base_name, "batch": batch, "device": str(device),
-            "dtype": dtype, "threads": torch.get_num_threads(), "warmup": warmup,
-            "repeats": repeats, "rows": rows}
+            "dtype": dtype, "threads": torch.get_num_threads(),
+            "omp_wait_policy": omp_wait_policy(), "warmup": warmup, "repeats": repeats,
+            "rows": rows}
 
 
 COLUMNS = ["case", "params", "step ms", "time x", "peak MiB", "peak x", "attn MACs x",
@@ -126,7 +127,8 @@ COLUMNS = ["case", "params", "step ms", "time x", "peak MiB", "peak x", "attn MA
 
 def table(result: dict) -> str:
     head = (f"training step (fwd, bwd, clip, AdamW), batch {result['batch']}, {result['dtype']} "
-            f"on {result['device']} ({result['threads']} threads), median of {result['repeats']}; "
+            f"on {result['device']} ({result['threads']} threads, OpenMP "
+            f"{result['omp_wait_policy']}), median of {result['repeats']}; "
             f"x = ratio to {result['baseline']}; peak: whole process above start-up (weights, "
             "grads, AdamW state, activations); MACs x: cost accounting per sequence")
     return head + "\n" + format_table(result["rows"], COLUMNS)
