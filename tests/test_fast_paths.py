@@ -236,6 +236,23 @@ def test_fused_xl_gradcheck_with_shared_query():
     assert torch.autograd.gradcheck(f, (q, k, v, p))
 
 
+def test_fused_xl_follows_autocast():
+    torch.manual_seed(4)
+    q = torch.randn(2, 2, 4, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    p = torch.randn(2, 6, 8)
+    mask = build_mask(4, 6, causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = xl_attention(q, q, k, v, p, allowed_BTS=mask.allowed_BTS)
+    assert out.dtype == torch.bfloat16
+    bias = rel_shift(q.double() @ p.double().transpose(-1, -2), 6)
+    want = attend(q.double(), k.double(), v.double(), mask, scale=1.0, bias_BHTS=bias,
+                  impl="reference")
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=5e-2)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
 def test_fused_xl_rejects_a_short_table():
     q = torch.randn(1, 1, 3, 2)
     with pytest.raises(ValueError, match="position table"):

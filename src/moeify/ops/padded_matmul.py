@@ -19,9 +19,9 @@ instead of E pays for some padding. Two layouts:
               gradient summed back per expert with one index_add.
 
 Padding slots gather row 0 and are zeroed; their output gradient is zeroed too, so they
-contribute nothing to any gradient. Outputs are read back at the occupied slots (``slot_N``);
-the input gradient is accumulated into [M, D] with one index_add, never through an [N, D]
-intermediate. Only the (unpadded) inputs are saved: the gathered [P, D] rows are rebuilt in the
+contribute nothing to any output or gradient. Gated outputs are summed from the slots into their
+output rows with one index_add, and so is the input gradient into [M, D]: no [N, D] or [N, F]
+intermediate is formed on either side (ungated outputs are read back at ``slot_N``). Only the (unpadded) inputs are saved: the gathered [P, D] rows are rebuilt in the
 backward rather than kept alive between the passes.
 
 Gates are applied on the narrower side of the product: on the [P, D] inputs when D < F
@@ -133,27 +133,30 @@ class PaddedExpertMatmul(torch.autograd.Function):
         gate_P = gates_MK.reshape(-1).index_select(0, lay.pair_P).to(dt) if gated else None
         a_PD = xs_PD * gate_P[:, None] if gate_in else xs_PD
         ys_PF = torch.bmm(a_PD.view(L, b, D), _block_weights(w_EDF, lay)).view(L * b, Fo)
-        y_NF = ys_PF.index_select(0, lay.slot_N)
+        grow_P = None
         if not gated:
-            y = y_NF.view(M, k, Fo)
+            y = ys_PF.index_select(0, lay.slot_N).view(M, k, Fo)
         else:
-            y_MGJF = y_NF.view(M, groups, k // groups, Fo)
-            if not gate_in:
-                y_MGJF = y_MGJF * gates_MK.view(M, groups, k // groups, 1).to(dt)
-            if sum_rows > 1:  # groups == 1: every pair of R consecutive rows in one sum
-                y = y_MGJF.view(M // sum_rows, sum_rows * k, Fo).sum(1)
+            # Output row of each slot: its row's group, or its block of R rows.
+            if sum_rows > 1:
+                grow_P = torch.div(lay.pair_P, k * sum_rows, rounding_mode="floor")
             else:
-                y = y_MGJF.sum(2)
-                y = y.squeeze(1) if groups == 1 else y
+                grow_P = row_P * groups + torch.div(lay.pair_P % k, k // groups,
+                                                    rounding_mode="floor")
+            gated_PF = ys_PF if gate_in else ys_PF * gate_P[:, None]
+            # The gated sums straight from the slots (padding slots hold zeros).
+            n_out = M * groups // sum_rows
+            y = gated_PF.new_zeros(n_out, Fo).index_add_(0, grow_P, gated_PF)
+            y = y.view(M, groups, Fo) if groups > 1 else y
         ctx.save_for_backward(x_MD, w_EDF, gate_P, ys_PF if gated and not gate_in else None,
-                              row_P)
+                              row_P, grow_P)
         ctx.meta = (lay, k, groups, sum_rows, gated, gate_in,
                     gates_MK.dtype if gated else None)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, w_EDF, gate_P, ys_PF, row_P = ctx.saved_tensors
+        x_MD, w_EDF, gate_P, ys_PF, row_P, grow_P = ctx.saved_tensors
         lay, k, groups, sum_rows, gated, gate_in, gate_dtype = ctx.meta
         M, D = x_MD.shape
         E, _, Fo = w_EDF.shape
@@ -161,13 +164,9 @@ class PaddedExpertMatmul(torch.autograd.Function):
         grad_y = grad_y.contiguous()  # also materialises stride-0 gradients
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_gates = None
-        if gated and sum_rows > 1:
-            grow_P = torch.div(lay.pair_P, k * sum_rows, rounding_mode="floor")
-            g_PF = grad_y.view(M // sum_rows, Fo).index_select(0, grow_P)
-        elif gated:
-            # Slot p receives the gradient of its row's group.
-            grow_P = row_P * groups + torch.div(lay.pair_P % k, k // groups, rounding_mode="floor")
-            g_PF = grad_y.view(M * groups, Fo).index_select(0, grow_P)
+        # Slot p receives the gradient of the output row it was summed into.
+        if gated:
+            g_PF = grad_y.view(-1, Fo).index_select(0, grow_P)
         else:
             g_PF = grad_y.view(M * k, Fo).index_select(0, lay.pair_P)
         if lay.pad_P.numel():

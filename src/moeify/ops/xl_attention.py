@@ -92,8 +92,11 @@ class _XLAttention(torch.autograd.Function):
         if need_v:
             grad_v = torch.bmm(P.transpose(1, 2), dO).view(B, Hk, S, C)
         dP = torch.bmm(dO, V.transpose(1, 2))
-        dL = torch._softmax_backward_data(dP.view(B, H, T, S), probs, -1, probs.dtype)
-        dL = dL.to(Q.dtype)
+        # In at least float32, as the forward's softmax (the probabilities are stored in the
+        # value dtype, as the reference path stores them).
+        work = torch.promote_types(probs.dtype, torch.float32)
+        dL = torch._softmax_backward_data(dP.view(B, H, T, S).to(work), probs.to(work), -1,
+                                          work).to(Q.dtype)
         if need_qc:
             grad_qc = torch.bmm(dL.view(nb, -1, S), K).view(B, H, T, C)
         if need_k:
@@ -124,15 +127,18 @@ def xl_attention(qc_BHTC: torch.Tensor, qp_BHTC: torch.Tensor, k_BHSC: torch.Ten
                  causal_square: bool = False) -> torch.Tensor:
     """softmax(qc·kᵀ + rel_shift(qp·Pᵀ), masked)·v per head: [B, H, T, C] (module docstring).
     ``allowed_BTS`` (bool [B or 1, T, S], True = visible) or ``causal_square`` give the mask;
-    the caller zeroes rows without any visible key. Every operand must share one dtype."""
+    the caller zeroes rows without any visible key. Operands are cast to one dtype: the autocast
+    dtype under autocast, else that of ``qc``."""
     B, H, T, C = qc_BHTC.shape
     S, R = k_BHSC.shape[-2], p_HRC.shape[-2]
     if not S <= R <= S + T - 1:
         raise ValueError(f"the position table must cover distances S-1 down to 0 (causal) or "
                          f"1-T (cross-attention): got R={R} rows for S={S}, T={T}")
     blocked = None if allowed_BTS is None else ~allowed_BTS[:, None]
-    dt = qc_BHTC.dtype
-    return _XLAttention.apply(qc_BHTC, qp_BHTC.to(dt), k_BHSC.to(dt), v_BHSC.to(dt),
+    dev = qc_BHTC.device.type
+    # A custom Function is invisible to autocast: apply its matmul policy to the operands here.
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else qc_BHTC.dtype
+    return _XLAttention.apply(qc_BHTC.to(dt), qp_BHTC.to(dt), k_BHSC.to(dt), v_BHSC.to(dt),
                               p_HRC.to(dt), blocked, causal_square)
 
 
