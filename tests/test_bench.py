@@ -10,7 +10,14 @@ import json
 import pytest
 import torch
 
-from moeify.bench.attention import bench_attention, group_by_shape, layer_phases, resolve_cases
+from moeify.bench.attention import (
+    add_dense_baselines,
+    bench_attention,
+    dense_baseline_for,
+    group_by_shape,
+    layer_phases,
+    resolve_cases,
+)
 from moeify.bench.memory import peak_memory
 from moeify.bench.step import bench_step, model_forward_macs
 from moeify.bench.textbook import textbook_attention
@@ -79,6 +86,17 @@ def test_grouping_puts_dense_first_and_splits_shapes():
                                                    ["tiny-moa"]]
 
 
+def test_dense_baseline_is_the_paper_rows_dense_preset():
+    cases = resolve_cases(["wt103-47m-switchhead-experts-vok", "wt103-45m-rope-switchhead"])
+    names = [n for n, _ in add_dense_baselines(cases)]
+    assert names == ["wt103-47m-dense", "wt103-45m-rope-dense", "wt103-47m-switchhead-experts-vok",
+                     "wt103-45m-rope-switchhead"]
+    assert dense_baseline_for(*tiny("tiny-switchhead", T=8)) is None  # tiny-dense has T = 128
+    assert dense_baseline_for("tiny-switchhead", get_preset("tiny-switchhead"))[0] == "tiny-dense"
+    # A group that has a dense case keeps it as its baseline.
+    assert len(add_dense_baselines(resolve_cases(["tiny-moa", "tiny-dense"]))) == 2
+
+
 def test_bench_attention_rows_and_ratios():
     res = bench_attention([tiny("tiny-switchhead"), tiny("tiny-dense"), tiny("tiny-moa")],
                           batch=2, repeats=1, warmup=0, memory=False)
@@ -138,6 +156,11 @@ def test_cli_bench_rejects_bad_input(capsys):
 
 
 # ---------------------------------------------------------------------------- step bench
+
+
+def test_bench_step_puts_the_dense_baseline_first():
+    res = bench_step(["tiny-switchhead"], batch=1, repeats=1, warmup=0, memory=False)
+    assert [r["case"] for r in res["rows"]] == ["tiny-dense", "tiny-switchhead"]
 
 
 def test_bench_step_rows():

@@ -6,7 +6,8 @@ Shape legend: B batch, T chunk length (queries), S = 2T source tokens with XL me
 D d_model.
 
 Cases are grouped by shape (d_model, T, XL memory); within a group every case sees the same
-input and the ratios are to the group's baseline, its first dense preset. A "textbook" row times
+input and the ratios are to the group's baseline, its first dense preset (a group without one
+gets the paper row's dense preset, ``dense_baseline_for``). A "textbook" row times
 ``moeify.bench.textbook`` with the baseline's weights: the dense layer written as the papers'
 reference code writes it, so the baseline is shown not to be slowed artificially.
 
@@ -32,7 +33,7 @@ from moeify.bench.timing import format_table, interleaved_median_times
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.models.config import ModelConfig
 from moeify.models.cost import attention_cost, attention_summary
-from moeify.models.presets import get_preset
+from moeify.models.presets import PRESETS, get_preset
 
 DEFAULT_PRESETS = ("wt103-47m-dense", "wt103-47m-switchhead", "wt103-47m-moa-h4",
                    "wt103-45m-rope-dense", "wt103-45m-rope-switchhead")
@@ -72,16 +73,52 @@ def resolve_cases(presets: Sequence) -> list[tuple[str, ModelConfig]]:
     return out
 
 
+def _is_dense(cfg: ModelConfig) -> bool:
+    return isinstance(cfg.attention_layers()[0], DenseAttentionConfig)
+
+
+def _shape(cfg: ModelConfig) -> tuple:
+    return (cfg.d_model, cfg.context_length, cfg.xl_memory)
+
+
+def dense_baseline_for(name: str, cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
+    """The dense preset a preset is compared with: the paper row's dense baseline, found by
+    replacing ever shorter tails of the name with "dense" ("wt103-47m-switchhead" ->
+    "wt103-47m-dense"), of the same shape. None if there is none."""
+    parts = name.split("-")
+    for i in range(len(parts) - 1, 0, -1):
+        cand = "-".join(parts[:i] + ["dense"])
+        if cand != name and cand in PRESETS:
+            dense = get_preset(cand)
+            if _is_dense(dense) and _shape(dense) == _shape(cfg):
+                return cand, dense
+    return None
+
+
+def add_dense_baselines(cases: list[tuple[str, ModelConfig]]) -> list[tuple[str, ModelConfig]]:
+    """Prepend the matching dense preset (``dense_baseline_for``) of every shape that has no
+    dense case, so that `--preset wt103-47m-switchhead` alone is compared with its baseline."""
+    have = {_shape(c) for _, c in cases if _is_dense(c)}
+    extra = []
+    for name, cfg in cases:
+        if _shape(cfg) in have:
+            continue
+        found = dense_baseline_for(name, cfg)
+        if found is not None:
+            extra.append(found)
+            have.add(_shape(cfg))
+    return extra + list(cases)
+
+
 def group_by_shape(cases: list[tuple[str, ModelConfig]]) -> list[list[tuple[str, ModelConfig]]]:
     """Groups of cases with equal (d_model, T, XL memory), in order of first appearance; each
     group's first dense-attention case moves to the front (the baseline)."""
     groups: dict[tuple, list] = {}
     for name, cfg in cases:
-        groups.setdefault((cfg.d_model, cfg.context_length, cfg.xl_memory), []).append((name, cfg))
+        groups.setdefault(_shape(cfg), []).append((name, cfg))
     out = []
     for members in groups.values():
-        dense = [i for i, (_, c) in enumerate(members)
-                 if isinstance(c.attention_layers()[0], DenseAttentionConfig)]
+        dense = [i for i, (_, c) in enumerate(members) if _is_dense(c)]
         if dense:
             members.insert(0, members.pop(dense[0]))
         out.append(members)
@@ -145,7 +182,7 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
         raise ValueError("tokens and repeats must be positive and warmup non-negative")
     autocast_for(device, dtype)  # validates dtype
     groups = []
-    for members in group_by_shape(resolve_cases(presets)):
+    for members in group_by_shape(add_dense_baselines(resolve_cases(presets))):
         base_name, base_cfg = members[0]
         T, xl = base_cfg.context_length, base_cfg.xl_memory
         B = batch or max(1, tokens // T)

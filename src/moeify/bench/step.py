@@ -24,9 +24,15 @@ from typing import Sequence
 
 import torch
 
-from moeify.bench.attention import autocast_for, omp_wait_policy, resolve_cases
+from moeify.bench.attention import (
+    autocast_for,
+    dense_baseline_for,
+    omp_wait_policy,
+    resolve_cases,
+)
 from moeify.bench.memory import peak_memory
 from moeify.bench.timing import format_table, interleaved_median_times
+from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.models.config import ModelConfig
 from moeify.models.cost import model_cost
@@ -83,11 +89,16 @@ def _ratio(a, b):
 def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, device: str = "cpu",
                dtype: str = "float32", memory: bool = True, warmup: int = 1, repeats: int = 5,
                seed: int = 0) -> dict:
-    """Time (and measure) a training step of every model; ratios are to the first one."""
+    """Time (and measure) a training step of every model; ratios are to the first one (the paper
+    row's dense preset is put first when the first given one has no dense attention)."""
     if batch < 1 or repeats < 1 or warmup < 0:
         raise ValueError("batch and repeats must be positive and warmup non-negative")
     autocast_for(device, dtype)  # validates dtype
     cases = resolve_cases(presets)
+    if not isinstance(cases[0][1].attention_layers()[0], DenseAttentionConfig):
+        found = dense_baseline_for(*cases[0])
+        if found is not None and found[0] not in [n for n, _ in cases]:
+            cases.insert(0, found)
     base_name = cases[0][0]
     fns = {name: step_phases(cfg.to_json(), batch=batch, device=device, dtype=dtype,
                              seed=seed)["step 1"] for name, cfg in cases}
