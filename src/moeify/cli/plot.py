@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -96,8 +97,9 @@ def run_experts(args) -> int:
         raise ValueError(f"{args.run} does not record its training corpus; pass --data")
     tokens = tokenize_split(load_corpus(data), run.tokenizer, args.split)
     tables = expert_usage(run.model, tokens, batch_size=args.batch_size, max_tokens=args.tokens)
-    out = plot_experts(tables, args.out, title=f"expert usage: {args.run} on {data} "
-                       f"{args.split} ({min(args.tokens, len(tokens))} tokens)")
+    name = Path(args.run).resolve().name
+    out = plot_experts(tables, args.out, title=f"expert usage: {name} on {data} {args.split} "
+                       f"({min(args.tokens, len(tokens))} tokens)")
     if args.json:
         print(json.dumps({"tables": [t.to_dict() for t in tables], "out": str(out)}, indent=2))
     else:
