@@ -341,3 +341,18 @@ def test_runs_under_autocast():
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.05
     y.float().square().sum().backward()
     assert m.w_v.grad is not None and m.w_o.grad is not None
+
+
+def test_selection_scores_stay_float32_under_autocast():
+    # spec §1: selection scores are computed in float32; bf16 autocast must not round them.
+    from moeify.layers.switchhead import SwitchHeadConfig
+
+    torch.manual_seed(0)
+    att = SwitchHeadConfig(d_model=32, n_heads=2, d_head=8, n_experts=4, k=2, pos="rope").build()
+    x = torch.randn(2, 16, 32)
+    want = torch.sigmoid(x.reshape(-1, 32).double() @ att.w_sel_src.detach().double().t())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sel = att.select(x)["src"]
+    ref = want.view(32, 2, 4).gather(-1, sel.idx.view(32, 2, 2))
+    assert sel.gates.dtype == torch.float32
+    assert (sel.gates.view(32, 2, 2).double() - ref).abs().max() < 1e-5

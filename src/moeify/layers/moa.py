@@ -45,7 +45,7 @@ from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
 from moeify.ops.positional import rope_dims
-from moeify.ops.routing import softmax_topk
+from moeify.ops.routing import selection_logits, softmax_topk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +152,7 @@ class MoAAttention(nn.Module):
         M = B * T
         x_MD = q_BTD.reshape(M, D)
 
-        logits_ME = x_MD @ self.w_router.t()
+        logits_ME = selection_logits(x_MD, self.w_router)
         top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
         xq_MD, w_q = autocast_operands(x_MD, self.w_q)
@@ -188,7 +188,7 @@ class MoAAttention(nn.Module):
         B, T, D = q_BTD.shape
         S, C, E, K = src_BSD.shape[1], c.d_head, c.n_experts, c.k
         x_MD = q_BTD.reshape(B * T, D)
-        top = softmax_topk(x_MD @ self.w_router.t(), K, renormalize=c.renormalize)
+        top = softmax_topk(selection_logits(x_MD, self.w_router), K, renormalize=c.renormalize)
         q_BKTC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl).view(
             B, T, K, C).transpose(1, 2)
         xl = c.pos == "xl"

@@ -49,7 +49,7 @@ from moeify.layers.common import Aux, accumulate_usage, register_usage
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, ExpertPlan, expert_matmul, make_plan
 from moeify.ops.positional import rope_dims
-from moeify.ops.routing import sigmoid_topk
+from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
 SOURCE_SIDE = frozenset({"k", "v"})
@@ -195,7 +195,7 @@ class SwitchHeadAttention(nn.Module):
     def _route(self, x_BND: torch.Tensor, w_XD: torch.Tensor) -> Selection:
         c = self.config
         B, N, D = x_BND.shape
-        logits_MHE = (x_BND.reshape(B * N, D) @ w_XD.t()).view(B * N, c.n_heads, c.n_experts)
+        logits_MHE = selection_logits(x_BND.reshape(B * N, D), w_XD).view(B * N, c.n_heads, -1)
         top = sigmoid_topk(logits_MHE, c.k)  # Eq. 7-8: float32 sigmoid, no renormalisation
         ids = top.idx + self.head_offset[:, None]
         plan = None

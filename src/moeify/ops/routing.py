@@ -32,6 +32,14 @@ def router_logits(x_MD: torch.Tensor, w_ED: torch.Tensor,
         return F.linear(x_MD.float(), w_ED.float(), None if bias_E is None else bias_E.float())
 
 
+def selection_logits(x_MD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ for attention-expert selection: in the input's precision, except under autocast,
+    where it goes through ``router_logits`` so the scores stay float32 (SwitchHead spec §1)."""
+    if torch.is_autocast_enabled(x_MD.device.type):
+        return router_logits(x_MD, w_ED)
+    return x_MD @ w_ED.t()
+
+
 def _check_k(k: int, num_experts: int) -> None:
     if not 1 <= k <= num_experts:
         raise ValueError(f"k must lie in [1, {num_experts}] (the number of experts), got {k}")
