@@ -18,7 +18,7 @@ from moeify.bench.attention import (
     layer_phases,
     resolve_cases,
 )
-from moeify.bench.memory import peak_memory
+from moeify.bench.memory import peak_memory, run_phases
 from moeify.bench.step import bench_step, model_forward_macs
 from moeify.bench.textbook import textbook_attention
 from moeify.cli.main import main
@@ -136,8 +136,45 @@ def test_peak_memory_sees_the_attention_matrices():
     peaks = peak_memory("moeify.bench.attention:layer_phases",
                         dict(config_json=cfg.to_json(), batch=4))
     assert set(peaks) == {"fwd", "fwd+bwd"}
-    assert 4.0 <= peaks["fwd+bwd"] < 500.0
-    assert peaks["fwd"] <= peaks["fwd+bwd"]
+    assert 4.0 <= peaks["fwd+bwd"]["working"] < 500.0
+    assert peaks["fwd"]["working"] <= peaks["fwd+bwd"]["working"] <= peaks["fwd+bwd"]["peak"]
+
+
+_KEPT = []
+
+
+def _known_allocations():
+    """Phase "a": 8 MiB allocated and freed. Phase "b": 4 MiB kept, then 2 MiB on top, freed."""
+    def a():
+        x = torch.empty(2 * 1024 * 1024)  # float32: 8 MiB
+        x.fill_(1.0)
+        del x
+
+    def b():
+        _KEPT.append(torch.ones(1024 * 1024))  # 4 MiB, still held after the phase
+        y = torch.ones(512 * 1024)  # 2 MiB on top
+        del y
+
+    return {"a": a, "b": b}
+
+
+def test_memory_timeline_by_hand():
+    out = run_phases(f"{__name__}:_known_allocations", {})
+    assert out["a"]["working"] == pytest.approx(8.0, abs=0.1)
+    assert out["a"]["peak"] == pytest.approx(8.0, abs=0.1)
+    assert out["b"]["working"] == pytest.approx(6.0, abs=0.1)
+    assert out["b"]["peak"] == pytest.approx(8.0, abs=0.1)  # the peak so far was phase a's
+    _KEPT.clear()
+
+
+def test_step_memory_counts_weights_and_optimizer_state():
+    _, cfg = tiny("tiny-switchhead")
+    out = run_phases("moeify.bench.step:step_phases",
+                     dict(config_json=cfg.to_json(), batch=1, steps=2), baseline="before_setup")
+    n_params = sum(p.numel() for p in cfg.build().parameters())
+    state = 3 * 4 * n_params / 2**20  # weights + AdamW's two moments, float32
+    assert out["step 2"]["peak"] >= state
+    assert 0 < out["step 2"]["working"] < out["step 2"]["peak"]
 
 
 def test_cli_bench_attention_json(capsys):

@@ -15,8 +15,8 @@ The layer runs as inside a block: training mode, queries x [B, T, D], and with X
 source [mem ; x] built inside the timed call (so gradients reach x through both sides), with a
 fixed random output gradient; MoA's auxiliary losses are part of the backward. Times are medians
 of interleaved repeats (``interleaved_median_times``); "fwd" runs under ``torch.no_grad``
-(inference), "fwd+bwd" is a training call. Peak memory is that of one call in a fresh process
-(``moeify.bench.memory``), above the weights and inputs.
+(inference), "fwd+bwd" is a training call. Peak memory is the most tensor memory one call holds
+above the weights and inputs, measured in a fresh process (``moeify.bench.memory``).
 """
 
 from __future__ import annotations
@@ -213,7 +213,8 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
         for label, name, cfg, tb in cases:
             attn = cfg.attention_layers()[0]
             cost = attention_cost(attn, T=T, C=C)
-            peak = peaks.get(label, {}).get("fwd+bwd")
+            mem = peaks.get(label, {})
+            peak = mem["fwd+bwd"]["working"] if mem else None
             rows.append({
                 "case": label,
                 "attention": attention_summary(attn) + (" textbook" if tb else ""),
@@ -223,9 +224,9 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
                 "fwd+bwd x": _ratio(times[(label, "fwd+bwd")], times[(base_name, "fwd+bwd")]),
                 "MACs": cost.macs,
                 "MACs x": cost.macs / base_cost.macs,
-                "fwd peak MiB": peaks.get(label, {}).get("fwd"),
+                "fwd peak MiB": mem["fwd"]["working"] if mem else None,
                 "peak MiB": peak,
-                "peak x": _ratio(peak, peaks.get(base_name, {}).get("fwd+bwd")),
+                "peak x": _ratio(peak, peaks[base_name]["fwd+bwd"]["working"] if mem else None),
                 "Mem x": cost.memory / base_cost.memory,
             })
         groups.append({"baseline": base_name, "batch": B, "T": T, "S": C * T, "xl_memory": xl,
@@ -247,6 +248,6 @@ def table(result: dict) -> str:
                 f"{result['dtype']} on {result['device']} ({result['threads']} threads, OpenMP "
                 f"{result['omp_wait_policy']}), median "
                 f"of {result['repeats']}; x = ratio to {g['baseline']}; MACs x / Mem x: cost "
-                "accounting (spec §6); peak: fwd+bwd above weights and inputs")
+                "accounting (spec §6); peak: tensor memory of fwd+bwd above weights and inputs")
         parts.append(head + "\n" + format_table(g["rows"], COLUMNS))
     return "\n\n".join(parts)
