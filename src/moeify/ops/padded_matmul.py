@@ -21,8 +21,10 @@ instead of E pays for some padding. Two layouts:
 Padding slots gather row 0 and are zeroed; their output gradient is zeroed too, so they
 contribute nothing to any output or gradient. Gated outputs are summed from the slots into their
 output rows with one index_add, and so is the input gradient into [M, D]: no [N, D] or [N, F]
-intermediate is formed on either side (ungated outputs are read back at ``slot_N``). Only the (unpadded) inputs are saved: the gathered [P, D] rows are rebuilt in the
-backward rather than kept alive between the passes.
+intermediate is formed on either side (ungated outputs are read back at ``slot_N``). Only the
+(unpadded) inputs are saved: the gathered [P, D] rows are rebuilt in the backward rather than
+kept alive between the passes, and the gate gradient is taken from the input side (see the
+backward), so no [P, F] product is kept either.
 
 Gates are applied on the narrower side of the product: on the [P, D] inputs when D < F
 (SwitchHead's output experts, d_head -> d_model), else on the [P, F] outputs (value experts,
@@ -143,26 +145,26 @@ class PaddedExpertMatmul(torch.autograd.Function):
             else:
                 grow_P = row_P * groups + torch.div(lay.pair_P % k, k // groups,
                                                     rounding_mode="floor")
-            gated_PF = ys_PF if gate_in else ys_PF * gate_P[:, None]
+            gated_PF = ys_PF if gate_in else ys_PF.mul_(gate_P[:, None])
             # The gated sums straight from the slots (padding slots hold zeros).
             n_out = M * groups // sum_rows
             y = gated_PF.new_zeros(n_out, Fo).index_add_(0, grow_P, gated_PF)
             y = y.view(M, groups, Fo) if groups > 1 else y
-        ctx.save_for_backward(x_MD, w_EDF, gate_P, ys_PF if gated and not gate_in else None,
-                              row_P, grow_P)
+        ctx.save_for_backward(x_MD, w_EDF, gate_P, row_P, grow_P)
         ctx.meta = (lay, k, groups, sum_rows, gated, gate_in,
                     gates_MK.dtype if gated else None)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, w_EDF, gate_P, ys_PF, row_P, grow_P = ctx.saved_tensors
+        x_MD, w_EDF, gate_P, row_P, grow_P = ctx.saved_tensors
         lay, k, groups, sum_rows, gated, gate_in, gate_dtype = ctx.meta
         M, D = x_MD.shape
         E, _, Fo = w_EDF.shape
         L, b = lay.n_blocks, lay.block
         grad_y = grad_y.contiguous()  # also materialises stride-0 gradients
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
+        need_g = gated and need_g
         grad_x = grad_w = grad_gates = None
         # Slot p receives the gradient of the output row it was summed into.
         if gated:
@@ -171,29 +173,28 @@ class PaddedExpertMatmul(torch.autograd.Function):
             g_PF = grad_y.view(M * k, Fo).index_select(0, lay.pair_P)
         if lay.pad_P.numel():
             g_PF.index_fill_(0, lay.pad_P, 0)
-        if gated and not gate_in:
-            if need_g:
-                grad_gates = torch.linalg.vecdot(g_PF, ys_PF)
-            g_PF = g_PF * gate_P[:, None]
+        # With either gate side, ga = g @ Wᵀ (the slot's output gradient before gating, taken
+        # back through its expert) gives d/dgate = ga · xs and d/dxs = gate · ga: the gate
+        # gradient needs no saved [P, F] outputs.
+        xs_PD = _gather_rows(x_MD, lay, row_P) if need_g or (need_w and gate_in) else None
         g_LbF = g_PF.view(L, b, Fo)
-        # The gathered inputs are rebuilt here; with gates on the outputs (wide inputs) only after
-        # the [P, D] input gradient has been folded into [M, D], so the two never coexist.
-        xs_PD = _gather_rows(x_MD, lay, row_P) if gate_in else None
-        if need_x or (gate_in and need_g):
+        if need_x or need_g:
             wt = _block_weights(w_EDF, lay).transpose(1, 2)
-            grad_a_PD = torch.bmm(g_LbF, wt).view(L * b, D)
-            if gate_in:
-                if need_g:
-                    grad_gates = torch.linalg.vecdot(grad_a_PD, xs_PD)
-                grad_a_PD = grad_a_PD * gate_P[:, None]
+            ga_PD = torch.bmm(g_LbF, wt).view(L * b, D)
+            if need_g:
+                grad_gates = torch.linalg.vecdot(ga_PD, xs_PD)
             if need_x:
-                grad_x = grad_a_PD.new_zeros(M, D).index_add_(0, row_P, grad_a_PD)
-            del grad_a_PD
+                if gated:
+                    ga_PD.mul_(gate_P[:, None])
+                grad_x = ga_PD.new_zeros(M, D).index_add_(0, row_P, ga_PD)
+            del ga_PD  # before the inputs are gathered again for the weight gradient
         if need_w:
             if xs_PD is None:
                 xs_PD = _gather_rows(x_MD, lay, row_P)
-            a_PD = xs_PD * gate_P[:, None] if gate_in else xs_PD
-            grad_w = torch.bmm(a_PD.view(L, b, D).transpose(1, 2), g_LbF)
+            if gated:  # the gate on whichever side the forward applied it
+                g_LbF = g_LbF if gate_in else (g_PF * gate_P[:, None]).view(L, b, Fo)
+                xs_PD = xs_PD * gate_P[:, None] if gate_in else xs_PD
+            grad_w = torch.bmm(xs_PD.view(L, b, D).transpose(1, 2), g_LbF)
             if lay.block_expert is not None:
                 grad_w = grad_w.new_zeros(E, D, Fo).index_add_(0, lay.block_expert, grad_w)
         if grad_gates is not None:

@@ -76,7 +76,10 @@ class _XLAttention(torch.autograd.Function):
         probs = torch.softmax(logits.to(work), -1).to(v.dtype)
         P = probs.view(B, H * T, S) if shared_kv else probs.view(B * H, T, S)
         out = torch.bmm(P, V).view(B, H, T, C)
-        ctx.save_for_backward(Q, K, V, qp_GNC, p_HRC, probs)
+        # One query for both terms (SwitchHead): keep only its per-head copy qp_GNC and rebuild
+        # Q from it in the backward rather than holding the same values twice.
+        dedup = qc is qp and Hp == H > 1
+        ctx.save_for_backward(None if dedup else Q, K, V, qp_GNC, p_HRC, probs)
         ctx.shape = (B, H, T, S, C, Hk, Hp, R, shared_kv)
         return out
 
@@ -84,6 +87,8 @@ class _XLAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         Q, K, V, qp_GNC, p_HRC, probs = ctx.saved_tensors
         B, H, T, S, C, Hk, Hp, R, shared_kv = ctx.shape
+        if Q is None:
+            Q = qp_GNC.view(H, B, T, C).transpose(0, 1).reshape(K.shape[0], -1, C)
         need_qc, need_qp, need_k, need_v, need_p = ctx.needs_input_grad[:5]
         nb = B if shared_kv else B * H
         dO = grad_out.contiguous().view(nb, -1, C)
