@@ -21,12 +21,13 @@ Implementations (``impl=``):
     "gather"     per-row gathered batched matmul, w[idx] -> [N, D, F]; the naive baseline.
     "segment"    rows sorted by expert once (an ExpertPlan), one torch.mm per expert segment.
     "grouped"    the same sorted layout through torch.nn.functional.grouped_mm.
-    "padded"     the sorted rows padded to an [E, rows of the largest expert] grid and multiplied
-                 by one torch.bmm (moeify.ops.padded_matmul).
+    "padded"     the sorted rows cut into equal blocks of one expert each (padding the last) and
+                 multiplied by one torch.bmm (moeify.ops.padded_matmul).
     "auto"       the fastest correct one for the device and dtype (see ``resolve_impl``); on CPU
-                 it also takes "padded" for a routing whose padding is small (``padding_pays``).
+                 expert_matmul takes "padded" once it has the routing, when ``padding_pays``
+                 (several threads; single-threaded only when the padding is nearly free).
 
-The sorted implementations share one custom autograd Function: the forward gathers rows into
+"segment" and "grouped" share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
 gates are applied to the narrow [N, F] product, never to [N, D] inputs. The backward computes
 grad_x with one index_add over the sorted rows and grad_w per expert.
