@@ -158,6 +158,29 @@ def _known_allocations():
     return {"a": a, "b": b}
 
 
+class _Temporary(torch.autograd.Function):
+    """Holds an 8 MiB temporary inside its forward; returns a small tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        t = x.new_ones(2 * 1024 * 1024)
+        return t[:4] * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _temporary_in_a_function():
+    return {"call": lambda: _Temporary.apply(torch.ones(4))}
+
+
+def test_memory_timeline_sees_temporaries_freed_inside_a_function():
+    # Frees inside a custom Function are booked to its range: they must count at its end.
+    out = run_phases(f"{__name__}:_temporary_in_a_function", {})
+    assert out["call"]["working"] == pytest.approx(8.0, abs=0.1)
+
+
 def test_memory_timeline_by_hand():
     out = run_phases(f"{__name__}:_known_allocations", {})
     assert out["a"]["working"] == pytest.approx(8.0, abs=0.1)

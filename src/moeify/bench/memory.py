@@ -63,9 +63,12 @@ def _cpu_phases(fn, kwargs: dict, before_setup: bool) -> dict[str, dict[str, flo
     events = prof.events()
     marks = {e.name[len(_MARK):]: e.time_range.start for e in events if e.name.startswith(_MARK)}
     spans = {i: (marks[f"{i}.start"], marks[f"{i}.end"]) for i in range(len(names))}
-    # Each op's own allocations minus its own frees, at the op's start (children carry their
-    # own, so nothing is counted twice); frees outside any op are "[memory]" events.
-    deltas = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events
+    # Every event's own allocations minus its own frees (children carry theirs, so nothing is
+    # counted twice); frees outside any range are "[memory]" events. A net allocation is placed
+    # at the event's start, a net free at its end: a range such as a custom autograd Function
+    # or an autograd node frees its temporaries when it returns, not when it begins.
+    deltas = sorted((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end,
+                     e.self_cpu_memory_usage) for e in events
                     if e.self_cpu_memory_usage and not e.name.startswith(_MARK))
     out, held, peak_all, j = {}, 0, 0, 0
     for i, name in enumerate(names):
