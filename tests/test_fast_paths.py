@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moeify.ops.attention import attend, build_mask
+from moeify.ops import padded_matmul
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
 from moeify.ops.padded_matmul import (
     CAPACITY_SLACK,
@@ -88,6 +89,44 @@ def test_padded_matches_naive(D, F, skew, gated, groups):
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(ref)
     assert_all_close(grads(y, inputs, g), grads(ref, inputs, g))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 600])  # one block per chunk; several per chunk
+@pytest.mark.parametrize("D,F", [(12, 5), (5, 12)])
+@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("gated,groups,sum_rows", [(False, 1, 1), (True, 1, 1), (True, 2, 1),
+                                                   (True, 1, 3)])
+def test_padded_in_chunks_matches_naive(monkeypatch, chunk_bytes, D, F, skew, gated, groups,
+                                        sum_rows):
+    # Chunks cut the blocks (and the padding slots among them) at different places: every
+    # output and gradient must still equal the definition.
+    monkeypatch.setattr(padded_matmul, "CHUNK_BYTES", chunk_bytes)
+    x, idx, w, gates = routed(18, 4, 6, D, F, skew=skew, gated=gated, seed=3)
+    plan = make_plan(idx, 6)
+    lay = padded_layout(plan)
+    assert lay.n_blocks > 1 and lay.pad_P.numel() > 0
+    inputs = [t for t in (x, w, gates) if t is not None]
+    y = expert_matmul(x, idx, w, gates, groups=groups, sum_rows=sum_rows, impl="padded",
+                      plan=plan)
+    ref = naive_rows(x, idx, w, gates, groups, sum_rows)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ref)
+    assert_all_close(grads(y, inputs, g), grads(ref, inputs, g))
+
+
+def test_padding_never_leaks_a_non_finite_row():
+    # Padding slots must not carry row 0 into other rows' outputs or any weight gradient.
+    x, idx, w, gates = routed(9, 2, 4, 5, 3, seed=4)
+    assert padded_layout(make_plan(idx, 4)).pad_P.numel() > 0
+    x0 = x.detach().clone()
+    x0[0] = float("inf")
+    x0.requires_grad_()
+    y = expert_matmul(x0, idx, w, gates, impl="padded")
+    assert torch.isfinite(y[1:]).all()
+    y[1:].sum().backward()
+    others = torch.ones(4, dtype=torch.bool).index_fill_(0, idx[0], False)  # not row 0's experts
+    assert others.any() and torch.isfinite(w.grad[others]).all()
+    assert torch.isfinite(x0.grad[1:]).all()
 
 
 def test_padded_gradcheck_and_empty_input():
