@@ -169,6 +169,19 @@ def test_explicit_positions_match_eq_7_10():
         check_against_reference(m, x, pos_q=p, pos_k=p)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("experts,shared", [("vo", False), ("vo", True), ("ko", False),
+                                            ("qv", False), ("v", False), ("o", False)])
+@pytest.mark.parametrize("setting", ["memory", "cross"])
+def test_fused_and_separate_selection_logits_match_eq_7_10(fuse, experts, shared, setting):
+    # Dense Q / K may share one matmul with the selection logits of their input (the default
+    # outside autocast); both ways must give the paper's layer, outputs and every gradient.
+    m = make("xl", experts=frozenset(experts), shared_selection=shared)
+    m.fuse_selection = fuse
+    x, kv, kw = inputs(setting)
+    check_against_reference(m, x, kv, **kw)
+
+
 @pytest.mark.parametrize("impl", ["reference", "gather", "segment"])
 def test_expert_impls_agree(impl):
     fast, slow = make("xl", experts=frozenset("qkvo")), make("xl", experts=frozenset("qkvo"),

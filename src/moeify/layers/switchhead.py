@@ -145,6 +145,10 @@ class Selection(NamedTuple):
 
 
 class SwitchHeadAttention(nn.Module):
+    # Compute dense Q / K together with the selection logits of the same input (outside
+    # autocast); False computes them separately, as the reference the tests compare against.
+    fuse_selection: bool = True
+
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
         self.config = c = config
@@ -192,10 +196,15 @@ class SwitchHeadAttention(nn.Module):
     def _sel_weight(self, side: str) -> torch.Tensor:
         return self.w_sel if self.config.shared_selection else getattr(self, f"w_sel_{side}")
 
-    def _route(self, x_BND: torch.Tensor, w_XD: torch.Tensor) -> Selection:
+    def _route(self, x_BND: torch.Tensor, w_XD: torch.Tensor,
+               logits_BNX: torch.Tensor | None = None) -> Selection:
+        """One side's selection from its input (or from ``logits_BNX`` = x · w_XDᵀ, when the
+        caller has computed them together with a dense projection)."""
         c = self.config
         B, N, D = x_BND.shape
-        logits_MHE = selection_logits(x_BND.reshape(B * N, D), w_XD).view(B * N, c.n_heads, -1)
+        if logits_BNX is None:
+            logits_BNX = selection_logits(x_BND.reshape(B * N, D), w_XD)
+        logits_MHE = logits_BNX.reshape(B * N, c.n_heads, c.n_experts)
         top = sigmoid_topk(logits_MHE, c.k)  # Eq. 7-8: float32 sigmoid, no renormalisation
         ids = top.idx + self.head_offset[:, None]
         plan = None
@@ -203,21 +212,48 @@ class SwitchHeadAttention(nn.Module):
             plan = make_plan(ids, c.n_heads * c.n_experts)
         return Selection(top.gates, top.idx, ids, plan)
 
-    def select(self, q_BTD: torch.Tensor,
-               kv_BSD: torch.Tensor | None = None) -> dict[str, Selection]:
+    def select(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None = None, *,
+               logits: dict[str, torch.Tensor] | None = None) -> dict[str, Selection]:
         """The routing of both sides: "src" from the key/value input (V, K), "dst" from the
-        query input (O, Q). Only the sides that have experts are present."""
+        query input (O, Q). Only the sides that have experts are present. ``logits`` holds
+        precomputed selection logits by side (``_fused_projections``)."""
         c = self.config
+        logits = logits or {}
         out: dict[str, Selection] = {}
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         if c.source_side:
-            out["src"] = self._route(src_BSD, self._sel_weight("src"))
+            out["src"] = self._route(src_BSD, self._sel_weight("src"), logits.get("src"))
         if c.dest_side:
             if c.shared_selection and kv_BSD is None:
                 out["dst"] = out["src"]  # same matrix, same tokens: compute once
             else:
-                out["dst"] = self._route(q_BTD, self._sel_weight("dst"))
+                out["dst"] = self._route(q_BTD, self._sel_weight("dst"), logits.get("dst"))
         return out
+
+    def _fused_projections(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Dense Q / K projections computed in one matmul with the selection logits of the same
+        input (x · [W_K | W_Sᵀ]): one pass over the input, and one input-gradient matmul instead
+        of two, the selection's being only H·E columns wide. Only outside autocast, where the
+        logits are in the input's precision anyway (under autocast they must stay float32).
+        Returns ({"q" / "k": [B, H, N, C]}, {"dst" / "src": logits [B, N, H·E]})."""
+        c = self.config
+        projs: dict[str, torch.Tensor] = {}
+        logits: dict[str, torch.Tensor] = {}
+        if not self.fuse_selection or torch.is_autocast_enabled(q_BTD.device.type):
+            return projs, logits
+        H, C = c.n_heads, c.d_head
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        shared_once = c.shared_selection and kv_BSD is None  # the source's selection serves both
+        for name, side, x_BND in (("k", "src", src_BSD), ("q", "dst", q_BTD)):
+            has_side = c.source_side if side == "src" else (c.dest_side and not shared_once)
+            if name in c.experts or not has_side:
+                continue
+            w = torch.cat([getattr(self, f"w_{name}"), self._sel_weight(side).t()], 1)
+            B, N, _ = x_BND.shape
+            proj, logits[side] = (x_BND @ w).split([H * C, H * c.n_experts], -1)
+            projs[name] = proj.view(B, N, H, C).transpose(1, 2)
+        return projs, logits
 
     def _project(self, name: str, x_BND: torch.Tensor, sel: Selection | None) -> torch.Tensor:
         """Q, K or V as [B, H, N, C]: dense, or the gate-weighted expert sum per head (Eq. 9)."""
@@ -265,10 +301,11 @@ class SwitchHeadAttention(nn.Module):
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        sels = self.select(q_BTD, kv_BSD)
+        projs, logits = self._fused_projections(q_BTD, kv_BSD)
+        sels = self.select(q_BTD, kv_BSD, logits=logits)
         src, dst = sels.get("src"), sels.get("dst")
-        q = self._project("q", q_BTD, dst)
-        k = self._project("k", src_BSD, src)
+        q = projs["q"] if "q" in projs else self._project("q", q_BTD, dst)
+        k = projs["k"] if "k" in projs else self._project("k", src_BSD, src)
         v = self._project("v", src_BSD, src)
         xl = c.pos == "xl"
         o_BHTC = positional_attention(
