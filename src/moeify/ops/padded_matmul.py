@@ -19,26 +19,23 @@ instead of E pays for some padding. Two layouts:
               gradient summed back per expert with one index_add.
 
 Padding slots hold zero rows, and their output gradient is zeroed in the backward, so they
-contribute nothing to any output or gradient. Gated
-outputs are summed from the slots into their output rows with one index_add, and so is the input
-gradient into [M, D]: no [N, D] or [N, F] intermediate is formed on either side (ungated outputs
-are read back at ``slot_N``). Only the (unpadded) inputs are saved: the gathered rows are rebuilt
-in the backward rather than kept alive between the passes, and the gate gradient is taken from
-the input side (see the backward), so no [P, F] product is kept either.
+contribute nothing to any output or weight gradient. Only the (unpadded) inputs are saved: the
+gathered [P, D] rows are rebuilt in the backward rather than kept alive between the passes.
 
-Both passes walk the blocks in chunks of at most ``CHUNK_BYTES`` of wide-side rows, so the
-gathered rows and products of a large batch never exist for all P slots at once (one chunk at
-the benchmark shapes: smaller chunks measured slower, each adding its own parallel regions).
-
-Gates are applied on the narrower side of the product: on the [P, D] inputs when D < F
-(SwitchHead's output experts, d_head -> d_model), else on the [P, F] outputs (value experts,
-d_model -> d_head), so no gate multiply touches the wide side.
+Gated sums run as one sparse [outputs, P] x [P, F] product (CSR, one row per output row, its
+pairs' gates as values): the gate multiply and the sum over a row's slots in a single parallel
+pass, where a multiply and an index_add (which runs on one thread) would each stream the [P, F]
+products. The input gradient is the same kind of product over [M, P]. So the gates act on the
+output side in the forward, and the gate gradient is taken from the input side (see the
+backward), so no [P, F] product is kept. On CPU the sparse product exists for float32 and
+float64 (MKL); other dtypes and devices take a gather and sum with the same result.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -47,9 +44,6 @@ CAPACITY_SLACK = 1.25
 # ``padding_pays`` single-threaded: there is no thread wake-up to save, so pad only when it is
 # nearly free; the per-expert loop is used otherwise.
 SINGLE_THREAD_SLACK = 1.1
-# Most bytes of wide-side rows ([rows, max(D, F)]) one chunk of blocks handles at a time: a bound
-# on the temporaries of both passes (module docstring).
-CHUNK_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -61,9 +55,7 @@ class PaddedLayout:
     block_expert: torch.Tensor | None  # int64 [L]: expert of each block; None: block e = expert e
     slot_N: torch.Tensor  # int64 [N]: flat pair index -> slot
     pair_P: torch.Tensor  # int64 [P]: slot -> flat pair index (0 for padding)
-    pad_P: torch.Tensor  # int64 [P - N]: the padding slots, ascending
-    pad_bounds: list[int]  # [L + 1]: pad_P[pad_bounds[l]:] are the padding slots from block l on
-    chunks: dict = field(default_factory=dict, repr=False, compare=False)  # _chunks, by size
+    pad_P: torch.Tensor  # int64 [P - N]: the padding slots
 
 
 def _capacity(plan) -> int:
@@ -100,10 +92,8 @@ def padded_layout(plan) -> PaddedLayout:
     pair_P = torch.zeros(P, dtype=torch.int64, device=dev).index_copy_(0, slot_sorted,
                                                                         plan.order_N)
     free_P = torch.ones(P, dtype=torch.bool, device=dev).index_fill_(0, slot_sorted, False)
-    pad_P = free_P.nonzero().squeeze(1)
-    pad_bounds = torch.searchsorted(pad_P, torch.arange(L + 1, device=dev) * b).tolist()
     lay = PaddedLayout(b, L, block_expert, slot_sorted.index_select(0, plan.inverse_N), pair_P,
-                       pad_P, pad_bounds)
+                       free_P.nonzero().squeeze(1))
     plan._cache["padded"] = lay
     return lay
 
@@ -118,41 +108,45 @@ def padding_pays(plan) -> bool:
     return plan.num_experts * _capacity(plan) <= SINGLE_THREAD_SLACK * N
 
 
-def _chunks(lay: PaddedLayout, row_bytes: int) -> list:
-    """The blocks in chunks of at most ``CHUNK_BYTES`` on the wide side: (first block, end block,
-    first slot, end slot, the chunk's padding slots relative to its first slot)."""
-    L, b = lay.n_blocks, lay.block
-    if L * b == 0:
-        return []
-    per = max(1, CHUNK_BYTES // (b * row_bytes))
-    key = (per, lay.pad_P.device)
-    chunks = lay.chunks.get(key)
-    if chunks is None:
-        chunks = []
-        for l0 in range(0, L, per):
-            l1 = min(L, l0 + per)
-            pad = lay.pad_P[lay.pad_bounds[l0]:lay.pad_bounds[l1]] - l0 * b
-            chunks.append((l0, l1, l0 * b, l1 * b, pad))
-        lay.chunks[key] = chunks
-    return chunks
+def _gather_rows(x_MD: torch.Tensor, lay: PaddedLayout, row_P: torch.Tensor) -> torch.Tensor:
+    """The rows of every slot, padding slots zeroed (so that not even a non-finite row 0 reaches
+    another row's output or a weight gradient)."""
+    xs = x_MD.index_select(0, row_P)
+    return xs.index_fill_(0, lay.pad_P, 0) if lay.pad_P.numel() else xs
 
 
 def _block_weights(w_EDF, lay: PaddedLayout):
     return w_EDF if lay.block_expert is None else w_EDF.index_select(0, lay.block_expert)
 
 
-def _gather_rows(x_MD: torch.Tensor, row_n: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """The rows of a chunk's slots, padding slots zeroed (so that not even a non-finite row 0
-    reaches another row's output or a weight gradient)."""
-    xs = x_MD.index_select(0, row_n)
-    return xs.index_fill_(0, pad, 0) if pad.numel() else xs
-
-
-def _row_dot(a_ND: torch.Tensor, b_ND: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    """out[n] = a[n] · b[n], as N batched 1 x D x 1 products: unlike ``(a * b).sum(-1)`` (or
+def _row_dot(a_ND: torch.Tensor, b_ND: torch.Tensor) -> torch.Tensor:
+    """a[n] · b[n], as N batched 1 x D x 1 products: unlike ``(a * b).sum(-1)`` (or
     ``linalg.vecdot``), no [N, D] temporary is written and read back."""
     D = a_ND.shape[1]
-    return torch.bmm(a_ND.view(-1, 1, D), b_ND.view(-1, D, 1), out=out.view(-1, 1, 1))
+    return torch.bmm(a_ND.view(-1, 1, D), b_ND.view(-1, D, 1)).view(-1)
+
+
+def slot_sums(src_PF: torch.Tensor, slot_N: torch.Tensor, weight_N: torch.Tensor | None,
+              per_row: int) -> torch.Tensor:
+    """out[r] = Σ_j weight[n] · src[slot[n]] over the ``per_row`` consecutive pairs n = r·per_row
+    + j of output row r: [N / per_row, F]. A CSR product where MKL has one (CPU float32 /
+    float64), else the gather-and-sum it stands for (the reference the tests compare against)."""
+    N, Fo = slot_N.shape[0], src_PF.shape[1]
+    n_out = N // per_row
+    if weight_N is None:
+        weight_N = src_PF.new_ones(N)
+    if src_PF.device.type == "cpu" and src_PF.dtype in (torch.float32, torch.float64):
+        crow = torch.arange(0, N + 1, per_row, device=slot_N.device)
+        try:
+            with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
+                warnings.simplefilter("ignore", UserWarning)
+                s = torch.sparse_csr_tensor(crow, slot_N, weight_N,
+                                            size=(n_out, src_PF.shape[0]), check_invariants=False)
+            return s @ src_PF
+        except (RuntimeError, NotImplementedError):  # a torch build without this sparse kernel
+            pass
+    g = src_PF.index_select(0, slot_N) * weight_N[:, None]
+    return g.view(n_out, per_row, Fo).sum(1)
 
 
 class PaddedExpertMatmul(torch.autograd.Function):
@@ -164,85 +158,61 @@ class PaddedExpertMatmul(torch.autograd.Function):
                 sum_rows: int = 1):
         M, D = x_MD.shape
         Fo = w_EDF.shape[-1]
-        b = lay.block
+        L, b = lay.n_blocks, lay.block
         row_P = torch.div(lay.pair_P, k, rounding_mode="floor")
-        gated = gates_MK is not None
-        gate_in = gated and D < Fo
-        gate_P = gates_MK.reshape(-1).index_select(0, lay.pair_P).to(x_MD.dtype) if gated else None
-        w_LDF = _block_weights(w_EDF, lay)
-        grow_P = None
-        if gated:
-            # Output row of each slot: its row's group, or its block of R rows.
-            if sum_rows > 1:
-                grow_P = torch.div(lay.pair_P, k * sum_rows, rounding_mode="floor")
-            else:
-                grow_P = row_P * groups + torch.div(lay.pair_P % k, k // groups,
-                                                    rounding_mode="floor")
-            y = x_MD.new_zeros(M * groups // sum_rows, Fo)
-        else:
-            ys_PF = x_MD.new_empty(lay.n_blocks * b, Fo)
-        for l0, l1, s0, s1, pad in _chunks(lay, max(D, Fo) * x_MD.element_size()):
-            xs = _gather_rows(x_MD, row_P[s0:s1], pad)
-            if gate_in:
-                xs.mul_(gate_P[s0:s1, None])
-            if not gated:  # padding slots are never read back
-                torch.bmm(xs.view(l1 - l0, b, D), w_LDF[l0:l1],
-                          out=ys_PF[s0:s1].view(l1 - l0, b, Fo))
-                continue
-            ys = torch.bmm(xs.view(l1 - l0, b, D), w_LDF[l0:l1]).view(s1 - s0, Fo)
-            if not gate_in:
-                ys.mul_(gate_P[s0:s1, None])
-            y.index_add_(0, grow_P[s0:s1], ys)
-        if gated:
-            y = y.view(M, groups, Fo) if groups > 1 else y
-        else:
+        xs_PD = _gather_rows(x_MD, lay, row_P)
+        ys_PF = torch.bmm(xs_PD.view(L, b, D), _block_weights(w_EDF, lay)).view(L * b, Fo)
+        gate_N = None
+        if gates_MK is None:
             y = ys_PF.index_select(0, lay.slot_N).view(M, k, Fo)
-        ctx.save_for_backward(x_MD, w_EDF, gate_P, row_P, grow_P)
-        ctx.meta = (lay, k, groups, sum_rows, gated, gate_in,
-                    gates_MK.dtype if gated else None)
+        else:
+            # Output row r sums the pairs [r·c, (r + 1)·c): a row's group of k / G experts, or
+            # all k experts of R consecutive rows.
+            gate_N = gates_MK.reshape(-1).to(x_MD.dtype)
+            y = slot_sums(ys_PF, lay.slot_N, gate_N, k // groups * sum_rows)
+            y = y.view(M, groups, Fo) if groups > 1 else y
+        ctx.save_for_backward(x_MD, w_EDF, gate_N, row_P)
+        ctx.meta = (lay, k, groups, sum_rows, gates_MK.dtype if gates_MK is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, w_EDF, gate_P, row_P, grow_P = ctx.saved_tensors
-        lay, k, groups, sum_rows, gated, gate_in, gate_dtype = ctx.meta
+        x_MD, w_EDF, gate_N, row_P = ctx.saved_tensors
+        lay, k, groups, sum_rows, gate_dtype = ctx.meta
         M, D = x_MD.shape
         E, _, Fo = w_EDF.shape
         L, b = lay.n_blocks, lay.block
+        gated = gate_N is not None
         grad_y = grad_y.contiguous()  # also materialises stride-0 gradients
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
         need_g = gated and need_g
-        # Slot p receives the gradient of the output row it was summed into.
-        g_src, g_row = ((grad_y.view(-1, Fo), grow_P) if gated
-                        else (grad_y.view(M * k, Fo), lay.pair_P))
+        grad_x = grad_w = grad_gates = None
+        # Slot p receives the gradient of the output row its pair was summed into.
+        per_out = k // groups * sum_rows if gated else 1
+        out_P = torch.div(lay.pair_P, per_out, rounding_mode="floor")
+        g_PF = grad_y.view(-1, Fo).index_select(0, out_P)
+        if lay.pad_P.numel():
+            g_PF.index_fill_(0, lay.pad_P, 0)
+        xs_PD = _gather_rows(x_MD, lay, row_P) if need_g or need_w else None
         w_LDF = _block_weights(w_EDF, lay)
-        grad_x = x_MD.new_zeros(M, D) if need_x else None
-        grad_g_P = x_MD.new_empty(L * b) if need_g else None
-        grad_w = (w_LDF.new_empty if L * b else w_LDF.new_zeros)(L, D, Fo) if need_w else None
-        for l0, l1, s0, s1, pad in _chunks(lay, max(D, Fo) * x_MD.element_size()):
-            n, rows = l1 - l0, row_P[s0:s1]
-            g = g_src.index_select(0, g_row[s0:s1])
-            if pad.numel():  # zero gradient at the padding: no weight or input gradient
-                g.index_fill_(0, pad, 0)
-            xs = _gather_rows(x_MD, rows, pad) if need_g or need_w else None
-            if need_x or need_g:
-                # With either gate side, ga = g @ Wᵀ (the slot's output gradient before gating,
-                # taken back through its expert) gives d/dgate = ga · xs and d/dxs = gate · ga:
-                # the gate gradient needs no saved [P, F] outputs.
-                ga = torch.bmm(g.view(n, b, Fo), w_LDF[l0:l1].transpose(1, 2)).view(s1 - s0, D)
-                if need_g:
-                    _row_dot(ga, xs, out=grad_g_P[s0:s1])
-                if need_x:
-                    if gated:
-                        ga.mul_(gate_P[s0:s1, None])
-                    grad_x.index_add_(0, rows, ga)
-            if need_w:
-                if gated:  # the gate on whichever side the forward applied it
-                    (xs if gate_in else g).mul_(gate_P[s0:s1, None])
-                torch.bmm(xs.view(n, b, D).transpose(1, 2), g.view(n, b, Fo), out=grad_w[l0:l1])
-        if need_w and lay.block_expert is not None:
-            grad_w = grad_w.new_zeros(E, D, Fo).index_add_(0, lay.block_expert, grad_w)
-        grad_gates = None
-        if need_g:
-            grad_gates = grad_g_P.index_select(0, lay.slot_N).view(M, k).to(gate_dtype)
+        if need_x or need_g:
+            # ga = g @ Wᵀ, the slot's output gradient before gating taken back through its
+            # expert: d/dgate = ga · xs, and d/dx sums gate · ga over a row's pairs.
+            ga_PD = torch.bmm(g_PF.view(L, b, Fo), w_LDF.transpose(1, 2)).view(L * b, D)
+            if need_g:
+                grad_gates = _row_dot(ga_PD, xs_PD).index_select(0, lay.slot_N)
+                grad_gates = grad_gates.view(M, k).to(gate_dtype)
+            if need_x:
+                grad_x = slot_sums(ga_PD, lay.slot_N, gate_N, k)
+            del ga_PD  # before the weight gradient's products are allocated
+        if need_w:
+            if gated:  # the gate on the narrower side of the product
+                gate_P = gate_N.index_select(0, lay.pair_P)[:, None]
+                if D <= Fo:
+                    xs_PD = xs_PD * gate_P
+                else:
+                    g_PF = g_PF * gate_P
+            grad_w = torch.bmm(xs_PD.view(L, b, D).transpose(1, 2), g_PF.view(L, b, Fo))
+            if lay.block_expert is not None:
+                grad_w = grad_w.new_zeros(E, D, Fo).index_add_(0, lay.block_expert, grad_w)
         return grad_x, grad_w, grad_gates, None, None, None, None
