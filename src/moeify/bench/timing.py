@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import statistics
 import time
@@ -15,6 +17,20 @@ def _sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """The garbage collector off while timing (as ``timeit`` does): a collection pass landing in
+    one case's call would be charged to that case alone."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def median_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
                 device: torch.device | str | None = None) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
@@ -22,11 +38,12 @@ def median_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
         fn()
     _sync(device)
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    with _no_gc():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -39,12 +56,13 @@ def interleaved_median_times(fns: dict[str, Callable[[], object]], *, warmup: in
             fn()
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
+    with _no_gc():
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
