@@ -111,6 +111,17 @@ def test_expert_impls_agree():
     torch.testing.assert_close(a(x)[0], b(x)[0], rtol=1e-12, atol=1e-12)
 
 
+def test_counts_skip_invalid_queries_with_memory():
+    # Causal attention over [memory ; x]: the last T entries of valid_k are the queries'.
+    m = make("xl")
+    x, mem = torch.randn(1, 4, D, dtype=f64), torch.randn(1, 3, D, dtype=f64)
+    valid = torch.tensor([[True, True, True, True, False, True, False]])
+    _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid)
+    assert aux.stats["counts"].sum().item() == 2 * K
+    _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid, causal=False)
+    assert aux.stats["counts"].sum().item() == 4 * K
+
+
 def test_aux_losses_by_hand():
     m = make("none", balance_coef=0.5, z_coef=0.25, cv_coef=2.0)
     torch.manual_seed(2)

@@ -267,6 +267,19 @@ def test_counts_skip_invalid_tokens():
     assert aux.stats["sel_o_counts"].sum().item() == 2 * H * K
 
 
+def test_counts_skip_invalid_queries_with_memory():
+    # Causal attention over [memory ; x]: the queries are the last T keys, so their validity is
+    # the last T entries of valid_k; in cross-attention it is unknown and every query counts.
+    m = make("xl")
+    x, mem = torch.randn(1, 4, D, dtype=f64), torch.randn(1, 3, D, dtype=f64)
+    valid = torch.tensor([[True, True, True, True, False, True, False]])
+    _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid)
+    assert aux.stats["sel_v_counts"].sum().item() == 5 * H * K
+    assert aux.stats["sel_o_counts"].sum().item() == 2 * H * K
+    _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid, causal=False)
+    assert aux.stats["sel_o_counts"].sum().item() == 4 * H * K
+
+
 def test_gates_are_raw_sigmoids_in_float32():
     m = make("rope")
     sel = m.select(torch.randn(1, 3, D, dtype=f64))["src"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moeify.layers.common import Aux
+from moeify.layers.common import Aux, check_positive, init_scale
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.attention import ATTENTION_IMPLS, attend, build_mask
 from moeify.ops.positional import (
@@ -41,15 +41,7 @@ POSITIONAL = ("xl", "rope", "none")
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation and initialisation helpers shared by the attention configs and modules.
-
-
-def check_positive(cfg, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{name} must be a positive integer, "
-                             f"got {value!r}")
+# Validation shared by the attention configs (the generic checks live in moeify.layers.common).
 
 
 def check_attention_common(cfg) -> None:
@@ -67,35 +59,6 @@ def check_attention_common(cfg) -> None:
     if not 0.0 <= cfg.rope_fraction <= 1.0 or cfg.rope_base <= 0:
         raise ValueError(f"{type(cfg).__name__}: rope_fraction must lie in [0, 1] and rope_base "
                          f"be positive, got {cfg.rope_fraction} and {cfg.rope_base}")
-
-
-def init_scale(n_layers: int) -> float:
-    """s = sqrt(2 / L) (SwitchHead spec §3)."""
-    return math.sqrt(2.0 / n_layers)
-
-
-def normal_param(*shape: int, std: float) -> nn.Parameter:
-    return nn.Parameter(torch.randn(*shape) * std)
-
-
-def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
-    """Rescale every row to the same L2 norm while keeping the overall std (SwitchHead spec §3:
-    selection matrices, one row per expert)."""
-    with torch.no_grad():
-        std = w_XD.std()
-        w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-        w_XD.mul_(std / w_XD.std())
-    return w_XD
-
-
-def autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The expert matmul is a custom autograd Function, which autocast does not reach: under
-    autocast cast both operands to the autocast dtype, as autocast does for a Linear."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return x.to(dt), w.to(dt)
-    return x, w
 
 
 def check_inputs(q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None, d_model: int) -> None:

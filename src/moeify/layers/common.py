@@ -52,6 +52,21 @@ def accumulate_usage(module: nn.Module, name: str, counts: torch.Tensor) -> None
         getattr(module, name).add_((c.round() if c.is_floating_point() else c).long())
 
 
+def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | None, T: int,
+                         causal: bool) -> torch.Tensor | None:
+    """Which of an attention layer's T queries are real tokens, [B, T], from the validity of its
+    new keys ``valid_k`` [B, S_new]: the keys themselves in self-attention; their last T with
+    causal attention over [memory ; x] (the queries are the newest keys, as in
+    TransformerBlock); unknown (None) in cross-attention or without ``valid_k``."""
+    if valid_k is None:
+        return None
+    if kv_BSD is None:
+        return valid_k
+    if causal and valid_k.shape[1] >= T:
+        return valid_k[:, -T:]
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Config checks: ValueError naming the config class, the field and the value.
 

@@ -33,17 +33,22 @@ from torch import nn
 
 from moeify.layers.attention import (
     attention_probs,
-    autocast_operands,
     check_attention_common,
     check_inputs,
-    check_positive,
-    init_scale,
     positional_attention,
 )
-from moeify.layers.common import Aux, accumulate_usage, register_usage
+from moeify.layers.common import (
+    Aux,
+    accumulate_usage,
+    check_expert_impl,
+    check_positive,
+    destination_validity,
+    init_scale,
+    register_usage,
+)
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
+from moeify.ops.expert_matmul import expert_matmul, make_plan
 from moeify.ops.positional import rope_dims
 from moeify.ops.routing import selection_logits, softmax_topk
 
@@ -82,9 +87,7 @@ class MoAConfig:
         for name in ("balance_coef", "z_coef", "cv_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"MoAConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
-            raise ValueError(f"expert_impl must be one of {', '.join(IMPLEMENTATIONS + ('auto',))}"
-                             f", got {self.expert_impl!r}")
+        check_expert_impl(self)
 
     @property
     def n_heads(self) -> int:
@@ -155,8 +158,7 @@ class MoAAttention(nn.Module):
         logits_ME = selection_logits(x_MD, self.w_router)
         top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
-        xq_MD, w_q = autocast_operands(x_MD, self.w_q)
-        q_MKC = expert_matmul(xq_MD, top.idx, w_q, impl=c.expert_impl, plan=plan)
+        q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
         k_B1SC = (src_BSD @ self.w_k).view(B, 1, S, C)
         v_B1SC = (src_BSD @ self.w_v).view(B, 1, S, C)
@@ -168,13 +170,13 @@ class MoAAttention(nn.Module):
             w_pos_DHC=self.w_pos.view(D, 1, C) if xl else None,
             dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
         # One row per (token, slot): each slot's attention output through its own expert's W_o.
-        rows_NC, w_o = autocast_operands(o_BKTC.transpose(1, 2).reshape(M * K, C), self.w_o)
-        y_ND = expert_matmul(rows_NC, top.idx.view(M * K, 1), w_o, top.gates.view(M * K, 1),
-                             impl=c.expert_impl, plan=plan)
-        y_BTD = y_ND.view(B, T, K, D).sum(2)
+        # sum_rows=K sums a token's K slots inside the expert matmul (no [M·K, D] product).
+        rows_NC = o_BKTC.transpose(1, 2).reshape(M * K, C)
+        y_BTD = expert_matmul(rows_NC, top.idx.view(M * K, 1), self.w_o, top.gates.view(M * K, 1),
+                              sum_rows=K, impl=c.expert_impl, plan=plan).view(B, T, D)
 
-        # Destination tokens are known valid only in self-attention (they are the new sources).
-        valid_M = None if kv_BSD is not None or valid_k is None else valid_k.reshape(M)
+        valid_BT = destination_validity(valid_k, kv_BSD, T, causal)
+        valid_M = None if valid_BT is None else valid_BT.reshape(M)
         return y_BTD, self._aux(logits_ME, top, valid_M)
 
     @torch.no_grad()

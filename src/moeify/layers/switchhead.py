@@ -37,17 +37,22 @@ from torch import nn
 
 from moeify.layers.attention import (
     attention_probs,
-    autocast_operands,
     check_attention_common,
     check_inputs,
-    check_positive,
-    init_scale,
     positional_attention,
+)
+from moeify.layers.common import (
+    Aux,
+    accumulate_usage,
+    check_expert_impl,
+    check_positive,
+    destination_validity,
+    init_scale,
+    register_usage,
     renorm_rows_,
 )
-from moeify.layers.common import Aux, accumulate_usage, register_usage
 from moeify.layers.kv_cache import KVCache
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, ExpertPlan, expert_matmul, make_plan
+from moeify.ops.expert_matmul import ExpertPlan, expert_matmul, make_plan
 from moeify.ops.positional import rope_dims
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
@@ -102,9 +107,7 @@ class SwitchHeadConfig:
         if self.k > self.n_experts:
             raise ValueError(f"k={self.k} exceeds n_experts={self.n_experts}; "
                              f"choose k in [1, {self.n_experts}]")
-        if self.expert_impl not in IMPLEMENTATIONS + ("auto",):
-            raise ValueError(f"expert_impl must be one of {', '.join(IMPLEMENTATIONS + ('auto',))}"
-                             f", got {self.expert_impl!r}")
+        check_expert_impl(self)
         if self.shared_selection and not (self.source_side and self.dest_side):
             raise ValueError("shared_selection needs experts on both sides (v or k, and o or q); "
                              f"experts={sorted(names)} has a single selection anyway")
@@ -264,9 +267,8 @@ class SwitchHeadAttention(nn.Module):
         if name not in c.experts:
             return (x_BND @ w).view(B, N, H, C).transpose(1, 2)
         HK = H * c.k
-        x_MD, w = autocast_operands(x_BND.reshape(B * N, D), w)
-        y = expert_matmul(x_MD, sel.ids.view(B * N, HK), w, sel.gates.view(B * N, HK), groups=H,
-                          impl=c.expert_impl, plan=sel.plan)
+        y = expert_matmul(x_BND.reshape(B * N, D), sel.ids.view(B * N, HK), w,
+                          sel.gates.view(B * N, HK), groups=H, impl=c.expert_impl, plan=sel.plan)
         return y.view(B, N, H, C).transpose(1, 2)
 
     def _output(self, o_BHTC: torch.Tensor, sel: Selection | None) -> torch.Tensor:
@@ -277,9 +279,9 @@ class SwitchHeadAttention(nn.Module):
         if "o" not in c.experts:
             return o_BTHC.reshape(B, T, H * C) @ self.w_o
         M = B * T * H
-        o_MC, w_o = autocast_operands(o_BTHC.reshape(M, C), self.w_o)
-        # Rows are (token, head); sum_rows=H sums the heads inside the expert matmul.
-        y = expert_matmul(o_MC, sel.ids.view(M, c.k), w_o, sel.gates.view(M, c.k), sum_rows=H,
+                # Rows are (token, head); sum_rows=H sums the heads inside the expert matmul.
+        y = expert_matmul(o_BTHC.reshape(M, C), sel.ids.view(M, c.k), self.w_o,
+                          sel.gates.view(M, c.k), sum_rows=H,
                           impl=c.expert_impl, plan=sel.plan)
         return y.view(B, T, c.d_model)
 
@@ -317,8 +319,7 @@ class SwitchHeadAttention(nn.Module):
         y_BTD = self._output(o_BHTC, dst)
 
         aux = Aux()
-        # Destination tokens are known valid only in self-attention (they are the new sources).
-        valid_dst = valid_k if kv_BSD is None else None
+        valid_dst = destination_validity(valid_k, kv_BSD, q_BTD.shape[1], causal)
         counted: dict[str, torch.Tensor] = {}
         for p in sorted(c.experts):
             side = "src" if p in SOURCE_SIDE else "dst"
