@@ -16,7 +16,7 @@ from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
 from moeify.models.presets import PRESETS, get_preset
 
-PAPER = [n for n in PRESETS if not n.startswith("tiny-")]
+PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-"))]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
@@ -185,3 +185,26 @@ def test_presets_cli(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(PRESETS)
     assert any(line.startswith("wt103-47m-switchhead ") and "E=5" in line for line in lines)
+
+
+REPRO = ["repro-dense", "repro-dense-h2", "repro-switchhead", "repro-moa", "repro-switchall"]
+
+
+def test_repro_family_is_registered_with_the_others_and_parameter_matched(capsys):
+    # Listed by `moeify presets` without importing anything else (a fresh import of the
+    # registry is what every subcommand sees).
+    assert main(["presets"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert set(REPRO) <= listed
+    dense = get_preset("repro-dense")
+    sh, moa = get_preset("repro-switchhead"), get_preset("repro-moa")
+    a = sh.attention_layers()[0]
+    # spec §5: H·E equals the baseline's head count; the parameter budget is matched.
+    assert isinstance(a, SwitchHeadConfig) and a.n_heads * a.n_experts == 8
+    assert isinstance(moa.attention_layers()[0], MoAConfig)
+    total = {n: model_parameters(get_preset(n))["total"] for n in REPRO}
+    for n in ("repro-dense-h2", "repro-switchhead", "repro-moa"):
+        assert abs(total[n] - total["repro-dense"]) <= 0.01 * total["repro-dense"], (n, total)
+    assert abs(total["repro-switchall"] - total["repro-dense"]) <= 0.01 * total["repro-dense"]
+    assert isinstance(get_preset("repro-switchall").feedforward[0], SigmaMoEConfig)
+    assert dense.xl_memory and dense.context_length == 128

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from moeify.analysis.repro_presets import REPRO_PRESETS
+from moeify.models.repro_presets import REPRO_PRESETS
 from moeify.models.presets import get_preset
 
 

@@ -74,7 +74,6 @@ def _check(args) -> list[str]:
 
 
 def _train_configs(presets: list[str], args) -> dict:
-    import moeify.analysis.repro_presets  # noqa: F401  registers the repro-* presets
     from moeify.train.config import TrainConfig, resolve_model_config
 
     cfgs = {}
@@ -288,7 +287,6 @@ def child_main(spec_path: str) -> int:
     """Train one preset, score it, write CHILD_RESULT into its run directory."""
     import torch
 
-    import moeify.analysis.repro_presets  # noqa: F401  registers the repro-* presets
     from moeify.data import load_corpus, tokenize_split
     from moeify.errors import MoeifyError
     from moeify.eval.blimp import blimp_accuracy, load_blimp

@@ -355,3 +355,8 @@ def tiny_mode() -> ModelConfig:
           "4 no-op experts, dense attention H=4 d_h=32")
 def tiny_mode_integrated() -> ModelConfig:
     return _lm(TINY_ROPE, _tiny_dense_attn(TINY_ROPE), _tiny_switch(TINY_ROPE, noop=4))
+
+
+# The CPU-scale reproduction family (repro-*) registers itself on import; it builds on the
+# helpers above, hence the import at the end.
+from moeify.models import repro_presets as _repro_presets  # noqa: E402,F401

@@ -14,8 +14,8 @@ SwitchAll replaces the matched SwitchHead model's feedforward by a sigma-MoE of 
 against d_ff 2053); its parameter count differs from the others by ~0.4%, reported by
 ``moeify count``.
 
-The presets register under the names in ``REPRO_PRESETS`` on import (``moeify compare`` imports
-this module); ``register_repro_presets()`` is idempotent.
+The presets register under the names in ``REPRO_PRESETS`` together with the paper's and the tiny
+ones (``moeify.models.presets`` imports this module); ``register_repro_presets()`` is idempotent.
 """
 
 from __future__ import annotations
