@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,3 +21,15 @@ def shared_data_dir(monkeypatch) -> Path:
     root = Path(env).expanduser() if env else REPO.parent / "shared" / "data"
     monkeypatch.setenv("MOEIFY_DATA_DIR", str(root))
     return root
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for the modules of tiny-tensor tests, which opt in with
+    `pytestmark = pytest.mark.usefixtures("single_thread")`. On tiny tensors more threads only add
+    OpenMP wake-up cost, which is large on a busy machine. The previous count is restored when
+    the module ends."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

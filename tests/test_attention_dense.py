@@ -1,6 +1,6 @@
 """The attention core (ops/attention.py) and the dense baselines (layers/attention.py) against an
 independent transcription: explicit softmax over a mask written from positions here, RoPE as a
-complex rotation, XL as the sinusoid of every pairwise distance.
+complex rotation, XL as the sinusoid of every pairwise distance (those two from references.py).
 
 Shape legend: B batch, H heads, T queries, S sources, C d_head, D d_model.
 """
@@ -12,44 +12,15 @@ import torch
 
 from moeify.layers.attention import DenseAttention, DenseAttentionConfig
 from moeify.ops.attention import attend, build_mask
+from references import ref_positions, ref_rope, ref_xl
 
 f64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------------------- transcription
-
-
-def ref_rope(x_BHTC, pos_BT, n_rot):
-    half = n_rot // 2
-    z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
-    freq = 10000.0 ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
-    theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
-    return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
-
-
-def ref_xl(qp_BHTC, w_DHC, pos_q_BT, pos_k_BS):
-    D = w_DHC.shape[0]
-    dist = (pos_q_BT[:, :, None] - pos_k_BS[:, None, :]).to(f64)
-    f = torch.arange((D + 1) // 2, dtype=f64)
-    ang = dist[..., None] * 10000.0 ** (-2.0 * f / D)
-    emb = torch.cat([ang.sin(), ang.cos()], -1)[..., :D]
-    return torch.einsum("bhtc,btsd,dhc->bhts", qp_BHTC, emb, w_DHC)
-
-
-def ref_positions(B, T, S, pos_q=None, pos_k=None):
-    pq = torch.arange(S - T, S).expand(B, T) if pos_q is None else pos_q
-    pk = torch.arange(S).expand(B, S) if pos_k is None else pos_k
-    return pq, pk
 
 
 def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=None):

@@ -28,16 +28,12 @@ from moeify.ops.positional import (
     xl_position_table,
 )
 from moeify.ops.xl_attention import xl_attention
+from references import ref_rope as brute_rope
 
 f64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def grads(y, inputs, g):
@@ -326,15 +322,6 @@ def test_position_table_rows_are_projected_distances():
 
 
 # ---------------------------------------------------------------------------- RoPE
-
-
-def brute_rope(x, pos, n_rot):
-    half = n_rot // 2
-    z = torch.complex(x[..., :half], x[..., half:n_rot])
-    theta = pos.to(f64)[:, None, :, None] * 10000.0 ** (-2.0 * torch.arange(half, dtype=f64)
-                                                          / n_rot)
-    z = z * torch.exp(1j * theta)
-    return torch.cat([z.real, z.imag, x[..., n_rot:]], -1)
 
 
 @pytest.mark.parametrize("C,n_rot", [(8, 4), (6, 6), (9, 0)])

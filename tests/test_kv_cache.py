@@ -17,13 +17,7 @@ f64 = torch.float64
 D, STEPS = 12, 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def build(kind, pos):

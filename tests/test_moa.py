@@ -11,34 +11,13 @@ import pytest
 import torch
 
 from moeify.layers.moa import MoAAttention, MoAConfig
+from references import ref_positions, ref_rope, ref_xl
 
 f64 = torch.float64
 D, C, E, K = 10, 4, 5, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def ref_rope(x, pos_BT, n_rot):
-    half = n_rot // 2
-    z = torch.complex(x[..., :half], x[..., half:n_rot])
-    freq = 10000.0 ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
-    theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
-    return torch.cat([z.real, z.imag, x[..., n_rot:]], -1)
-
-
-def ref_xl(q_BETC, w_DC, pos_q_BT, pos_k_BS):
-    dist = (pos_q_BT[:, :, None] - pos_k_BS[:, None, :]).to(f64)
-    ang = dist[..., None] * 10000.0 ** (-2.0 * torch.arange((D + 1) // 2, dtype=f64) / D)
-    emb = torch.cat([ang.sin(), ang.cos()], -1)[..., :D]
-    return torch.einsum("betc,btsd,dc->bets", q_BETC, emb, w_DC)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def moa_reference(m, xq, xkv=None, *, causal=True):
@@ -54,13 +33,13 @@ def moa_reference(m, xq, xkv=None, *, causal=True):
     gates = gates.to(xq.dtype)
     q = torch.einsum("btd,edc->betc", xq, m.w_q)  # every expert's query
     k, v = xs @ m.w_k, xs @ m.w_v  # one shared head
-    pq, pk = torch.arange(S - T, S).expand(B, T), torch.arange(S).expand(B, S)
+    pq, pk = ref_positions(B, T, S)
     if c.pos == "rope":
         q = ref_rope(q, pq, C // 2)
         k = ref_rope(k[:, None], pk, C // 2)[:, 0]
     logits = torch.einsum("betc,bsc->bets", q, k)
     if c.pos == "xl":
-        logits = logits + ref_xl(q, m.w_pos, pq, pk)
+        logits = logits + ref_xl(q, m.w_pos.view(D, 1, C).expand(D, E, C), pq, pk)  # shared
     logits = logits / math.sqrt(C)
     if causal:
         logits = logits.masked_fill(~(pk[:, None, :] <= pq[:, :, None])[:, None], float("-inf"))

@@ -1,4 +1,4 @@
-"""Positional maths against brute-force transcriptions written here.
+"""Positional maths against the brute-force transcriptions of references.py.
 
 RoPE: complex rotation of channel pairs (i, i + n/2); XL: the sinusoid of every pairwise distance
 p_i - p_j, projected and dotted with the query, one pair at a time (no shift, no identity).
@@ -19,44 +19,14 @@ from moeify.ops.positional import (
     xl_logits_at,
     xl_logits_contiguous,
 )
+from references import ref_rope as brute_rope
+from references import ref_sinusoid as brute_emb
+from references import ref_xl as brute_xl
 
 f64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def brute_rope(x_BHTC, pos_BT, n_rot, base=10000.0):
-    half = n_rot // 2
-    z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
-    freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
-    theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
-    return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
-
-
-def brute_emb(dist, D):
-    """Transformer-XL sinusoid of (real) distances, any shape -> [..., D]: sin block then cos."""
-    out = torch.empty(*dist.shape, D, dtype=f64)
-    n_sin = (D + 1) // 2
-    for f in range(n_sin):
-        w = 10000.0 ** (-2.0 * f / D)
-        out[..., f] = torch.sin(dist.to(f64) * w)
-        if n_sin + f < D:
-            out[..., n_sin + f] = torch.cos(dist.to(f64) * w)
-    return out
-
-
-def brute_xl(q_BHTC, w_DHC, pos_q_BT, pos_k_BS):
-    emb_BTSD = brute_emb(pos_q_BT[:, :, None] - pos_k_BS[:, None, :], w_DHC.shape[0])
-    p_BHTSC = torch.einsum("btsd,dhc->bhtsc", emb_BTSD.to(q_BHTC.dtype), w_DHC)
-    return torch.einsum("bhtc,bhtsc->bhts", q_BHTC, p_BHTSC)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_rope_dims_rounds_down_to_even():

@@ -1,6 +1,7 @@
 """SwitchHead against an independent transcription of the paper's Eq. 7-10 (spec switchhead.md §1):
 every expert matrix applied densely to every token, the top-k choice expressed as a 0/1 mask over
-the E experts of each head. Attention, RoPE and XL are written out here as well.
+the E experts of each head. Attention is written out here as well; RoPE, XL and the default
+positions come from references.py.
 
 Shape legend: B batch, T destination tokens, S source tokens, D d_model, H heads, E experts per
 head, K kept experts, C d_head.
@@ -13,18 +14,13 @@ import pytest
 import torch
 
 from moeify.layers.switchhead import SwitchHeadAttention, SwitchHeadConfig
+from references import ref_positions, ref_rope, ref_xl
 
 f64 = torch.float64
 D, H, C, E, K = 10, 2, 4, 4, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny tensors: intra-op threads only add OpenMP wake-up cost (large on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # Table 6 of the paper: every non-empty subset of {Q, K, V, O}.
@@ -32,23 +28,6 @@ TABLE6 = [frozenset(s) for n in range(1, 5) for s in itertools.combinations("qkv
 
 
 # ---------------------------------------------------------------------------- transcription
-
-
-def ref_rope(x_BHTC, pos_BT, n_rot):
-    half = n_rot // 2
-    z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
-    freq = 10000.0 ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
-    theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
-    return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
-
-
-def ref_xl(q_BHTC, w_DHC, pos_q_BT, pos_k_BS):
-    Dm = w_DHC.shape[0]
-    dist = (pos_q_BT[:, :, None] - pos_k_BS[:, None, :]).to(f64)
-    ang = dist[..., None] * 10000.0 ** (-2.0 * torch.arange((Dm + 1) // 2, dtype=f64) / Dm)
-    emb = torch.cat([ang.sin(), ang.cos()], -1)[..., :Dm]
-    return torch.einsum("bhtc,btsd,dhc->bhts", q_BHTC, emb, w_DHC)
 
 
 def topk_gates(x_BND, w_XD):
@@ -75,8 +54,7 @@ def switchhead_reference(m, xq, xkv=None, *, causal=True, pos_q=None, pos_k=None
         return torch.einsum("bnd,dhc->bhnc", x, w.view(D, H, C))
 
     q, k, v = proj("q", xq, g_dst), proj("k", xs, g_src), proj("v", xs, g_src)
-    pq = torch.arange(S - T, S).expand(B, T) if pos_q is None else pos_q
-    pk = torch.arange(S).expand(B, S) if pos_k is None else pos_k
+    pq, pk = ref_positions(B, T, S, pos_q, pos_k)
     if c.pos == "rope":
         q, k = ref_rope(q, pq, C // 2), ref_rope(k, pk, C // 2)
     logits = torch.einsum("bhtc,bhsc->bhts", q, k)

@@ -1,0 +1,62 @@
+"""Independent transcriptions of the papers' equations, which the tests compare the library
+against. There is one copy of each, so a fix to a reference reaches every test that relies on it.
+
+- RoPE (RoFormer; SwitchHead spec /work/shared/spec/switchhead.md §2): the first n_rot channels
+  of each head, taken as pairs (i, i + n_rot/2), are rotated as the complex number
+  x_i + j·x_{i+n_rot/2} multiplied by exp(j·p·base^(-2i/n_rot)). The remaining channels are
+  left as they are.
+- Transformer-XL relative positions (Dai et al. 2019; spec §2): the sinusoid of every pairwise
+  distance p_i - p_j, with a sin block followed by a cos block, projected by W and dotted with
+  the query one pair at a time. There is no relative shift and no identity trick.
+- Default positions (spec §1, XL memory): queries are the last T of the S sources
+  [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
+
+Nothing here imports moeify. A reference built on the library's own positional code would test
+that code against itself.
+
+Shape legend: B batch, H heads (MoA: experts), T queries, S keys / sources, C head channels,
+D sinusoid width (d_model for the attention layers).
+"""
+
+import torch
+
+f64 = torch.float64
+
+
+def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0):
+    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64."""
+    half = n_rot // 2
+    z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
+    freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
+    theta = pos_BT.to(f64)[:, None, :, None] * freq
+    z = z * torch.exp(1j * theta)
+    return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
+
+
+def ref_sinusoid(dist, D):
+    """Transformer-XL sinusoid of (real) distances, any shape -> [..., D]: sin block, then cos,
+    one frequency 10000^(-2f/D) at a time."""
+    out = torch.empty(*dist.shape, D, dtype=f64)
+    n_sin = (D + 1) // 2
+    for f in range(n_sin):
+        w = 10000.0 ** (-2.0 * f / D)
+        out[..., f] = torch.sin(dist.to(f64) * w)
+        if n_sin + f < D:
+            out[..., n_sin + f] = torch.cos(dist.to(f64) * w)
+    return out
+
+
+def ref_xl(q_BHTC, w_DHC, pos_q_BT, pos_k_BS):
+    """XL position logits q_t · (sinusoid(p_t - p_s) W): every (query, key) pair, [B, H, T, S].
+    The sinusoid width D is w's first dimension. Expand a shared projection to [D, H, C] first."""
+    emb_BTSD = ref_sinusoid(pos_q_BT[:, :, None] - pos_k_BS[:, None, :], w_DHC.shape[0])
+    p_BHTSC = torch.einsum("btsd,dhc->bhtsc", emb_BTSD.to(q_BHTC.dtype), w_DHC)
+    return torch.einsum("bhtc,bhtsc->bhts", q_BHTC, p_BHTSC)
+
+
+def ref_positions(B, T, S, pos_q=None, pos_k=None):
+    """Default positions of T queries over S sources [memory ; x], unless given: queries are
+    S-T .. S-1, keys 0 .. S-1. Returns ([B, T], [B, S])."""
+    pq = torch.arange(S - T, S).expand(B, T) if pos_q is None else pos_q
+    pk = torch.arange(S).expand(B, S) if pos_k is None else pos_k
+    return pq, pk
