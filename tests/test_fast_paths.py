@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moeify.ops.attention import attend, build_mask
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, chosen_impl, expert_matmul, make_plan
 from moeify.ops.padded_matmul import (
     CAPACITY_SLACK,
     SINGLE_THREAD_SLACK,
@@ -179,6 +179,11 @@ def test_auto_pads_only_when_padding_is_small():
         assert padding_pays(even) and 4 * 16 <= SINGLE_THREAD_SLACK * 64
         torch.set_num_threads(2)
         assert padding_pays(make_plan(skewed, 8))  # threaded: always, blocks bound the padding
+        x, w = torch.zeros(64, 4), torch.zeros(8, 4, 4)
+        assert chosen_impl("auto", x, skewed, w) == "padded"  # what reports name
+        torch.set_num_threads(1)
+        assert chosen_impl("auto", x, skewed, w) == "segment"
+        assert chosen_impl("gather", x, skewed, w) == "gather"
     finally:
         torch.set_num_threads(n)
 

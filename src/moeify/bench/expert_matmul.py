@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, resolve_impl
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, chosen_impl, expert_matmul
 
 
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, device="cpu",
@@ -49,7 +49,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "auto": resolve_impl("auto", x, w),
+        "auto": chosen_impl("auto", x, idx, w),
         "fastest": fastest,
         "rows": rows,
         "fastest_vs_dense": times[fastest] / base,

@@ -253,6 +253,21 @@ def resolve_impl(impl: str, x: torch.Tensor, w: torch.Tensor) -> str:
     return "segment"
 
 
+def _with_padding(kind: str, impl: str, x: torch.Tensor, plan: ExpertPlan) -> str:
+    """"auto" on CPU takes the padded layout once the routing shows that padding pays."""
+    if kind == "segment" and impl == "auto" and x.device.type == "cpu" and padding_pays(plan):
+        return "padded"
+    return kind
+
+
+def chosen_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor) -> str:
+    """The implementation ``expert_matmul(x_MD, idx_MK, w_EDF, impl=impl)`` runs (for reports)."""
+    kind = resolve_impl(impl, x_MD, w_EDF)
+    if kind in ("reference", "gather"):
+        return kind
+    return _with_padding(kind, impl, x_MD, make_plan(idx_MK, w_EDF.shape[0]))
+
+
 def _validate(x, idx, w, gates, groups, sum_rows=1):
     if x.dim() != 2:
         raise ValueError(f"x must be [M, D], got shape {tuple(x.shape)}")
@@ -312,8 +327,7 @@ def expert_matmul(
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
     K = idx_MK.shape[1]
-    if kind == "segment" and impl == "auto" and x_MD.device.type == "cpu" and padding_pays(plan):
-        kind = "padded"
+    kind = _with_padding(kind, impl, x_MD, plan)
     if kind == "padded":
         # The row sum happens inside: the output gradient is gathered per slot from [M / R, F].
         return PaddedExpertMatmul.apply(x_MD, w_EDF, gates_MK, padded_layout(plan), K, groups,
