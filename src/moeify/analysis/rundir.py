@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moeify.data.cache import read_jsonl
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig
 
@@ -59,13 +60,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = check_run_dir(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise MoeifyError(f"{path} is missing: the run has not logged any metrics yet")
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_jsonl(path)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:

@@ -19,6 +19,7 @@ import contextlib
 import fnmatch
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +31,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 from moeify.errors import MoeifyError
 
@@ -89,6 +90,18 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     with atomic_write(path, "wb") as f:
         f.write(data)
     return Path(path)
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The records of a JSON-lines file written one line at a time (metrics.jsonl): a line that
+    does not parse, such as a last line torn by a crash, is skipped."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 # ----------------------------------------------------------------------------- checksums

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from moeify.data.cache import read_jsonl
 from moeify.errors import MoeifyError
 
 METRICS_FILE = "metrics.jsonl"
@@ -99,13 +100,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_jsonl(path)
 
 
 def truncate_metrics(run_dir: str | Path, after_step: int) -> None:
