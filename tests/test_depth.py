@@ -93,20 +93,23 @@ def _r(x_BTD, w_D, b=0.0):
 
 
 def _reference(mod, x_BTD, capacity, positions_BT=None, valid_BT=None):
+    # Each row as if alone and unpadded: it routes ceil(capacity * its valid tokens) of them
+    # (expert_choice_count: ceil, documented), and the block sees only those.
     B, T, _ = x_BTD.shape
-    C = math.ceil(capacity * T)  # expert_choice_count: ceil (documented)
     r = _r(x_BTD, mod.router_D, mod.router_bias)
     block = mod.block
     pos = torch.arange(T).expand(B, T) if positions_BT is None else positions_BT
     rows = []
     for b in range(B):
         score = r[b].detach().clone()
+        n_valid = T
         if valid_BT is not None:
             score[~valid_BT[b]] = -float("inf")
+            n_valid = int(valid_BT[b].sum())
+        C = math.ceil(capacity * n_valid)
         sel = torch.sort(torch.argsort(score, descending=True)[:C]).values
         xs = x_BTD[b, sel][None]
-        y, _ = block(xs, positions_BT=pos[b, sel][None],
-                     valid_BT=None if valid_BT is None else valid_BT[b, sel][None])
+        y, _ = block(xs, positions_BT=pos[b, sel][None])
         row = x_BTD[b].clone()
         row[sel] = (xs + r[b, sel][None, :, None] * (y - xs))[0]
         rows.append(row)
@@ -160,7 +163,8 @@ def test_block_sees_original_positions_and_padding_is_never_routed():
     y, aux = mod(x, positions_BT=positions, valid_BT=valid)
     torch.testing.assert_close(y, _reference(mod, x, 0.5, positions, valid))
     assert torch.equal(y[1, 6:], x[1, 6:])
-    torch.testing.assert_close(aux.stats["mod.fraction_routed"], torch.tensor(10 / 16))
+    # Row 0 routes 5 of 10 tokens, row 1 (6 real tokens) 3 of them.
+    torch.testing.assert_close(aux.stats["mod.fraction_routed"], torch.tensor(8 / 16))
     # Positions reach the attention: contiguous positions give a different answer.
     y_contig, _ = mod(x, valid_BT=valid)
     assert not torch.allclose(y, y_contig)
@@ -168,10 +172,12 @@ def test_block_sees_original_positions_and_padding_is_never_routed():
 
 def _membership(x_BTD, mod, capacity, valid_BT=None):
     r = _r(x_BTD, mod.router_D, mod.router_bias).detach()
+    n_valid = torch.full((x_BTD.shape[0],), x_BTD.shape[1])
     if valid_BT is not None:
         r = r.masked_fill(~valid_BT, -float("inf"))
-    C = math.ceil(capacity * x_BTD.shape[1])
-    kth = r.sort(-1, descending=True).values[:, C - 1 : C]
+        n_valid = valid_BT.sum(1)
+    C = torch.ceil(capacity * n_valid).long()  # per row, as if unpadded
+    kth = r.sort(-1, descending=True).values.gather(1, (C - 1)[:, None])
     return r >= kth
 
 
@@ -374,3 +380,23 @@ def test_staged_mode_routes_only_entered_tokens_to_the_experts(ff_cfg):
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         MoDConfig(**(dict(d_model=4) | bad))
+
+
+def test_mod_zero_shot_scores_do_not_depend_on_batch_padding():
+    # Zero-shot scoring pads items on the right to batch them; a Mixture-of-Depths model must
+    # route each item as it would alone (capacity from its own length, padding never routed).
+    from moeify.eval import score_continuations
+    from moeify.models.lm import TransformerLM
+    from moeify.models.presets import get_preset
+    from moeify.train.validate import stateless_logits_fn
+
+    torch.manual_seed(0)
+    model = TransformerLM(get_preset("tiny-mod")).eval()
+    fn = stateless_logits_fn(model, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    items = [(torch.randint(0, 256, (n,), generator=g).tolist(),
+              torch.randint(0, 256, (3,), generator=g).tolist()) for n in (5, 9, 17, 30)]
+    alone = [score_continuations(fn, [item], batch_size=1)[0] for item in items]
+    together = score_continuations(fn, items, batch_size=len(items))
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b.logprobs, a.logprobs, rtol=1e-5, atol=1e-5)

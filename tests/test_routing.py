@@ -104,6 +104,18 @@ def test_expert_choice_skips_invalid_positions():
     assert idx[0].tolist() == [4, 5] and idx[1].tolist() == [6, 7]
 
 
+def test_expert_choice_capacity_follows_each_rows_valid_length():
+    # A padded row routes as it would unpadded: ceil(capacity * its valid tokens), not of S.
+    scores = torch.tensor([[5.0, 1, 4, 2, 9, 8, 7, 6], [5.0, 1, 4, 2, 9, 8, 7, 6]])
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, 4:] = False  # 4 real tokens
+    idx, sel = expert_choice(scores, 0.5, valid_BS=valid)
+    assert idx.shape == (2, 4)
+    assert sel[0].nonzero().flatten().tolist() == [4, 5, 6, 7]
+    assert sel[1].nonzero().flatten().tolist() == [0, 2]  # top-2 of the first four
+    assert idx[1].tolist() == sorted(idx[1].tolist())  # columns stay in position order
+
+
 def brute_capacity(idx, E, cap, valid=None):
     M, K = idx.shape
     used = [0] * E

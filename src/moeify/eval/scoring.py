@@ -7,11 +7,15 @@ what are log p(c_i | prefix, c_<i) for each continuation token, and what is the 
 those positions? ``score_continuations`` answers it in padded batches through
 ``logits_fn(ids_BT) -> logits_BTV``, a stateless function (no XL memory carried between calls:
 the tasks score every item on its own, as the SwitchHead authors did). Sequences are padded on
-the right, which a causal model never sees from earlier positions.
+the right, which a causal model never sees from earlier positions. A ``logits_fn`` that takes a
+``valid_BT`` keyword (False = padding; ``moeify.train.validate.stateless_logits_fn`` does) gets
+the padding mask too, so that layers which look at the whole sequence (Mixture-of-Depths'
+expert-choice routing) treat a padded item as they would the item alone.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -44,6 +48,17 @@ def upcast(logits: torch.Tensor) -> torch.Tensor:
     """Half-precision logits are scored in float32; float32/float64 ones as they are (a float64
     copy of [B, T, V] logits would cost gigabytes for a 50k vocabulary)."""
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def call_logits(logits_fn: LogitsFn, ids_BT: torch.Tensor,
+                valid_BT: torch.Tensor) -> torch.Tensor:
+    """``logits_fn(ids_BT, valid_BT=valid_BT)`` when it takes that keyword, else
+    ``logits_fn(ids_BT)`` (see the module docstring)."""
+    try:
+        takes_valid = "valid_BT" in inspect.signature(logits_fn).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        takes_valid = False
+    return logits_fn(ids_BT, valid_BT=valid_BT) if takes_valid else logits_fn(ids_BT)
 
 
 def check_logits(logits_BTV: torch.Tensor, B: int, T: int, max_id: int) -> None:
@@ -86,12 +101,15 @@ def score_continuations(logits_fn: LogitsFn, items: Sequence[tuple[Sequence[int]
         ids_BT = np.full((B, T), pad_id, dtype=np.int64)
         tgt_BT = np.zeros((B, T), dtype=np.int64)
         mask_BT = np.zeros((B, T), dtype=bool)
+        valid_BT = np.zeros((B, T), dtype=bool)
         for row, i in enumerate(idx):
             L, C = len(inputs[i]), n_cont[i]
             ids_BT[row, :L] = inputs[i]
             tgt_BT[row, L - C:L] = items[i][1]
             mask_BT[row, L - C:L] = True
-        logits_BTV = upcast(logits_fn(torch.from_numpy(ids_BT)))
+            valid_BT[row, :L] = True
+        logits_BTV = upcast(call_logits(logits_fn, torch.from_numpy(ids_BT),
+                                        torch.from_numpy(valid_BT)))
         check_logits(logits_BTV, B, T, int(max(ids_BT.max(), tgt_BT.max())))
         tgt = torch.from_numpy(tgt_BT).to(logits_BTV.device)
         logp_BTV = torch.log_softmax(logits_BTV, dim=-1)

@@ -12,7 +12,10 @@ Within f the selected tokens keep their original positions (``positions_BT``), s
 causal mask see the true distances, and skipped tokens are neither queries nor keys/values.
 The router weight multiplies the block's residual update f(x) - x, not the residual stream, so
 the router receives a gradient. ``ceil`` (``moeify.ops.routing.expert_choice_count``)
-so that capacity · T need not be an integer and a short sequence still routes one token.
+so that capacity · T need not be an integer and a short sequence still routes one token. With
+``valid_BT`` (right-padded batches, e.g. zero-shot scoring), T is each sequence's own number of
+real tokens and padding is never routed, so a padded sequence is processed exactly as it would
+be alone.
 
 Deviation: the router has a scalar bias b (initialised to 0, so the router starts as the paper's
 wᵀx). It does not change which tokens the top-k picks, but without it the causal rule
@@ -166,11 +169,16 @@ class MixtureOfDepths(nn.Module):
         if positions_BT is None:
             positions_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
         pos_BC = positions_BT.gather(1, idx_BC)
-        valid_BC = None if valid_BT is None else valid_BT.gather(1, idx_BC)
+        # With padding, a row may route fewer than C tokens: the other columns (and padding)
+        # are invalid inside the block and keep their input.
+        valid_BC = None if valid_BT is None else selected_BT.gather(1, idx_BC)
         x_BCD = gather_tokens(x_BTD, idx_BC)
         y_BCD, block_aux = self.block(x_BCD, None, cache=None, positions_BT=pos_BC,
                                       valid_BT=valid_BC)
-        r_BC1 = logits_BT.gather(1, idx_BC)[..., None].to(x_BTD.dtype)
+        r_BC = logits_BT.gather(1, idx_BC)
+        if valid_BC is not None:
+            r_BC = r_BC * valid_BC
+        r_BC1 = r_BC[..., None].to(x_BTD.dtype)
         out_BTD = scatter_tokens(x_BTD, idx_BC, x_BCD + r_BC1 * (y_BCD - x_BCD))
 
         aux = Aux().update(block_aux)

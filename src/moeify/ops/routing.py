@@ -86,16 +86,28 @@ def expert_choice(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-choice top-c over each sequence (Mixture-of-Depths): per row of ``scores_BS`` keep the
     ``expert_choice_count(S, capacity)`` highest-scoring positions. Returns (idx_BC ascending in
-    position, so causal order is kept; selected_BS bool mask). Invalid (padding) positions are
-    never chosen unless a row has fewer valid positions than C."""
+    position, so causal order is kept; selected_BS bool mask).
+
+    With ``valid_BS`` (False = padding) a row keeps ``expert_choice_count(its valid count,
+    capacity)`` of its valid positions, as it would unpadded, so right-padding a sequence to batch
+    it does not change its routing. ``idx_BC`` keeps C = expert_choice_count(S) columns; those
+    beyond a row's own count (and any padding) are not in ``selected_BS``."""
     S = scores_BS.shape[-1]
     c = expert_choice_count(S, capacity)
     ranked = scores_BS.detach().float()
-    if valid_BS is not None:
-        ranked = ranked.masked_fill(~valid_BS, float("-inf"))
-    idx = ranked.topk(c, dim=-1, sorted=False).indices.sort(dim=-1).values
-    selected = torch.zeros_like(scores_BS, dtype=torch.bool).scatter_(-1, idx, True)
-    return idx, selected
+    if valid_BS is None:
+        idx = ranked.topk(c, dim=-1, sorted=False).indices.sort(dim=-1).values
+        selected = torch.zeros_like(scores_BS, dtype=torch.bool).scatter_(-1, idx, True)
+        return idx, selected
+    valid_BS = valid_BS.bool()
+    ranked = ranked.masked_fill(~valid_BS, float("-inf"))
+    n_B = valid_BS.sum(-1, keepdim=True)
+    c_B = torch.ceil(capacity * n_B - 1e-9).clamp_min(1)  # expert_choice_count per row
+    by_score = ranked.topk(c, dim=-1, sorted=True).indices
+    keep = torch.arange(c, device=scores_BS.device) < c_B
+    keep &= valid_BS.gather(-1, by_score)
+    selected = torch.zeros_like(valid_BS).scatter_(-1, by_score, keep)
+    return by_score.sort(dim=-1).values, selected
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1) -> int:

@@ -28,9 +28,10 @@ def autocast_context(device: torch.device, amp_dtype: torch.dtype | None):
 def stateless_logits_fn(model: torch.nn.Module, device: torch.device,
                         amp_dtype: torch.dtype | None = None) -> Callable:
     @torch.no_grad()
-    def fn(ids_BT: torch.Tensor) -> torch.Tensor:
+    def fn(ids_BT: torch.Tensor, valid_BT: torch.Tensor | None = None) -> torch.Tensor:
         with autocast_context(device, amp_dtype):
-            return model(ids_BT.to(device)).logits.float()
+            valid = None if valid_BT is None else valid_BT.to(device)
+            return model(ids_BT.to(device), valid_BT=valid).logits.float()
     return fn
 
 
