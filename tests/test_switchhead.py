@@ -150,7 +150,7 @@ def test_explicit_positions_match_eq_7_10():
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("experts,shared", [("vo", False), ("vo", True), ("ko", False),
                                             ("qv", False), ("v", False), ("o", False)])
-@pytest.mark.parametrize("setting", ["memory", "cross"])
+@pytest.mark.parametrize("setting", ["self", "memory", "cross"])
 def test_fused_and_separate_selection_logits_match_eq_7_10(fuse, experts, shared, setting):
     # Dense Q / K may share one matmul with the selection logits of their input (the default
     # outside autocast); both ways must give the paper's layer, outputs and every gradient.

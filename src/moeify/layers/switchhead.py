@@ -235,27 +235,44 @@ class SwitchHeadAttention(nn.Module):
 
     def _fused_projections(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None
                            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Dense Q / K projections computed in one matmul with the selection logits of the same
-        input (x · [W_K | W_Sᵀ]): one pass over the input, and one input-gradient matmul instead
-        of two, the selection's being only H·E columns wide. Only outside autocast, where the
-        logits are in the input's precision anyway (under autocast they must stay float32).
-        Returns ({"q" / "k": [B, H, N, C]}, {"dst" / "src": logits [B, N, H·E]})."""
+        """Everything linear and dense that reads the same input, in one matmul: the dense Q / K
+        projections and the selection logits (x · [W_K | W_Q | W_Sᵀ ...]; in self-attention
+        without memory both sides read the same tokens). One pass over the input and one
+        input-gradient matmul instead of several, the selections' being only H·E columns wide.
+        Only outside autocast, where the logits are in the input's precision anyway (under
+        autocast they must stay float32). Returns ({"q" / "k": [B, H, N, C]}, {"dst" / "src":
+        logits [B, N, H·E]}); what no other piece shares an input with is left to the caller."""
         c = self.config
         projs: dict[str, torch.Tensor] = {}
         logits: dict[str, torch.Tensor] = {}
         if not self.fuse_selection or torch.is_autocast_enabled(q_BTD.device.type):
             return projs, logits
-        H, C = c.n_heads, c.d_head
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         shared_once = c.shared_selection and kv_BSD is None  # the source's selection serves both
-        for name, side, x_BND in (("k", "src", src_BSD), ("q", "dst", q_BTD)):
-            has_side = c.source_side if side == "src" else (c.dest_side and not shared_once)
-            if name in c.experts or not has_side:
+        pieces = []  # (key, weight [D, n], input)
+        if "k" not in c.experts:
+            pieces.append(("k", self.w_k, src_BSD))
+        if "q" not in c.experts:
+            pieces.append(("q", self.w_q, q_BTD))
+        if c.source_side:
+            pieces.append(("src", self._sel_weight("src").t(), src_BSD))
+        if c.dest_side and not shared_once:
+            pieces.append(("dst", self._sel_weight("dst").t(), q_BTD))
+        groups: dict[int, tuple[torch.Tensor, list]] = {}
+        for key, w, x_BND in pieces:
+            groups.setdefault(id(x_BND), (x_BND, []))[1].append((key, w))
+        H, C = c.n_heads, c.d_head
+        for x_BND, members in groups.values():
+            if len(members) < 2:
                 continue
-            w = torch.cat([getattr(self, f"w_{name}"), self._sel_weight(side).t()], 1)
             B, N, _ = x_BND.shape
-            proj, logits[side] = (x_BND @ w).split([H * C, H * c.n_experts], -1)
-            projs[name] = proj.view(B, N, H, C).transpose(1, 2)
+            w = torch.cat([w for _, w in members], 1)
+            outs = (x_BND @ w).split([w.shape[1] for _, w in members], -1)
+            for (key, _), out in zip(members, outs):
+                if key in ("src", "dst"):
+                    logits[key] = out
+                else:
+                    projs[key] = out.view(B, N, H, C).transpose(1, 2)
         return projs, logits
 
     def _project(self, name: str, x_BND: torch.Tensor, sel: Selection | None) -> torch.Tensor:
