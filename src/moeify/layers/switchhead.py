@@ -21,9 +21,10 @@ sharing it reuses that plan (and, on CPU, the padded layout built from it: one b
 for all H·E experts, moeify.ops.padded_matmul). Source-side experts run with rows = source
 tokens, ids = h·E + e and ``groups=H``, so the gate-weighted sum per head never materialises a
 [rows, k, C] tensor; O experts run with rows = destination tokens × heads and ``sum_rows=H``,
-so the sum over heads happens inside the expert matmul, with the gates folded into the narrow
-[rows, C] inputs. The attention core stays on scaled_dot_product_attention for RoPE and no
-positions; XL runs the fused core of moeify.ops.xl_attention.
+so the sum over heads happens inside the expert matmul too. Dense Q / K projections and the
+selection logits that read the same input share one matmul (``_fused_projections``). The
+attention core stays on scaled_dot_product_attention for RoPE and no positions; XL runs the
+fused core of moeify.ops.xl_attention.
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ class SwitchHeadAttention(nn.Module):
         if "o" not in c.experts:
             return o_BTHC.reshape(B, T, H * C) @ self.w_o
         M = B * T * H
-                # Rows are (token, head); sum_rows=H sums the heads inside the expert matmul.
+        # Rows are (token, head); sum_rows=H sums the heads inside the expert matmul.
         y = expert_matmul(o_BTHC.reshape(M, C), sel.ids.view(M, c.k), self.w_o,
                           sel.gates.view(M, c.k), sum_rows=H,
                           impl=c.expert_impl, plan=sel.plan)
