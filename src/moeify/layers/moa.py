@@ -160,8 +160,9 @@ class MoAAttention(nn.Module):
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
         q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
-        k_B1SC = (src_BSD @ self.w_k).view(B, 1, S, C)
-        v_B1SC = (src_BSD @ self.w_v).view(B, 1, S, C)
+        # The shared K and V read the same tokens: one matmul, one input-gradient matmul.
+        k_BSC, v_BSC = (src_BSD @ torch.cat([self.w_k, self.w_v], 1)).split(C, -1)
+        k_B1SC, v_B1SC = k_BSC.view(B, 1, S, C), v_BSC.view(B, 1, S, C)
         xl = c.pos == "xl"
         o_BKTC = positional_attention(
             q_BKTC, k_B1SC, v_B1SC, pos=c.pos, causal=causal, self_attention=kv_BSD is None,
