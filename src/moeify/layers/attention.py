@@ -255,9 +255,17 @@ class DenseAttention(nn.Module):
         B, T, _ = q_BTD.shape
         S = src_BSD.shape[1]
         H, C = c.n_heads, c.d_head
-        q = (q_BTD @ self.w_q).view(B, T, H, C).transpose(1, 2)
-        k = (src_BSD @ self.w_k).view(B, S, H, C).transpose(1, 2)
-        v = (src_BSD @ self.w_v).view(B, S, H, C).transpose(1, 2)
+        # Projections that read the same tokens share one matmul (one pass over the input, one
+        # input-gradient matmul): Q, K and V in self-attention, K and V over [memory ; x].
+        if kv_BSD is None:
+            w = torch.cat([self.w_q, self.w_k, self.w_v], 1)
+            q, k, v = (q_BTD @ w).split(H * C, -1)
+        else:
+            q = q_BTD @ self.w_q
+            k, v = (src_BSD @ torch.cat([self.w_k, self.w_v], 1)).split(H * C, -1)
+        q = q.view(B, T, H, C).transpose(1, 2)
+        k = k.view(B, S, H, C).transpose(1, 2)
+        v = v.view(B, S, H, C).transpose(1, 2)
         xl = c.pos == "xl"
         o_BHTC = positional_attention(
             q, k, v, pos=c.pos, causal=causal, self_attention=kv_BSD is None, cache=cache,
