@@ -256,13 +256,17 @@ class DenseAttention(nn.Module):
         S = src_BSD.shape[1]
         H, C = c.n_heads, c.d_head
         # Projections that read the same tokens share one matmul (one pass over the input, one
-        # input-gradient matmul): Q, K and V in self-attention, K and V over [memory ; x].
-        if kv_BSD is None:
-            w = torch.cat([self.w_q, self.w_k, self.w_v], 1)
-            q, k, v = (q_BTD @ w).split(H * C, -1)
-        else:
-            q = q_BTD @ self.w_q
-            k, v = (src_BSD @ torch.cat([self.w_k, self.w_v], 1)).split(H * C, -1)
+        # input-gradient matmul): Q, K and V in self-attention, K and V over [memory ; x]. With
+        # RoPE the value keeps its own matmul: the attention saves it as it is, and as a view
+        # into a fused output it would keep the unrotated Q / K alive with it.
+        fused = [("q", q_BTD), ("k", src_BSD)] + ([] if c.pos == "rope" else [("v", src_BSD)])
+        proj: dict[str, torch.Tensor] = {}
+        for x_BND in [q_BTD] if src_BSD is q_BTD else [q_BTD, src_BSD]:
+            names = [n for n, x in fused if x is x_BND]
+            w = torch.cat([getattr(self, f"w_{n}") for n in names], 1)
+            proj.update(zip(names, (x_BND @ w).split(H * C, -1)))
+        q, k = proj["q"], proj["k"]
+        v = proj["v"] if "v" in proj else src_BSD @ self.w_v
         q = q.view(B, T, H, C).transpose(1, 2)
         k = k.view(B, S, H, C).transpose(1, 2)
         v = v.view(B, S, H, C).transpose(1, 2)

@@ -160,8 +160,13 @@ class MoAAttention(nn.Module):
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
         q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
-        # The shared K and V read the same tokens: one matmul, one input-gradient matmul.
-        k_BSC, v_BSC = (src_BSD @ torch.cat([self.w_k, self.w_v], 1)).split(C, -1)
+        # The shared K and V read the same tokens: one matmul, one input-gradient matmul. Not
+        # with RoPE, where the attention saves the value as it is, and a view into the fused
+        # output would keep the unrotated keys alive with it.
+        if c.pos == "rope":
+            k_BSC, v_BSC = src_BSD @ self.w_k, src_BSD @ self.w_v
+        else:
+            k_BSC, v_BSC = (src_BSD @ torch.cat([self.w_k, self.w_v], 1)).split(C, -1)
         k_B1SC, v_B1SC = k_BSC.view(B, 1, S, C), v_BSC.view(B, 1, S, C)
         xl = c.pos == "xl"
         o_BKTC = positional_attention(
