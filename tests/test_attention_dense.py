@@ -261,3 +261,18 @@ def test_dense_attention_dropout_only_in_training():
     m.train()
     assert not torch.allclose(m(x)[0], dense_reference(m, x))
     assert isinstance(m, DenseAttention)
+
+
+def test_project_by_input_groups_pieces_of_the_same_input():
+    from moeify.layers.common import project_by_input
+
+    g = torch.Generator().manual_seed(0)
+    x, z = torch.randn(2, 3, 5, generator=g, dtype=f64), torch.randn(2, 4, 5, generator=g,
+                                                                      dtype=f64)
+    w = {n: torch.randn(5, m, generator=g, dtype=f64) for n, m in (("a", 3), ("b", 2), ("c", 4))}
+    out = project_by_input([("a", x, w["a"]), ("b", z, w["b"]), ("c", x, w["c"])])
+    for n, inp in (("a", x), ("b", z), ("c", x)):
+        torch.testing.assert_close(out[n], inp @ w[n], rtol=1e-12, atol=1e-12)
+    # a and c read the same tensor: views into one product
+    assert out["a"].untyped_storage().data_ptr() == out["c"].untyped_storage().data_ptr()
+    assert out["b"].untyped_storage().data_ptr() != out["a"].untyped_storage().data_ptr()

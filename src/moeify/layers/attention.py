@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moeify.layers.common import Aux, check_positive, init_scale
+from moeify.layers.common import Aux, check_positive, init_scale, project_by_input
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.attention import ATTENTION_IMPLS, attend, build_mask
 from moeify.ops.positional import (
@@ -255,16 +255,10 @@ class DenseAttention(nn.Module):
         B, T, _ = q_BTD.shape
         S = src_BSD.shape[1]
         H, C = c.n_heads, c.d_head
-        # Projections that read the same tokens share one matmul (one pass over the input, one
-        # input-gradient matmul): Q, K and V in self-attention, K and V over [memory ; x]. With
-        # RoPE the value keeps its own matmul: the attention saves it as it is, and as a view
-        # into a fused output it would keep the unrotated Q / K alive with it.
-        fused = [("q", q_BTD), ("k", src_BSD)] + ([] if c.pos == "rope" else [("v", src_BSD)])
-        proj: dict[str, torch.Tensor] = {}
-        for x_BND in [q_BTD] if src_BSD is q_BTD else [q_BTD, src_BSD]:
-            names = [n for n, x in fused if x is x_BND]
-            w = torch.cat([getattr(self, f"w_{n}") for n in names], 1)
-            proj.update(zip(names, (x_BND @ w).split(H * C, -1)))
+        # Q, K and V in one matmul in self-attention, K and V over [memory ; x]; with RoPE the
+        # value keeps its own (project_by_input).
+        proj = project_by_input([("q", q_BTD, self.w_q), ("k", src_BSD, self.w_k)]
+                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]))
         q, k = proj["q"], proj["k"]
         v = proj["v"] if "v" in proj else src_BSD @ self.w_v
         q = q.view(B, T, H, C).transpose(1, 2)

@@ -67,6 +67,26 @@ def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | No
     return None
 
 
+def project_by_input(pieces) -> dict[str, torch.Tensor]:
+    """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n])`` piece; the pieces that read
+    the same input tensor share one matmul ``x @ [w1 | w2 | ...]`` split back into views: one
+    pass over the input and one input-gradient matmul instead of one per piece. A product that
+    autograd would save as it is (RoPE attention's value) is better left out: as a view it keeps
+    the whole fused output alive."""
+    groups: dict[int, tuple[torch.Tensor, list]] = {}
+    for key, x, w in pieces:
+        groups.setdefault(id(x), (x, []))[1].append((key, w))
+    out: dict[str, torch.Tensor] = {}
+    for x, members in groups.values():
+        if len(members) == 1:
+            out[members[0][0]] = x @ members[0][1]
+            continue
+        w = torch.cat([w for _, w in members], 1)
+        out.update(zip((key for key, _ in members),
+                       (x @ w).split([w.shape[1] for _, w in members], -1)))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Config checks: ValueError naming the config class, the field and the value.
 

@@ -44,6 +44,7 @@ from moeify.layers.common import (
     check_positive,
     destination_validity,
     init_scale,
+    project_by_input,
     register_usage,
 )
 from moeify.layers.kv_cache import KVCache
@@ -160,14 +161,11 @@ class MoAAttention(nn.Module):
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
         q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
-        # The shared K and V read the same tokens: one matmul, one input-gradient matmul. Not
-        # with RoPE, where the attention saves the value as it is, and a view into the fused
-        # output would keep the unrotated keys alive with it.
-        if c.pos == "rope":
-            k_BSC, v_BSC = src_BSD @ self.w_k, src_BSD @ self.w_v
-        else:
-            k_BSC, v_BSC = (src_BSD @ torch.cat([self.w_k, self.w_v], 1)).split(C, -1)
-        k_B1SC, v_B1SC = k_BSC.view(B, 1, S, C), v_BSC.view(B, 1, S, C)
+        # The shared K and V in one matmul, except with RoPE (project_by_input).
+        proj = project_by_input([("k", src_BSD, self.w_k)]
+                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]))
+        v_BSC = proj["v"] if "v" in proj else src_BSD @ self.w_v
+        k_B1SC, v_B1SC = proj["k"].view(B, 1, S, C), v_BSC.view(B, 1, S, C)
         xl = c.pos == "xl"
         o_BKTC = positional_attention(
             q_BKTC, k_B1SC, v_B1SC, pos=c.pos, causal=causal, self_attention=kv_BSD is None,

@@ -49,6 +49,7 @@ from moeify.layers.common import (
     check_positive,
     destination_validity,
     init_scale,
+    project_by_input,
     register_usage,
     renorm_rows_,
 )
@@ -236,45 +237,28 @@ class SwitchHeadAttention(nn.Module):
 
     def _fused_projections(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None
                            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Everything linear and dense that reads the same input, in one matmul: the dense Q / K
-        projections and the selection logits (x · [W_K | W_Q | W_Sᵀ ...]; in self-attention
-        without memory both sides read the same tokens). One pass over the input and one
-        input-gradient matmul instead of several, the selections' being only H·E columns wide.
-        Only outside autocast, where the logits are in the input's precision anyway (under
-        autocast they must stay float32). Returns ({"q" / "k": [B, H, N, C]}, {"dst" / "src":
-        logits [B, N, H·E]}); what no other piece shares an input with is left to the caller."""
+        """The dense Q / K projections and the selection logits, those that read the same
+        input in one matmul (``project_by_input``: x · [W_K | W_Sᵀ] over the source, and in
+        self-attention without memory all of them over x); the selections are only H·E columns
+        wide, too narrow for a matmul of their own. Only outside autocast, where the logits are
+        in the input's precision anyway (under autocast they must stay float32). Returns
+        ({"q" / "k": [B, H, N, C]}, {"dst" / "src": logits [B, N, H·E]})."""
         c = self.config
-        projs: dict[str, torch.Tensor] = {}
-        logits: dict[str, torch.Tensor] = {}
         if not self.fuse_selection or torch.is_autocast_enabled(q_BTD.device.type):
-            return projs, logits
+            return {}, {}
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         shared_once = c.shared_selection and kv_BSD is None  # the source's selection serves both
-        pieces = []  # (key, weight [D, n], input)
-        if "k" not in c.experts:
-            pieces.append(("k", self.w_k, src_BSD))
-        if "q" not in c.experts:
-            pieces.append(("q", self.w_q, q_BTD))
+        pieces = [(n, x, getattr(self, f"w_{n}")) for n, x in (("k", src_BSD), ("q", q_BTD))
+                  if n not in c.experts]
         if c.source_side:
-            pieces.append(("src", self._sel_weight("src").t(), src_BSD))
+            pieces.append(("src", src_BSD, self._sel_weight("src").t()))
         if c.dest_side and not shared_once:
-            pieces.append(("dst", self._sel_weight("dst").t(), q_BTD))
-        groups: dict[int, tuple[torch.Tensor, list]] = {}
-        for key, w, x_BND in pieces:
-            groups.setdefault(id(x_BND), (x_BND, []))[1].append((key, w))
+            pieces.append(("dst", q_BTD, self._sel_weight("dst").t()))
+        out = project_by_input(pieces)
         H, C = c.n_heads, c.d_head
-        for x_BND, members in groups.values():
-            if len(members) < 2:
-                continue
-            B, N, _ = x_BND.shape
-            w = torch.cat([w for _, w in members], 1)
-            outs = (x_BND @ w).split([w.shape[1] for _, w in members], -1)
-            for (key, _), out in zip(members, outs):
-                if key in ("src", "dst"):
-                    logits[key] = out
-                else:
-                    projs[key] = out.view(B, N, H, C).transpose(1, 2)
-        return projs, logits
+        projs = {n: y.view(*y.shape[:2], H, C).transpose(1, 2) for n, y in out.items()
+                 if n in ("q", "k")}
+        return projs, {side: y for side, y in out.items() if side in ("src", "dst")}
 
     def _project(self, name: str, x_BND: torch.Tensor, sel: Selection | None) -> torch.Tensor:
         """Q, K or V as [B, H, N, C]: dense, or the gate-weighted expert sum per head (Eq. 9)."""
