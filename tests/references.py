@@ -60,3 +60,17 @@ def ref_positions(B, T, S, pos_q=None, pos_k=None):
     pq = torch.arange(S - T, S).expand(B, T) if pos_q is None else pos_q
     pk = torch.arange(S).expand(B, S) if pos_k is None else pos_k
     return pq, pk
+
+
+def ref_expert_rows(x, idx, w, gates=None, groups=1, sum_rows=1):
+    """The expert matmul's definition, one (row, expert) pair at a time: x[m] @ w[idx[m, k]],
+    gate-weighted and summed over each of ``groups`` consecutive groups of k, then over every
+    ``sum_rows`` consecutive rows."""
+    M, K = idx.shape
+    out = torch.stack([torch.stack([x[m] @ w[int(idx[m, k])] for k in range(K)])
+                       for m in range(M)]) if M else x.new_zeros(0, K, w.shape[-1])
+    if gates is None:
+        return out
+    y = (out * gates.to(x.dtype)[..., None]).view(M, groups, K // groups, -1).sum(2)
+    y = y[:, 0] if groups == 1 else y
+    return y.view(M // sum_rows, sum_rows, -1).sum(1) if sum_rows > 1 else y

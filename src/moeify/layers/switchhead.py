@@ -214,7 +214,7 @@ class SwitchHeadAttention(nn.Module):
         ids = top.idx + self.head_offset[:, None]
         plan = None
         if c.expert_impl not in ("reference", "gather"):
-            plan = make_plan(ids, c.n_heads * c.n_experts)
+            plan = make_plan(ids, c.n_heads * c.n_experts, group_size=c.n_experts)
         return Selection(top.gates, top.idx, ids, plan)
 
     def select(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None = None, *,
@@ -269,9 +269,10 @@ class SwitchHeadAttention(nn.Module):
         if name not in c.experts:
             return (x_BND @ w).view(B, N, H, C).transpose(1, 2)
         HK = H * c.k
-        y = expert_matmul(x_BND.reshape(B * N, D), sel.ids.view(B * N, HK), w,
-                          sel.gates.view(B * N, HK), groups=H, impl=c.expert_impl, plan=sel.plan)
-        return y.view(B, N, H, C).transpose(1, 2)
+        # batch=B: [B, H, N, C] as attention takes it (written in that layout by "sets").
+        return expert_matmul(x_BND.reshape(B * N, D), sel.ids.view(B * N, HK), w,
+                             sel.gates.view(B * N, HK), groups=H, impl=c.expert_impl,
+                             plan=sel.plan, batch=B)
 
     def _output(self, o_BHTC: torch.Tensor, sel: Selection | None) -> torch.Tensor:
         """Eq. 10: per head and selected expert, gate · (A_h V_h) W_O[h,e], summed over heads."""

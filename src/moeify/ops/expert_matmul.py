@@ -23,9 +23,14 @@ Implementations (``impl=``):
     "grouped"    the same sorted layout through torch.nn.functional.grouped_mm.
     "padded"     the sorted rows cut into equal blocks of one expert each (padding the last) and
                  multiplied by one torch.bmm (moeify.ops.padded_matmul).
+    "sets"       gated only, for plans whose experts come in groups (``make_plan(...,
+                 group_size=E)``): a row's K experts of one group are one unit, units sorted by
+                 their expert set and multiplied by the set's K matrices side by side
+                 (moeify.ops.set_matmul).
     "auto"       the fastest correct one for the device and dtype (see ``resolve_impl``); on CPU
-                 expert_matmul takes "padded" once it has the routing, when ``padding_pays``
-                 (several threads; single-threaded only when the padding is nearly free).
+                 expert_matmul takes "sets" where ``sets_eligible`` holds, else "padded" once it
+                 has the routing, when ``padding_pays`` (several threads; single-threaded only
+                 when the padding is nearly free).
 
 "segment" and "grouped" share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
@@ -41,8 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_pays
+from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout, sets_eligible
 
-IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded")
+IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded", "sets")
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -61,6 +67,9 @@ class ExpertPlan:
     inverse_N: torch.Tensor  # int64 [N]: flat pair index -> sorted position
     counts_E: torch.Tensor  # int64 [E]: pairs per expert
     offsets_E: torch.Tensor  # int32 [E]: cumulative end offset of each expert's segment
+    # Experts come in groups of this many consecutive ids, and a row's experts of one group form a
+    # set (SwitchHead: the E experts of each head); enables the "sets" layout. None: no groups.
+    group_size: int | None = None
     # Layouts derived from the sort (the padded grid), built on first use and shared by every
     # expert matmul that reuses the plan.
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -87,10 +96,14 @@ def _check_ids(idx: torch.Tensor, num_experts: int) -> None:
         torch._assert_async(((idx >= 0) & (idx < num_experts)).all(), "expert id out of range")
 
 
-def make_plan(idx: torch.Tensor, num_experts: int) -> ExpertPlan:
-    """Sort the routed pairs of ``idx`` (any shape; flattened) by expert."""
+def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = None) -> ExpertPlan:
+    """Sort the routed pairs of ``idx`` (any shape; flattened) by expert. ``group_size``: the
+    experts form groups of that many consecutive ids (see ``ExpertPlan.group_size``)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if group_size is not None and (group_size < 1 or num_experts % group_size):
+        raise ValueError(f"group_size={group_size} must be a positive divisor of "
+                         f"num_experts={num_experts}")
     _check_ids(idx, num_experts)
     flat = idx.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)
@@ -98,7 +111,7 @@ def make_plan(idx: torch.Tensor, num_experts: int) -> ExpertPlan:
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(flat, minlength=num_experts)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return ExpertPlan(num_experts, order, inverse, counts, offsets)
+    return ExpertPlan(num_experts, order, inverse, counts, offsets, group_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,15 +273,39 @@ def _with_padding(kind: str, impl: str, x: torch.Tensor, plan: ExpertPlan) -> st
     return kind
 
 
+def _unit_k(idx_MK: torch.Tensor, groups: int) -> int:
+    return idx_MK.shape[1] // groups
+
+
+def _with_sets(kind: str, impl: str, x: torch.Tensor, plan: ExpertPlan, k: int,
+               gated: bool) -> str:
+    """"auto" on CPU takes the set layout where it applies and pays (``sets_eligible``)."""
+    if (kind == "segment" and impl == "auto" and gated and x.device.type == "cpu"
+            and sets_eligible(plan.num_pairs // k, plan.group_size,
+                              plan.num_experts // (plan.group_size or 1), k)):
+        return "sets"
+    return kind
+
+
+def _set_layout(plan: ExpertPlan, idx_MK: torch.Tensor, k: int):
+    """The set layout of ``plan`` for units of k experts, built once and cached on the plan."""
+    key = ("sets", k)
+    lay = plan._cache.get(key)
+    if lay is None:
+        lay = set_layout(idx_MK.reshape(-1, k).to(torch.int64), plan.group_size)
+        plan._cache[key] = lay
+    return lay
+
+
 def chosen_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor) -> str:
     """The implementation ``expert_matmul(x_MD, idx_MK, w_EDF, impl=impl)`` runs (for reports)."""
     kind = resolve_impl(impl, x_MD, w_EDF)
-    if kind in ("reference", "gather"):
+    if kind in ("reference", "gather", "sets"):
         return kind
     return _with_padding(kind, impl, x_MD, make_plan(idx_MK, w_EDF.shape[0]))
 
 
-def _validate(x, idx, w, gates, groups, sum_rows=1):
+def _validate(x, idx, w, gates, groups, sum_rows=1, batch=None):
     if x.dim() != 2:
         raise ValueError(f"x must be [M, D], got shape {tuple(x.shape)}")
     if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
@@ -287,6 +324,9 @@ def _validate(x, idx, w, gates, groups, sum_rows=1):
                          f"M={x.shape[0]}")
     if sum_rows > 1 and (gates is None or groups != 1):
         raise ValueError("sum_rows > 1 needs gates and groups=1 (it sums gated rows)")
+    if batch is not None and (gates is None or sum_rows != 1 or batch < 1 or x.shape[0] % batch):
+        raise ValueError(f"batch={batch} needs gates, sum_rows=1 and must divide the number of "
+                         f"rows M={x.shape[0]}")
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
 
@@ -301,20 +341,33 @@ def expert_matmul(
     sum_rows: int = 1,
     impl: str = "auto",
     plan: ExpertPlan | None = None,
+    batch: int | None = None,
 ) -> torch.Tensor:
     """Multiply each row by the weights of each of its experts (see the module docstring).
 
     Returns [M, K, F] without gates; with gates the gate-weighted sum over K, [M, F], or with
     ``groups=G`` the sums over G consecutive equal groups of K, [M, G, F]; with
     ``sum_rows=R`` (gated, groups=1) also summed over every R consecutive rows, [M / R, F].
-    ``plan`` (from ``make_plan(idx_MK, E)``) lets several calls share one sort.
+    ``batch=B`` (gated): rows are B sequences of S = M / B, and the result is laid out
+    [B, G, S, F], group-major per sequence as attention takes it (contiguous from "sets", a
+    view otherwise). ``plan`` (from ``make_plan(idx_MK, E)``) lets several calls share one sort.
     """
     dev = x_MD.device.type
     if torch.is_autocast_enabled(dev):
         # A custom autograd Function is invisible to autocast: apply its matmul policy here.
         dt = torch.get_autocast_dtype(dev)
         x_MD, w_EDF = x_MD.to(dt), w_EDF.to(dt)
-    _validate(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
+    _validate(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, batch)
+    y = _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch)
+    if batch is None:
+        return y
+    if y.dim() == 4:  # laid out by the implementation
+        return y
+    M, Fo = x_MD.shape[0], w_EDF.shape[-1]
+    return y.view(batch, M // batch, groups, Fo).transpose(1, 2)
+
+
+def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch):
     E = w_EDF.shape[0]
     kind = resolve_impl(impl, x_MD, w_EDF)
     if kind in ("reference", "gather"):
@@ -327,6 +380,20 @@ def expert_matmul(
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
     K = idx_MK.shape[1]
+    k = _unit_k(idx_MK, groups)
+    kind = _with_sets(kind, impl, x_MD, plan, k, gates_MK is not None)
+    if kind == "sets":
+        if gates_MK is None or plan.group_size is None:
+            raise ValueError('impl="sets" needs gates and a plan built with make_plan(..., '
+                             'group_size=E) (experts in groups of E consecutive ids)')
+        M, Fo = x_MD.shape[0], w_EDF.shape[-1]
+        order = None if batch is None else head_major_order(M * groups, groups, batch,
+                                                            x_MD.device)
+        y = SetExpertMatmul.apply(x_MD, w_EDF, gates_MK.reshape(-1, k),
+                                  _set_layout(plan, idx_MK, k), groups, sum_rows, order)
+        if batch is not None:
+            return y.view(batch, groups, M // batch, Fo)
+        return y.view(M, groups, Fo) if groups > 1 else y
     kind = _with_padding(kind, impl, x_MD, plan)
     if kind == "padded":
         # The row sum happens inside: the output gradient is gathered per slot from [M / R, F].

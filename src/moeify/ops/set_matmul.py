@@ -1,0 +1,279 @@
+"""The expert-set matmul: units that chose the same set of experts, multiplied together.
+
+Shape legend
+    U  units: (row, group) pairs, each routed to K experts of its group    K  experts per unit
+    E  experts per group      Gs = C(E, K) possible sets per group        X  weight matrices
+    D  input width            F  output width            R  units summed per output row
+    L  blocks                 b  units per block         P = L * b padded slots
+
+SwitchHead routes every (token, head) unit to K of the head's E experts (Eq. 7-10). The padded
+layout (moeify.ops.padded_matmul) multiplies each of the U·K (unit, expert) pairs on its own:
+a narrow product per pair, and K copies of every wide row. With small E and K there are only
+Gs = C(E, K) sets per head (10 for E = 5, K = 2), so here units are sorted by (group, set)
+instead, and a block of units that share a set is multiplied by the set's K matrices side by
+side. The multiply-adds are the same; the matmuls are K times wider and the wide intermediates
+K times shorter. Which side of the product the gates act on depends on which is narrower:
+
+    gates on the output (D >= F, SwitchHead's V and K):
+        y[u] = Σ_j gate[u, j] · (x[u] [W_1 | ... | W_K])[j]      x [D] -> [K·F] -> F
+    gates on the input (D < F, SwitchHead's O and Q):
+        y[u] = [gate[u, 1] x[u], ..., gate[u, K] x[u]] [W_1; ...; W_K]          -> F
+
+Both contracts are expert_matmul's gated ones: ``groups`` = G units per input row (output
+[rows, G, F]), or ``sum_rows`` = R units per output row (output [rows / R, F]). The unit
+layout is the padded layout of moeify.ops.padded_matmul applied to (group, set) ids with one
+"expert" per unit, so the same rules bound the padding (at most a quarter of the units, however
+unbalanced the routing). In the output-gated form the forward keeps the [P, K·F] products for
+the gate gradient (g · x W_j), so no [P, D] product is needed for it in the backward.
+
+Eligibility (``sets_eligible``): the plan knows its group size, every unit's K experts lie in
+one group, 2 <= K < E, and Gs is small enough that each set has rows to fill a block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moeify.ops.padded_matmul import PaddedLayout, padded_layout, slot_sums
+
+# Largest number of sets per group the layout takes (C(E, K) must not exceed it).
+MAX_SETS = 64
+# The fewest units per (group, set) block, on average, for "auto" to take the layout. Below it
+# the padding of the blocks (a set's count fluctuates around the mean) and the per-call copies
+# of the set weights cost more than the wider matmuls save. Measured at SwitchHead 47M shapes
+# (D = 412, d_head = 76, E = 5, K = 2: 20 blocks), fwd+bwd time of sets / padded: V experts
+# 1.14 / 0.96 / 0.82 / 0.74 and O experts 1.14 / 1.10 / 0.89 / 0.83 at 100 / 200 / 410 / 820
+# units per block.
+MIN_UNITS_PER_SET = 320
+
+
+@dataclass(frozen=True)
+class SetLayout:
+    """Units sorted by expert set, on the padded grid (module docstring)."""
+
+    k: int  # K
+    pad: PaddedLayout  # over units: slot_N maps unit -> slot, pair_P slot -> unit
+    block_ids_LK: torch.Tensor  # int64 [L, K]: the weight matrices of each block's set, ascending
+    perm_UK: torch.Tensor  # int64 [U, K]: j-th smallest expert of unit u -> its position in idx
+    slot_U: torch.Tensor  # int64 [U]: unit -> slot (= pad.slot_N)
+    slotk_UK: torch.Tensor  # int64 [U·K]: unit u's j-th expert -> row slot·K + j of a [P·K, ·] view
+
+
+def n_sets(n_experts: int, k: int) -> int:
+    return math.comb(n_experts, k)
+
+
+def sets_eligible(n_units: int, group_size: int | None, n_groups: int, k: int) -> bool:
+    """Whether the set layout applies to and pays for this routing shape (module docstring)."""
+    if group_size is None or not 2 <= k < group_size:
+        return False
+    s = n_sets(group_size, k)
+    return s <= MAX_SETS and n_units >= MIN_UNITS_PER_SET * s * n_groups
+
+
+def _set_table(E: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """All K-subsets of range(E) in lexicographic order [Gs, K], and a lookup from the base-E code
+    of a sorted subset (Σ_j e_j · E^(K-1-j)) to its rank."""
+    combos = torch.tensor(list(itertools.combinations(range(E), K)), dtype=torch.int64,
+                          device=device)
+    powers = E ** torch.arange(K - 1, -1, -1, device=device)
+    lut = torch.full((E ** K,), -1, dtype=torch.int64, device=device)
+    lut[(combos * powers).sum(1)] = torch.arange(combos.shape[0], device=device)
+    return combos, lut
+
+
+def set_layout(ids_UK: torch.Tensor, group_size: int) -> SetLayout:
+    """The set layout of units whose K ids (group · E + expert, ``group_size`` = E) all lie in one
+    group. Raises ValueError otherwise."""
+    from moeify.ops.expert_matmul import make_plan  # the sort; expert_matmul imports this module
+
+    U, K = ids_UK.shape
+    E = group_size
+    group_UK = torch.div(ids_UK, E, rounding_mode="floor")
+    group_U = group_UK[:, 0]
+    if U and not bool((group_UK == group_U[:, None]).all()):
+        raise ValueError("the set layout needs every unit's experts in one group of "
+                         f"{E} consecutive ids")
+    local_sorted, perm_UK = (ids_UK - group_U[:, None] * E).sort(-1)
+    combos, lut = _set_table(E, K, ids_UK.device)
+    powers = E ** torch.arange(K - 1, -1, -1, device=ids_UK.device)
+    rank_U = lut.index_select(0, (local_sorted * powers).sum(1))
+    if U and bool((rank_U < 0).any()):
+        raise ValueError("the set layout needs K distinct experts per unit")
+    Gs = combos.shape[0]
+    n_groups = int(group_U.max()) + 1 if U else 1
+    set_U = group_U * Gs + rank_U
+    plan = make_plan(set_U, n_groups * Gs)
+    pad = padded_layout(plan)
+    block_set = (torch.arange(n_groups * Gs, device=ids_UK.device) if pad.block_expert is None
+                 else pad.block_expert)
+    g_L = torch.div(block_set, Gs, rounding_mode="floor")
+    block_ids_LK = combos.index_select(0, block_set - g_L * Gs) + g_L[:, None] * E
+    slotk = pad.slot_N[:, None] * K + torch.arange(K, device=ids_UK.device)
+    return SetLayout(K, pad, block_ids_LK, perm_UK, pad.slot_N, slotk.reshape(-1))
+
+
+def _gather_units(t: torch.Tensor, lay: SetLayout, per_unit: int = 1) -> torch.Tensor:
+    """Per slot the row of its unit (row u // per_unit of ``t``), padding slots zeroed (so that
+    not even a non-finite row 0 reaches another unit's output or a weight gradient)."""
+    rows = lay.pad.pair_P if per_unit == 1 else torch.div(lay.pad.pair_P, per_unit,
+                                                          rounding_mode="floor")
+    out = t.index_select(0, rows)
+    return out.index_fill_(0, lay.pad.pad_P, 0) if lay.pad.pad_P.numel() else out
+
+
+def _sorted_gates(gates_UK: torch.Tensor, lay: SetLayout, order=None) -> torch.Tensor:
+    """Each unit's gates in ascending expert order (the order of its set's matrices), [U, K];
+    listed in output order when ``order`` is given."""
+    out = gates_UK.gather(1, lay.perm_UK)
+    return out if order is None else out.index_select(0, order[0])
+
+
+def _slot_gates(gates_UK: torch.Tensor, lay: SetLayout) -> torch.Tensor:
+    """[P, K] gates in each slot's ascending expert order; 0 in padding slots."""
+    return _gather_units(_sorted_gates(gates_UK, lay), lay)
+
+
+def _unsort(grad_sorted_UK: torch.Tensor, lay: SetLayout) -> torch.Tensor:
+    return torch.empty_like(grad_sorted_UK).scatter_(1, lay.perm_UK, grad_sorted_UK)
+
+
+def _set_weights(w_XDF: torch.Tensor, lay: SetLayout, gates_in: bool) -> torch.Tensor:
+    """Each block's K matrices side by side: [L, D, K·F] (gates on the output) or stacked
+    [L, K·D, F] (gates on the input)."""
+    L, K = lay.block_ids_LK.shape
+    _, D, Fo = w_XDF.shape
+    w = w_XDF.index_select(0, lay.block_ids_LK.reshape(-1))
+    if gates_in:
+        return w.view(L, K * D, Fo)
+    return w.view(L, K, D, Fo).permute(0, 2, 1, 3).reshape(L, D, K * Fo)
+
+
+def _add_set_grads(grad_LKDF: torch.Tensor, lay: SetLayout, X: int) -> torch.Tensor:
+    """Sum each block's K weight gradients [L, K, D, F] into their matrices."""
+    L, K, D, Fo = grad_LKDF.shape
+    # One contiguous copy and one index_add: index_add from a strided source runs as a
+    # scatter, measured slower than the copy.
+    return grad_LKDF.new_zeros(X, D, Fo).index_add_(0, lay.block_ids_LK.reshape(-1),
+                                                    grad_LKDF.reshape(L * K, D, Fo))
+
+
+def _gated_sum(ys_UKF: torch.Tensor, gates_UK: torch.Tensor) -> torch.Tensor:
+    """Σ_j gates[u, j] · ys[u, j]: K fused multiply-adds over [U, F] (a batched [1, K] x [K, F]
+    matmul per unit is several times slower)."""
+    y = ys_UKF[:, 0] * gates_UK[:, :1]
+    for j in range(1, ys_UKF.shape[1]):
+        y.addcmul_(ys_UKF[:, j], gates_UK[:, j:j + 1])
+    return y
+
+
+def head_major_order(U: int, groups: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Units u = (b·S + s)·G + g listed in (b, g, s) order, and the inverse map: the output of
+    ``groups=G`` laid out [B, G, S, F] (per batch element, group-major: attention's layout)."""
+    S = U // (groups * batch)
+    b = torch.arange(batch, device=device).view(batch, 1, 1)
+    g = torch.arange(groups, device=device).view(1, groups, 1)
+    s = torch.arange(S, device=device).view(1, 1, S)
+    u_of_o = ((b * S + s) * groups + g).reshape(-1)
+    o_of_u = ((b * groups + g) * S + s).permute(0, 2, 1).reshape(-1)
+    return u_of_o, o_of_u
+
+
+class SetExpertMatmul(torch.autograd.Function):
+    """expert_matmul's gated contract over the set layout. ``per_row`` = G units per input row
+    (``sum_rows`` = 1) or 1 (then ``sum_rows`` = R units per output row). ``order``: None, or
+    (u_of_o, o_of_u) from ``head_major_order`` to emit the units in that order."""
+
+    @staticmethod
+    def forward(ctx, x_MD, w_XDF, gates_UK, lay: SetLayout, per_row: int, sum_rows: int,
+                order=None):
+        X, D, Fo = w_XDF.shape
+        K = lay.k
+        L, b = lay.pad.n_blocks, lay.pad.block
+        P = L * b
+        U = gates_UK.shape[0]
+        gates_in = D < Fo
+        xs_PD = _gather_units(x_MD, lay, per_row)
+        w_set = _set_weights(w_XDF, lay, gates_in)
+        slot_O = lay.slot_U if order is None else lay.slot_U.index_select(0, order[0])
+        ys_O = None
+        if gates_in:
+            gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
+            z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(L, b, K * D)
+            y = slot_sums(torch.bmm(z, w_set).view(P, Fo), slot_O, None, sum_rows)
+        else:
+            ys_P = torch.bmm(xs_PD.view(L, b, D), w_set).view(P, K * Fo)
+            del xs_PD
+            # Kept for the gate gradient, one row per unit in output order (no padding).
+            ys_O = ys_P.index_select(0, slot_O).view(U, K, Fo)
+            del ys_P
+            gates_O = _sorted_gates(gates_UK, lay, order).to(x_MD.dtype)
+            y = _gated_sum(ys_O, gates_O)
+            if sum_rows > 1:
+                y = y.view(U // sum_rows, sum_rows, Fo).sum(1)
+        ctx.save_for_backward(x_MD, w_XDF, gates_UK, ys_O)
+        ctx.meta = (lay, per_row, sum_rows, U, order)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_MD, w_XDF, gates_UK, ys_O = ctx.saved_tensors
+        lay, per_row, sum_rows, U, order = ctx.meta
+        X, D, Fo = w_XDF.shape
+        K = lay.k
+        L, b = lay.pad.n_blocks, lay.pad.block
+        P = L * b
+        gates_in = ys_O is None
+        need_x, need_w, need_g = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_gates = None
+        grad_y = grad_y.contiguous().view(-1, Fo)  # also materialises stride-0 gradients
+        # Slot p receives the gradient of the output row its unit was summed into.
+        unit_P = lay.pad.pair_P if order is None else order[1].index_select(0, lay.pad.pair_P)
+        g_PF = grad_y.index_select(0, torch.div(unit_P, sum_rows, rounding_mode="floor"))
+        if lay.pad.pad_P.numel():
+            g_PF.index_fill_(0, lay.pad.pad_P, 0)
+        gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
+        xs_PD = _gather_units(x_MD, lay, per_row) if gates_in or need_w else None
+        w_set = _set_weights(w_XDF, lay, gates_in)
+        if gates_in:
+            if need_x or need_g:
+                # gz[p, j] = g · W_jᵀ: d/dgate_j = gz_j · x, d/dx = Σ_j gate_j gz_j.
+                gz = torch.bmm(g_PF.view(L, b, Fo), w_set.transpose(1, 2)).view(P * K, D)
+                if need_g:
+                    dots_PK = torch.bmm(gz.view(P, K, D), xs_PD.view(P, D, 1)).view(P, K)
+                    grad_gates = _unsort(dots_PK.index_select(0, lay.slot_U), lay)
+                if need_x:
+                    gate_N = gates_UK.gather(1, lay.perm_UK).to(x_MD.dtype).reshape(-1)
+                    grad_x = slot_sums(gz, lay.slotk_UK, gate_N, K * per_row)
+                del gz
+            if need_w:
+                z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(L, b, K * D)
+                grad_set = torch.bmm(z.transpose(1, 2), g_PF.view(L, b, Fo))
+                grad_w = _add_set_grads(grad_set.view(L, K, D, Fo), lay, X)
+        else:
+            if need_g:
+                # d/dgate_j = g · (x W_j): the kept products, no [P, D] term.
+                g_OF = grad_y if sum_rows == 1 else grad_y.repeat_interleave(sum_rows, 0)
+                dots_OK = torch.bmm(ys_O, g_OF.view(U, Fo, 1)).view(U, K)
+                dots_UK = dots_OK if order is None else dots_OK.index_select(0, order[1])
+                grad_gates = _unsort(dots_UK, lay)
+            gg = (g_PF.view(P, 1, Fo) * gate_PK.view(P, K, 1)).view(L, b, K * Fo)
+            if need_x:
+                ga_PD = torch.bmm(gg, w_set.transpose(1, 2)).view(P, D)
+                grad_x = slot_sums(ga_PD, lay.slot_U, None, per_row)
+                del ga_PD
+            if need_w:
+                grad_set = torch.bmm(xs_PD.view(L, b, D).transpose(1, 2), gg)
+                grad_w = _add_set_grads(
+                    grad_set.view(L, D, K, Fo).permute(0, 2, 1, 3), lay, X)
+        if grad_gates is not None:
+            grad_gates = grad_gates.to(gates_UK.dtype)
+        return grad_x, grad_w, grad_gates, None, None, None, None
+
+
+__all__ = ["SetExpertMatmul", "SetLayout", "head_major_order", "n_sets", "set_layout",
+           "sets_eligible"]
