@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moeify.ops.expert_matmul import expert_matmul, make_plan
+from moeify.ops.expert_matmul import chosen_impl, expert_matmul, make_plan
 from moeify.ops.set_matmul import (
     MAX_SETS,
     MIN_UNITS_PER_SET,
@@ -194,6 +194,12 @@ def test_auto_takes_sets_on_cpu_for_grouped_plans_only():
     expert_matmul(x, ids, w, gates, groups=G, plan=plain)
     assert ("sets", K) not in plain._cache
     torch.testing.assert_close(y, expert_matmul(x, ids, w, gates, groups=G, impl="reference"))
+    # What reports name (moeify bench expert-matmul): rows = units here.
+    units = ids.view(M * G, K)
+    xu, wu = torch.zeros(M * G, 8), torch.zeros(G * E, 8, 4)
+    assert chosen_impl("auto", xu, units, wu, group_size=E) == "sets"
+    assert chosen_impl("auto", xu, units, wu) != "sets"
+    assert chosen_impl("auto", xu[:100], units[:100], wu, group_size=E) != "sets"
 
 
 def test_sets_needs_gates_and_a_grouped_plan():

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, chosen_impl, expert_matmul
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, chosen_impl, expert_matmul, make_plan
 
 
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, device="cpu",
                         impls=None, warmup=2, repeats=7, seed=0) -> dict:
     """Forward+backward time of each implementation and of the dense matmul with the same number
-    of multiply-adds, [M*K, D] x [D, F], measured side by side (median of ``repeats``)."""
+    of multiply-adds, [M*K, D] x [D, F], measured side by side (median of ``repeats``). The E
+    experts form one group, so each row's K experts are a set ("sets" applies); every call sorts
+    the routing (``make_plan``) as a layer does."""
     if not 1 <= K <= E:
         raise ValueError(f"K (experts per row) must lie in [1, E={E}], got {K}")
     g = torch.Generator().manual_seed(seed)
@@ -25,7 +27,8 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
 
     def run_impl(impl):
         def fn():
-            y = expert_matmul(x, idx, w, gates, impl=impl)
+            plan = None if impl in ("reference", "gather") else make_plan(idx, E, group_size=E)
+            y = expert_matmul(x, idx, w, gates, impl=impl, plan=plan)
             torch.autograd.backward(y, grad_out)
             x.grad = w.grad = gates.grad = None
         return fn
@@ -49,7 +52,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "auto": chosen_impl("auto", x, idx, w),
+        "auto": chosen_impl("auto", x, idx, w, group_size=E),
         "fastest": fastest,
         "rows": rows,
         "fastest_vs_dense": times[fastest] / base,

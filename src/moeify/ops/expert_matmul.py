@@ -297,12 +297,16 @@ def _set_layout(plan: ExpertPlan, idx_MK: torch.Tensor, k: int):
     return lay
 
 
-def chosen_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor) -> str:
-    """The implementation ``expert_matmul(x_MD, idx_MK, w_EDF, impl=impl)`` runs (for reports)."""
+def chosen_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor, *,
+                group_size: int | None = None, gated: bool = True) -> str:
+    """The implementation ``expert_matmul(x_MD, idx_MK, w_EDF, gates, impl=impl,
+    plan=make_plan(idx_MK, E, group_size=group_size))`` runs (for reports)."""
     kind = resolve_impl(impl, x_MD, w_EDF)
     if kind in ("reference", "gather", "sets"):
         return kind
-    return _with_padding(kind, impl, x_MD, make_plan(idx_MK, w_EDF.shape[0]))
+    plan = make_plan(idx_MK, w_EDF.shape[0], group_size=group_size)
+    kind = _with_sets(kind, impl, x_MD, plan, idx_MK.shape[1], gated)
+    return kind if kind == "sets" else _with_padding(kind, impl, x_MD, plan)
 
 
 def _validate(x, idx, w, gates, groups, sum_rows=1, batch=None):
