@@ -40,7 +40,6 @@ grad_x with one index_add over the sorted rows and grad_w per expert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,31 +51,58 @@ IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded", "sets"
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
-@dataclass(frozen=True)
 class ExpertPlan:
     """Routed pairs sorted by expert. Build once per routing with ``make_plan``; reuse it for every
     expert matmul that shares the routing (e.g. SwitchHead's Q and O experts, or V and O with a
     shared selection), also when those matmuls view the same ids with different row groupings.
 
-    The pairs are the flattened ids, idx.reshape(-1); ``order`` lists pair indices in expert order
-    (stable, so ties keep row order) and ``inverse`` maps a pair back to its sorted position.
+    The pairs are the flattened ids, idx.reshape(-1); ``order_N`` lists pair indices in expert
+    order (stable, so ties keep row order) and ``inverse_N`` maps a pair back to its sorted
+    position; ``counts_E`` [E] (int64) counts the pairs per expert and ``offsets_E`` (int32) is its
+    cumulative sum. Each is computed on first use and kept, as are the layouts derived from them
+    (the padded grid, the set layout): a matmul that sorts by expert sets never pays for the sort
+    by expert.
+
+    ``group_size``: the experts come in groups of that many consecutive ids, and a row's experts
+    of one group form a set (SwitchHead: the E experts of each head); enables "sets". None: no
+    groups.
     """
 
-    num_experts: int
-    order_N: torch.Tensor  # int64 [N]: sorted position -> flat pair index
-    inverse_N: torch.Tensor  # int64 [N]: flat pair index -> sorted position
-    counts_E: torch.Tensor  # int64 [E]: pairs per expert
-    offsets_E: torch.Tensor  # int32 [E]: cumulative end offset of each expert's segment
-    # Experts come in groups of this many consecutive ids, and a row's experts of one group form a
-    # set (SwitchHead: the E experts of each head); enables the "sets" layout. None: no groups.
-    group_size: int | None = None
-    # Layouts derived from the sort (the padded grid), built on first use and shared by every
-    # expert matmul that reuses the plan.
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    def __init__(self, flat_N: torch.Tensor, num_experts: int, group_size: int | None = None):
+        self.num_experts = num_experts
+        self.group_size = group_size
+        self.flat_N = flat_N  # int64 [N]: the expert of each pair
+        self._cache: dict = {}
+
+    def _get(self, key, fn):
+        v = self._cache.get(key)
+        if v is None:
+            v = self._cache[key] = fn()
+        return v
 
     @property
     def num_pairs(self) -> int:
-        return self.order_N.shape[0]
+        return self.flat_N.shape[0]
+
+    @property
+    def order_N(self) -> torch.Tensor:
+        return self._get("order", lambda: torch.argsort(self.flat_N, stable=True))
+
+    @property
+    def inverse_N(self) -> torch.Tensor:
+        def inverse():
+            order = self.order_N
+            return torch.empty_like(order).index_copy_(
+                0, order, torch.arange(order.numel(), device=order.device))
+        return self._get("inverse", inverse)
+
+    @property
+    def counts_E(self) -> torch.Tensor:
+        return self._get("counts", lambda: torch.bincount(self.flat_N, minlength=self.num_experts))
+
+    @property
+    def offsets_E(self) -> torch.Tensor:
+        return self._get("offsets", lambda: torch.cumsum(self.counts_E, 0).to(torch.int32))
 
 
 def _check_ids(idx: torch.Tensor, num_experts: int) -> None:
@@ -97,21 +123,16 @@ def _check_ids(idx: torch.Tensor, num_experts: int) -> None:
 
 
 def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = None) -> ExpertPlan:
-    """Sort the routed pairs of ``idx`` (any shape; flattened) by expert. ``group_size``: the
-    experts form groups of that many consecutive ids (see ``ExpertPlan.group_size``)."""
+    """The routing of ``idx`` (any shape; flattened) as an ExpertPlan, sorted by expert on first
+    use. ``group_size``: the experts form groups of that many consecutive ids (see
+    ``ExpertPlan``)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     if group_size is not None and (group_size < 1 or num_experts % group_size):
         raise ValueError(f"group_size={group_size} must be a positive divisor of "
                          f"num_experts={num_experts}")
     _check_ids(idx, num_experts)
-    flat = idx.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=num_experts)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return ExpertPlan(num_experts, order, inverse, counts, offsets, group_size)
+    return ExpertPlan(idx.reshape(-1).to(torch.int64), num_experts, group_size)
 
 
 # ----------------------------------------------------------------------------------------------

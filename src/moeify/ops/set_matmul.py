@@ -32,6 +32,7 @@ one group, 2 <= K < E, and Gs is small enough that each set has rows to fill a b
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ def sets_eligible(n_units: int, group_size: int | None, n_groups: int, k: int) -
     return s <= MAX_SETS and n_units >= MIN_UNITS_PER_SET * s * n_groups
 
 
-def _set_table(E: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _set_table(E: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """All K-subsets of range(E) in lexicographic order [Gs, K], and a lookup from the base-E code
     of a sorted subset (Σ_j e_j · E^(K-1-j)) to its rank."""
     combos = torch.tensor(list(itertools.combinations(range(E), K)), dtype=torch.int64,
@@ -99,7 +101,7 @@ def set_layout(ids_UK: torch.Tensor, group_size: int) -> SetLayout:
         raise ValueError("the set layout needs every unit's experts in one group of "
                          f"{E} consecutive ids")
     local_sorted, perm_UK = (ids_UK - group_U[:, None] * E).sort(-1)
-    combos, lut = _set_table(E, K, ids_UK.device)
+    combos, lut = _set_table(E, K, ids_UK.device)  # per (E, K, device), built once
     powers = E ** torch.arange(K - 1, -1, -1, device=ids_UK.device)
     rank_U = lut.index_select(0, (local_sorted * powers).sum(1))
     if U and bool((rank_U < 0).any()):
@@ -215,15 +217,19 @@ class SetExpertMatmul(torch.autograd.Function):
             y = _gated_sum(ys_O, gates_O)
             if sum_rows > 1:
                 y = y.view(U // sum_rows, sum_rows, Fo).sum(1)
-        ctx.save_for_backward(x_MD, w_XDF, gates_UK, ys_O)
+        # The set weights too: rebuilding them costs a [L, D, K·F] copy, keeping them
+        # K·D·F·L values (independent of the number of rows).
+        ctx.save_for_backward(x_MD, w_set, gates_UK, ys_O)
+        ctx.n_weights = X
         ctx.meta = (lay, per_row, sum_rows, U, order)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, w_XDF, gates_UK, ys_O = ctx.saved_tensors
+        x_MD, w_set, gates_UK, ys_O = ctx.saved_tensors
         lay, per_row, sum_rows, U, order = ctx.meta
-        X, D, Fo = w_XDF.shape
+        X, D = ctx.n_weights, x_MD.shape[1]
+        Fo = w_set.shape[2] if ys_O is None else ys_O.shape[2]
         K = lay.k
         L, b = lay.pad.n_blocks, lay.pad.block
         P = L * b
@@ -238,7 +244,6 @@ class SetExpertMatmul(torch.autograd.Function):
             g_PF.index_fill_(0, lay.pad.pad_P, 0)
         gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
         xs_PD = _gather_units(x_MD, lay, per_row) if gates_in or need_w else None
-        w_set = _set_weights(w_XDF, lay, gates_in)
         if gates_in:
             if need_x or need_g:
                 # gz[p, j] = g · W_jᵀ: d/dgate_j = gz_j · x, d/dx = Σ_j gate_j gz_j.
@@ -267,9 +272,13 @@ class SetExpertMatmul(torch.autograd.Function):
                 grad_x = slot_sums(ga_PD, lay.slot_U, None, per_row)
                 del ga_PD
             if need_w:
-                grad_set = torch.bmm(xs_PD.view(L, b, D).transpose(1, 2), gg)
-                grad_w = _add_set_grads(
-                    grad_set.view(L, D, K, Fo).permute(0, 2, 1, 3), lay, X)
+                # One product per set position j, each read in place from gg and added
+                # into its matrices: no permuted copy of a [L, D, K·F] gradient.
+                xs_T = xs_PD.view(L, b, D).transpose(1, 2)
+                gg_LbKF = gg.view(L, b, K, Fo)
+                grad_w = gg.new_zeros(X, D, Fo)
+                for j in range(K):
+                    grad_w.index_add_(0, lay.block_ids_LK[:, j], torch.bmm(xs_T, gg_LbKF[:, :, j]))
         if grad_gates is not None:
             grad_gates = grad_gates.to(gates_UK.dtype)
         return grad_x, grad_w, grad_gates, None, None, None, None
