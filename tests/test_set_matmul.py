@@ -10,6 +10,7 @@ import torch
 from moeify.ops.expert_matmul import chosen_impl, expert_matmul, make_plan
 from moeify.ops.set_matmul import (
     MAX_SETS,
+    _plan_blocks,
     MIN_UNITS_PER_SET,
     head_major_order,
     set_layout,
@@ -123,7 +124,7 @@ def test_bfloat16_matches_float64():
 def test_padding_never_leaks_a_non_finite_row(D, F):
     M, G, E, K = 30, 1, 4, 2
     ids = grouped_routing(M, G, E, K, seed=5, skew=True)
-    assert set_layout(ids, E).pad.pad_P.numel() > 0
+    assert set_layout(ids, E).pad_P.numel() > 0
     x, w, gates = operands(M, D, F, E, K)
     x0 = x.detach().clone()
     x0[0] = float("inf")
@@ -149,21 +150,60 @@ def test_gradcheck():
         assert torch.autograd.gradcheck(f, (x, w, gates))
 
 
+def block_ids_of_slots(lay):
+    """[P, K]: the weight matrices of the block each slot lies in (read off the grids)."""
+    rows = [g.block_ids_LK.repeat_interleave(g.block, 0) for g in lay.grids]
+    return torch.cat(rows) if rows else torch.zeros(0, lay.k, dtype=torch.long)
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_layout_places_every_unit_once_in_a_block_of_its_set(skew):
-    U, G, E, K = 120, 2, 5, 2
+    U, G, E, K = 400, 2, 5, 2
     ids = grouped_routing(U, G, E, K, skew=skew)
     lay = set_layout(ids, E)
-    P = lay.pad.n_blocks * lay.pad.block
-    block_of_unit = lay.slot_U // lay.pad.block
-    # The block's K weight matrices are exactly the unit's experts, ascending.
-    assert torch.equal(lay.block_ids_LK[block_of_unit], ids.sort(-1).values)
-    assert torch.equal(lay.pad.pair_P[lay.slot_U], torch.arange(U))
-    assert sorted(lay.pad.pad_P.tolist() + lay.slot_U.tolist()) == list(range(P))
-    # perm lists each unit's experts in ascending order.
+    # The block a unit sits in multiplies by exactly the unit's experts, ascending.
+    assert torch.equal(block_ids_of_slots(lay)[lay.slot_U], ids.sort(-1).values)
+    assert torch.equal(lay.pair_P[lay.slot_U], torch.arange(U))
+    assert sorted(lay.pad_P.tolist() + lay.slot_U.tolist()) == list(range(lay.n_slots))
     assert torch.equal(ids.gather(1, lay.perm_UK), ids.sort(-1).values)
-    if skew:
-        assert P <= 1.25 * U + G * math.comb(E, K) * 8  # the blocked layout bounds padding
+    assert lay.n_slots <= 1.25 * U + 2 * G * math.comb(E, K) * 8  # padding stays bounded
+
+
+def test_block_plan_balances_padding_against_blocks():
+    # Balanced counts around 400: a first grid of 400 and a low second grid for the overflow
+    # pad far less than one block per set as tall as the largest.
+    counts = [400 + d for d in (-30, -12, -5, 0, 3, 8, 11, 19, 25, 48)]
+    kind, b1, b2 = _plan_blocks(counts)
+    assert kind == "grids" and b1 < max(counts) and b1 + b2 == max(counts)
+    slots = len(counts) * b1 + sum(1 for n in counts if n > b1) * b2
+    assert slots < len(counts) * max(counts)
+    # All equal: one grid, no padding.
+    assert _plan_blocks([64] * 6) == ("grids", 64, 0)
+    # One set with almost everything: the second grid holds its overflow alone.
+    assert _plan_blocks([5000, 3, 2, 1, 4, 2]) == ("grids", 4, 4996)
+    # Many sets of very different sizes: equal blocks bound the padding.
+    kind, b, _ = _plan_blocks([1000, 700, 500, 300, 10, 5])
+    assert kind == "blocked" and b % 8 == 0
+    assert _plan_blocks([0, 0]) == ("grids", 0, 0)
+
+
+def test_two_grids_match_pairs():
+    # Five sets of 100 units and one of 180: two grids (100 high, then 80 for the big set's
+    # overflow) instead of six blocks of 180; outputs and gradients still exact.
+    E, K = 4, 2
+    sets = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
+    counts = torch.tensor([100, 100, 100, 100, 100, 180])
+    ids = sets.repeat_interleave(counts, 0)
+    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(2))]
+    ids = torch.where(torch.rand(ids.shape[0], 1) < 0.5, ids, ids.flip(1))  # any expert order
+    lay = set_layout(ids, E)
+    assert [(g.n_blocks, g.block) for g in lay.grids] == [(6, 100), (1, 80)]
+    assert lay.n_slots == ids.shape[0]  # no padding at all
+    for D, F in ((9, 4), (4, 9)):
+        x, w, gates = operands(ids.shape[0], D, F, E, K)
+        plan = make_plan(ids, E, group_size=E)
+        y = expert_matmul(x, ids, w, gates, impl="sets", plan=plan)
+        assert_matches(y, ref_expert_rows(x, ids, w, gates), (x, w, gates))
 
 
 def test_layout_rejects_units_that_span_groups_or_repeat_an_expert():

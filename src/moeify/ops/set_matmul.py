@@ -4,7 +4,7 @@ Shape legend
     U  units: (row, group) pairs, each routed to K experts of its group    K  experts per unit
     E  experts per group      Gs = C(E, K) possible sets per group        X  weight matrices
     D  input width            F  output width            R  units summed per output row
-    L  blocks                 b  units per block         P = L * b padded slots
+    L  blocks of a grid       b  units per block of a grid                P  slots, all grids
 
 SwitchHead routes every (token, head) unit to K of the head's E experts (Eq. 7-10). The padded
 layout (moeify.ops.padded_matmul) multiplies each of the U·K (unit, expert) pairs on its own:
@@ -20,11 +20,18 @@ K times shorter. Which side of the product the gates act on depends on which is 
         y[u] = [gate[u, 1] x[u], ..., gate[u, K] x[u]] [W_1; ...; W_K]          -> F
 
 Both contracts are expert_matmul's gated ones: ``groups`` = G units per input row (output
-[rows, G, F]), or ``sum_rows`` = R units per output row (output [rows / R, F]). The unit
-layout is the padded layout of moeify.ops.padded_matmul applied to (group, set) ids with one
-"expert" per unit, so the same rules bound the padding (at most a quarter of the units, however
-unbalanced the routing). In the output-gated form the forward keeps the [P, K·F] products for
-the gate gradient (g · x W_j), so no [P, D] product is needed for it in the backward.
+[rows, G, F]), or ``sum_rows`` = R units per output row (output [rows / R, F]). In the
+output-gated form the forward keeps the [U, K·F] products for the gate gradient (g · x W_j), so
+no [P, D] product is needed for it in the backward; both forms keep the set weights.
+
+Layout. Units sorted by set fill blocks of one set each; every grid of equal blocks is one
+torch.bmm. A set's count fluctuates around the mean, so one block per set as tall as the
+largest set (the "capacity" layout) pads by 15-20% at the 47M shapes. ``set_layout`` picks the
+cheapest of: two grids, every set's first b1 units in one and the overflow of the sets larger
+than b1 in a second, lower one (b1 = max is the capacity layout); or, for badly unbalanced
+routing, the blocked layout of moeify.ops.padded_matmul (equal blocks, padding at most a
+quarter). The cost counted is padded slots plus, per block, the rows a weight copy costs
+(``BLOCK_COST``), plus ``GRID_COST`` for a second grid's extra matmul calls.
 
 Eligibility (``sets_eligible``): the plan knows its group size, every unit's K experts lie in
 one group, 2 <= K < E, and Gs is small enough that each set has rows to fill a block.
@@ -39,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeify.ops.padded_matmul import PaddedLayout, padded_layout, slot_sums
+from moeify.ops.padded_matmul import slot_sums
 
 # Largest number of sets per group the layout takes (C(E, K) must not exceed it).
 MAX_SETS = 64
@@ -50,17 +57,37 @@ MAX_SETS = 64
 # 1.14 / 0.96 / 0.82 / 0.74 and O experts 1.14 / 1.10 / 0.89 / 0.83 at 100 / 200 / 410 / 820
 # units per block.
 MIN_UNITS_PER_SET = 320
+# Layout costs in padded rows (module docstring): a block's weight copy and gradient sum, and a
+# second grid's three extra batched matmuls. Rough equivalents measured at the 47M shapes.
+BLOCK_COST = 16
+GRID_COST = 48
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Equal blocks of one set each: slots [start, start + n_blocks · block)."""
+
+    start: int
+    n_blocks: int
+    block: int
+    block_ids_LK: torch.Tensor  # int64 [n_blocks, K]: each block's weight matrices, ascending
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.n_blocks * self.block
 
 
 @dataclass(frozen=True)
 class SetLayout:
-    """Units sorted by expert set, on the padded grid (module docstring)."""
+    """Units sorted by expert set, in one or two grids of blocks (module docstring)."""
 
     k: int  # K
-    pad: PaddedLayout  # over units: slot_N maps unit -> slot, pair_P slot -> unit
-    block_ids_LK: torch.Tensor  # int64 [L, K]: the weight matrices of each block's set, ascending
+    grids: tuple[Grid, ...]
+    n_slots: int  # P
+    pair_P: torch.Tensor  # int64 [P]: slot -> unit (0 for padding)
+    pad_P: torch.Tensor  # int64: the padding slots
     perm_UK: torch.Tensor  # int64 [U, K]: j-th smallest expert of unit u -> its position in idx
-    slot_U: torch.Tensor  # int64 [U]: unit -> slot (= pad.slot_N)
+    slot_U: torch.Tensor  # int64 [U]: unit -> slot
     slotk_UK: torch.Tensor  # int64 [U·K]: unit u's j-th expert -> row slot·K + j of a [P·K, ·] view
 
 
@@ -88,44 +115,94 @@ def _set_table(E: int, K: int, device: torch.device) -> tuple[torch.Tensor, torc
     return combos, lut
 
 
+def _plan_blocks(counts: list[int]) -> tuple[str, int, int]:
+    """The cheapest block shape for these per-set counts (module docstring): ("grids", b1, b2)
+    or ("blocked", b, 0)."""
+    active = [n for n in counts if n]
+    if not active:
+        return "grids", 0, 0
+    top, n_active, total = max(active), len(active), sum(active)
+    best = None
+    for b1 in sorted(set(active)):
+        over = [n - b1 for n in active if n > b1]
+        b2 = max(over, default=0)
+        cost = (n_active * b1 + len(over) * b2 + BLOCK_COST * (n_active + len(over))
+                + (GRID_COST if over else 0))
+        if best is None or cost < best[0]:
+            best = (cost, "grids", b1, b2)
+    b = 8 * math.ceil(total / (32 * n_active))  # padded_matmul's blocked rule
+    n_blocks = sum(-(-n // b) for n in active)
+    if n_blocks * (b + BLOCK_COST) < best[0]:
+        return "blocked", b, 0
+    return best[1], best[2], best[3]
+
+
 def set_layout(ids_UK: torch.Tensor, group_size: int) -> SetLayout:
     """The set layout of units whose K ids (group · E + expert, ``group_size`` = E) all lie in one
     group. Raises ValueError otherwise."""
-    from moeify.ops.expert_matmul import make_plan  # the sort; expert_matmul imports this module
-
     U, K = ids_UK.shape
     E = group_size
+    dev = ids_UK.device
     group_UK = torch.div(ids_UK, E, rounding_mode="floor")
     group_U = group_UK[:, 0]
     if U and not bool((group_UK == group_U[:, None]).all()):
         raise ValueError("the set layout needs every unit's experts in one group of "
                          f"{E} consecutive ids")
     local_sorted, perm_UK = (ids_UK - group_U[:, None] * E).sort(-1)
-    combos, lut = _set_table(E, K, ids_UK.device)  # per (E, K, device), built once
-    powers = E ** torch.arange(K - 1, -1, -1, device=ids_UK.device)
+    combos, lut = _set_table(E, K, dev)  # per (E, K, device), built once
+    powers = E ** torch.arange(K - 1, -1, -1, device=dev)
     rank_U = lut.index_select(0, (local_sorted * powers).sum(1))
     if U and bool((rank_U < 0).any()):
         raise ValueError("the set layout needs K distinct experts per unit")
     Gs = combos.shape[0]
-    n_groups = int(group_U.max()) + 1 if U else 1
+    n_all = (int(group_U.max()) + 1 if U else 1) * Gs
     set_U = group_U * Gs + rank_U
-    plan = make_plan(set_U, n_groups * Gs)
-    pad = padded_layout(plan)
-    block_set = (torch.arange(n_groups * Gs, device=ids_UK.device) if pad.block_expert is None
-                 else pad.block_expert)
-    g_L = torch.div(block_set, Gs, rounding_mode="floor")
-    block_ids_LK = combos.index_select(0, block_set - g_L * Gs) + g_L[:, None] * E
-    slotk = pad.slot_N[:, None] * K + torch.arange(K, device=ids_UK.device)
-    return SetLayout(K, pad, block_ids_LK, perm_UK, pad.slot_N, slotk.reshape(-1))
+    order = torch.argsort(set_U, stable=True)
+    counts_S = torch.bincount(set_U, minlength=n_all)
+    counts = counts_S.tolist()  # host sync: CPU only
+    kind, b1, b2 = _plan_blocks(counts)
+    start_S = torch.cumsum(counts_S, 0) - counts_S
+    set_sorted = set_U.index_select(0, order)
+    rank = torch.arange(U, device=dev) - start_S.index_select(0, set_sorted)
+    active = [s for s, n in enumerate(counts) if n]
+
+    def grid(start, sets, block):
+        g = torch.tensor(sets, dtype=torch.int64, device=dev)
+        h = torch.div(g, Gs, rounding_mode="floor")
+        return Grid(start, len(sets), block, combos.index_select(0, g - h * Gs) + h[:, None] * E)
+
+    if kind == "blocked":
+        per_set = [-(-n // b1) for n in counts]
+        first = torch.tensor([0] + per_set[:-1], device=dev).cumsum(0)
+        slot_sorted = first.index_select(0, set_sorted) * b1 + rank
+        grids = (grid(0, [s for s in active for _ in range(per_set[s])], b1),)
+    else:
+        grid_of_S = torch.full((n_all,), -1, dtype=torch.int64, device=dev)
+        grid_of_S[active] = torch.arange(len(active), device=dev)
+        over = [s for s in active if counts[s] > b1]
+        over_of_S = torch.full((n_all,), -1, dtype=torch.int64, device=dev)
+        if over:
+            over_of_S[over] = torch.arange(len(over), device=dev)
+        P1 = len(active) * b1
+        slot_sorted = torch.where(
+            rank < b1, grid_of_S.index_select(0, set_sorted) * b1 + rank,
+            P1 + over_of_S.index_select(0, set_sorted) * b2 + rank - b1)
+        grids = tuple(g for g in (grid(0, active, b1), grid(P1, over, b2)) if g.n_blocks)
+    P = grids[-1].stop if grids else 0
+    pair_P = torch.zeros(P, dtype=torch.int64, device=dev).index_copy_(0, slot_sorted, order)
+    free_P = torch.ones(P, dtype=torch.bool, device=dev).index_fill_(0, slot_sorted, False)
+    slot_U = torch.empty_like(slot_sorted).index_copy_(0, order, slot_sorted)
+    slotk = slot_U[:, None] * K + torch.arange(K, device=dev)
+    return SetLayout(K, grids, P, pair_P, free_P.nonzero().squeeze(1), perm_UK, slot_U,
+                     slotk.reshape(-1))
 
 
 def _gather_units(t: torch.Tensor, lay: SetLayout, per_unit: int = 1) -> torch.Tensor:
     """Per slot the row of its unit (row u // per_unit of ``t``), padding slots zeroed (so that
     not even a non-finite row 0 reaches another unit's output or a weight gradient)."""
-    rows = lay.pad.pair_P if per_unit == 1 else torch.div(lay.pad.pair_P, per_unit,
-                                                          rounding_mode="floor")
+    rows = lay.pair_P if per_unit == 1 else torch.div(lay.pair_P, per_unit, rounding_mode="floor")
     out = t.index_select(0, rows)
-    return out.index_fill_(0, lay.pad.pad_P, 0) if lay.pad.pad_P.numel() else out
+    return out.index_fill_(0, lay.pad_P, 0) if lay.pad_P.numel() else out
 
 
 def _sorted_gates(gates_UK: torch.Tensor, lay: SetLayout, order=None) -> torch.Tensor:
@@ -144,24 +221,26 @@ def _unsort(grad_sorted_UK: torch.Tensor, lay: SetLayout) -> torch.Tensor:
     return torch.empty_like(grad_sorted_UK).scatter_(1, lay.perm_UK, grad_sorted_UK)
 
 
-def _set_weights(w_XDF: torch.Tensor, lay: SetLayout, gates_in: bool) -> torch.Tensor:
+def _set_weights(w_XDF: torch.Tensor, grid: Grid, gates_in: bool) -> torch.Tensor:
     """Each block's K matrices side by side: [L, D, K·F] (gates on the output) or stacked
     [L, K·D, F] (gates on the input)."""
-    L, K = lay.block_ids_LK.shape
+    L, K = grid.block_ids_LK.shape
     _, D, Fo = w_XDF.shape
-    w = w_XDF.index_select(0, lay.block_ids_LK.reshape(-1))
+    w = w_XDF.index_select(0, grid.block_ids_LK.reshape(-1))
     if gates_in:
         return w.view(L, K * D, Fo)
     return w.view(L, K, D, Fo).permute(0, 2, 1, 3).reshape(L, D, K * Fo)
 
 
-def _add_set_grads(grad_LKDF: torch.Tensor, lay: SetLayout, X: int) -> torch.Tensor:
-    """Sum each block's K weight gradients [L, K, D, F] into their matrices."""
-    L, K, D, Fo = grad_LKDF.shape
-    # One contiguous copy and one index_add: index_add from a strided source runs as a
-    # scatter, measured slower than the copy.
-    return grad_LKDF.new_zeros(X, D, Fo).index_add_(0, lay.block_ids_LK.reshape(-1),
-                                                    grad_LKDF.reshape(L * K, D, Fo))
+def _grid_bmm(a_PA: torch.Tensor, ws, lay: SetLayout, n: int, transpose: bool = False):
+    """[P, n]: every grid's blocks of ``a`` times their block matrices (``ws``, one per grid,
+    [L, A, n]; or [L, n, A] read transposed)."""
+    out = a_PA.new_empty(lay.n_slots, n)
+    for g, w in zip(lay.grids, ws):
+        L, b = g.n_blocks, g.block
+        torch.bmm(a_PA[g.start:g.stop].view(L, b, -1), w.transpose(1, 2) if transpose else w,
+                  out=out[g.start:g.stop].view(L, b, n))
+    return out
 
 
 def _gated_sum(ys_UKF: torch.Tensor, gates_UK: torch.Tensor) -> torch.Tensor:
@@ -194,21 +273,18 @@ class SetExpertMatmul(torch.autograd.Function):
     def forward(ctx, x_MD, w_XDF, gates_UK, lay: SetLayout, per_row: int, sum_rows: int,
                 order=None):
         X, D, Fo = w_XDF.shape
-        K = lay.k
-        L, b = lay.pad.n_blocks, lay.pad.block
-        P = L * b
-        U = gates_UK.shape[0]
+        K, P, U = lay.k, lay.n_slots, gates_UK.shape[0]
         gates_in = D < Fo
         xs_PD = _gather_units(x_MD, lay, per_row)
-        w_set = _set_weights(w_XDF, lay, gates_in)
+        ws = [_set_weights(w_XDF, g, gates_in) for g in lay.grids]
         slot_O = lay.slot_U if order is None else lay.slot_U.index_select(0, order[0])
         ys_O = None
         if gates_in:
             gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
-            z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(L, b, K * D)
-            y = slot_sums(torch.bmm(z, w_set).view(P, Fo), slot_O, None, sum_rows)
+            z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(P, K * D)
+            y = slot_sums(_grid_bmm(z, ws, lay, Fo), slot_O, None, sum_rows)
         else:
-            ys_P = torch.bmm(xs_PD.view(L, b, D), w_set).view(P, K * Fo)
+            ys_P = _grid_bmm(xs_PD, ws, lay, K * Fo)
             del xs_PD
             # Kept for the gate gradient, one row per unit in output order (no padding).
             ys_O = ys_P.index_select(0, slot_O).view(U, K, Fo)
@@ -217,37 +293,35 @@ class SetExpertMatmul(torch.autograd.Function):
             y = _gated_sum(ys_O, gates_O)
             if sum_rows > 1:
                 y = y.view(U // sum_rows, sum_rows, Fo).sum(1)
-        # The set weights too: rebuilding them costs a [L, D, K·F] copy, keeping them
-        # K·D·F·L values (independent of the number of rows).
-        ctx.save_for_backward(x_MD, w_set, gates_UK, ys_O)
-        ctx.n_weights = X
-        ctx.meta = (lay, per_row, sum_rows, U, order)
+        # The set weights too: rebuilding them costs a copy, keeping them K·D·F values per
+        # block (independent of the number of rows).
+        ctx.save_for_backward(x_MD, gates_UK, ys_O, *ws)
+        ctx.meta = (lay, per_row, sum_rows, U, order, X, Fo)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, w_set, gates_UK, ys_O = ctx.saved_tensors
-        lay, per_row, sum_rows, U, order = ctx.meta
-        X, D = ctx.n_weights, x_MD.shape[1]
-        Fo = w_set.shape[2] if ys_O is None else ys_O.shape[2]
-        K = lay.k
-        L, b = lay.pad.n_blocks, lay.pad.block
-        P = L * b
+        x_MD, gates_UK, ys_O, *ws = ctx.saved_tensors
+        lay, per_row, sum_rows, U, order, X, Fo = ctx.meta
+        D = x_MD.shape[1]
+        K, P = lay.k, lay.n_slots
         gates_in = ys_O is None
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_gates = None
         grad_y = grad_y.contiguous().view(-1, Fo)  # also materialises stride-0 gradients
         # Slot p receives the gradient of the output row its unit was summed into.
-        unit_P = lay.pad.pair_P if order is None else order[1].index_select(0, lay.pad.pair_P)
+        unit_P = lay.pair_P if order is None else order[1].index_select(0, lay.pair_P)
         g_PF = grad_y.index_select(0, torch.div(unit_P, sum_rows, rounding_mode="floor"))
-        if lay.pad.pad_P.numel():
-            g_PF.index_fill_(0, lay.pad.pad_P, 0)
+        if lay.pad_P.numel():
+            g_PF.index_fill_(0, lay.pad_P, 0)
         gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
         xs_PD = _gather_units(x_MD, lay, per_row) if gates_in or need_w else None
+        if need_w:
+            grad_w = g_PF.new_zeros(X, D, Fo)
         if gates_in:
             if need_x or need_g:
                 # gz[p, j] = g · W_jᵀ: d/dgate_j = gz_j · x, d/dx = Σ_j gate_j gz_j.
-                gz = torch.bmm(g_PF.view(L, b, Fo), w_set.transpose(1, 2)).view(P * K, D)
+                gz = _grid_bmm(g_PF, ws, lay, K * D, transpose=True).view(P * K, D)
                 if need_g:
                     dots_PK = torch.bmm(gz.view(P, K, D), xs_PD.view(P, D, 1)).view(P, K)
                     grad_gates = _unsort(dots_PK.index_select(0, lay.slot_U), lay)
@@ -256,9 +330,13 @@ class SetExpertMatmul(torch.autograd.Function):
                     grad_x = slot_sums(gz, lay.slotk_UK, gate_N, K * per_row)
                 del gz
             if need_w:
-                z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(L, b, K * D)
-                grad_set = torch.bmm(z.transpose(1, 2), g_PF.view(L, b, Fo))
-                grad_w = _add_set_grads(grad_set.view(L, K, D, Fo), lay, X)
+                z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(P, K * D)
+                for g in lay.grids:
+                    L, b = g.n_blocks, g.block
+                    grad_set = torch.bmm(z[g.start:g.stop].view(L, b, K * D).transpose(1, 2),
+                                         g_PF[g.start:g.stop].view(L, b, Fo))
+                    grad_w.index_add_(0, g.block_ids_LK.reshape(-1),
+                                      grad_set.view(L * K, D, Fo))
         else:
             if need_g:
                 # d/dgate_j = g · (x W_j): the kept products, no [P, D] term.
@@ -266,23 +344,25 @@ class SetExpertMatmul(torch.autograd.Function):
                 dots_OK = torch.bmm(ys_O, g_OF.view(U, Fo, 1)).view(U, K)
                 dots_UK = dots_OK if order is None else dots_OK.index_select(0, order[1])
                 grad_gates = _unsort(dots_UK, lay)
-            gg = (g_PF.view(P, 1, Fo) * gate_PK.view(P, K, 1)).view(L, b, K * Fo)
+            gg = (g_PF.view(P, 1, Fo) * gate_PK.view(P, K, 1)).view(P, K * Fo)
             if need_x:
-                ga_PD = torch.bmm(gg, w_set.transpose(1, 2)).view(P, D)
+                ga_PD = _grid_bmm(gg, ws, lay, D, transpose=True)
                 grad_x = slot_sums(ga_PD, lay.slot_U, None, per_row)
                 del ga_PD
             if need_w:
-                # One product per set position j, each read in place from gg and added
-                # into its matrices: no permuted copy of a [L, D, K·F] gradient.
-                xs_T = xs_PD.view(L, b, D).transpose(1, 2)
-                gg_LbKF = gg.view(L, b, K, Fo)
-                grad_w = gg.new_zeros(X, D, Fo)
-                for j in range(K):
-                    grad_w.index_add_(0, lay.block_ids_LK[:, j], torch.bmm(xs_T, gg_LbKF[:, :, j]))
+                # One product per set position j, each read in place from gg and added into
+                # its matrices: no permuted copy of a [L, D, K·F] gradient.
+                for g in lay.grids:
+                    L, b = g.n_blocks, g.block
+                    xs_T = xs_PD[g.start:g.stop].view(L, b, D).transpose(1, 2)
+                    gg_LbKF = gg[g.start:g.stop].view(L, b, K, Fo)
+                    for j in range(K):
+                        grad_w.index_add_(0, g.block_ids_LK[:, j],
+                                          torch.bmm(xs_T, gg_LbKF[:, :, j]))
         if grad_gates is not None:
             grad_gates = grad_gates.to(gates_UK.dtype)
         return grad_x, grad_w, grad_gates, None, None, None, None
 
 
-__all__ = ["SetExpertMatmul", "SetLayout", "head_major_order", "n_sets", "set_layout",
-           "sets_eligible"]
+__all__ = ["Grid", "SetExpertMatmul", "SetLayout", "head_major_order", "n_sets",
+           "set_layout", "sets_eligible"]
