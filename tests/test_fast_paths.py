@@ -78,9 +78,14 @@ def test_padded_matches_naive(D, F, skew, gated, groups):
 
 @pytest.mark.parametrize("dtype", [f64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_slot_sums_match_a_loop(dtype, weighted):
-    # The sparse product (float32 / float64 on CPU) and the gather-and-sum fallback (bfloat16)
+@pytest.mark.parametrize("path", ["embedding_bag", "fallback"])
+def test_slot_sums_match_a_loop(dtype, weighted, path, monkeypatch):
+    # The bag sum and the gather-and-sum fallback (taken where embedding_bag has no kernel)
     # against the definition, one output row at a time.
+    if path == "fallback":
+        def no_kernel(*args, **kwargs):
+            raise NotImplementedError("no embedding_bag kernel")
+        monkeypatch.setattr(torch.nn.functional, "embedding_bag", no_kernel)
     g = torch.Generator().manual_seed(0)
     P, F, per_row, n_out = 11, 4, 3, 3
     src = torch.randn(P, F, generator=g, dtype=f64)

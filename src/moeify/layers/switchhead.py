@@ -16,12 +16,15 @@ destination-side one (computed from the query input) serves O and Q, the source-
 (computed from the key/value input, memory included) serves V and K; with ``shared_selection``
 one selection matrix serves both sides, and in self-attention its scores are computed once.
 
-Speed: each selection's top-k is taken once and sorted once (``make_plan``); every expert matmul
-sharing it reuses that plan (and, on CPU, the padded layout built from it: one batched matmul
-for all H·E experts, moeify.ops.padded_matmul). Source-side experts run with rows = source
-tokens, ids = h·E + e and ``groups=H``, so the gate-weighted sum per head never materialises a
-[rows, k, C] tensor; O experts run with rows = destination tokens × heads and ``sum_rows=H``,
-so the sum over heads happens inside the expert matmul too. Dense Q / K projections and the
+Speed: each selection's top-k is taken once and its routing plan built once (``make_plan``,
+grouped by head: ``group_size=E``); every expert matmul sharing it reuses that plan and the
+layouts cached on it. On CPU that is the set layout (moeify.ops.set_matmul: the (token, head)
+units sorted by their set of k experts, each set's k matrices side by side in one matmul) once
+there are enough units per set, else the padded layout (moeify.ops.padded_matmul: one batched
+matmul for all H·E experts). Source-side experts run with rows = source tokens, ids = h·E + e
+and ``groups=H`` and come out as [B, H, S, C], the layout attention takes, so the gate-weighted
+sum per head never materialises a [rows, k, C] tensor; O experts run with rows = destination
+tokens × heads and ``sum_rows=H``, so the sum over heads happens inside the expert matmul too. Dense Q / K projections and the
 selection logits that read the same input share one matmul (``_fused_projections``). The
 attention core stays on scaled_dot_product_attention for RoPE and no positions; XL runs the
 fused core of moeify.ops.xl_attention.

@@ -21,7 +21,7 @@ K times shorter. Which side of the product the gates act on depends on which is 
 
 Both contracts are expert_matmul's gated ones: ``groups`` = G units per input row (output
 [rows, G, F]), or ``sum_rows`` = R units per output row (output [rows / R, F]). In the
-output-gated form the forward keeps the [U, K·F] products for the gate gradient (g · x W_j), so
+output-gated form the forward keeps the [P, K·F] products for the gate gradient (g · x W_j), so
 no [P, D] product is needed for it in the backward; both forms keep the set weights.
 
 Layout. Units sorted by set fill blocks of one set each; every grid of equal blocks is one
@@ -243,15 +243,6 @@ def _grid_bmm(a_PA: torch.Tensor, ws, lay: SetLayout, n: int, transpose: bool = 
     return out
 
 
-def _gated_sum(ys_UKF: torch.Tensor, gates_UK: torch.Tensor) -> torch.Tensor:
-    """Σ_j gates[u, j] · ys[u, j]: K fused multiply-adds over [U, F] (a batched [1, K] x [K, F]
-    matmul per unit is several times slower)."""
-    y = ys_UKF[:, 0] * gates_UK[:, :1]
-    for j in range(1, ys_UKF.shape[1]):
-        y.addcmul_(ys_UKF[:, j], gates_UK[:, j:j + 1])
-    return y
-
-
 def head_major_order(U: int, groups: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Units u = (b·S + s)·G + g listed in (b, g, s) order, and the inverse map: the output of
     ``groups=G`` laid out [B, G, S, F] (per batch element, group-major: attention's layout)."""
@@ -277,35 +268,31 @@ class SetExpertMatmul(torch.autograd.Function):
         gates_in = D < Fo
         xs_PD = _gather_units(x_MD, lay, per_row)
         ws = [_set_weights(w_XDF, g, gates_in) for g in lay.grids]
-        slot_O = lay.slot_U if order is None else lay.slot_U.index_select(0, order[0])
-        ys_O = None
         if gates_in:
+            slot_O = lay.slot_U if order is None else lay.slot_U.index_select(0, order[0])
             gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
             z = (xs_PD.view(P, 1, D) * gate_PK.view(P, K, 1)).view(P, K * D)
             y = slot_sums(_grid_bmm(z, ws, lay, Fo), slot_O, None, sum_rows)
         else:
-            ys_P = _grid_bmm(xs_PD, ws, lay, K * Fo)
+            ys_P = _grid_bmm(xs_PD, ws, lay, K * Fo)  # kept for the gate gradient
             del xs_PD
-            # Kept for the gate gradient, one row per unit in output order (no padding).
-            ys_O = ys_P.index_select(0, slot_O).view(U, K, Fo)
-            del ys_P
-            gates_O = _sorted_gates(gates_UK, lay, order).to(x_MD.dtype)
-            y = _gated_sum(ys_O, gates_O)
-            if sum_rows > 1:
-                y = y.view(U // sum_rows, sum_rows, Fo).sum(1)
+            slotk_O = lay.slotk_UK if order is None else \
+                lay.slotk_UK.view(U, K).index_select(0, order[0]).reshape(-1)
+            gate_N = _sorted_gates(gates_UK, lay, order).to(x_MD.dtype).reshape(-1)
+            y = slot_sums(ys_P.view(-1, Fo), slotk_O, gate_N, K * sum_rows)
         # The set weights too: rebuilding them costs a copy, keeping them K·D·F values per
         # block (independent of the number of rows).
-        ctx.save_for_backward(x_MD, gates_UK, ys_O, *ws)
+        ctx.save_for_backward(x_MD, gates_UK, None if gates_in else ys_P, *ws)
         ctx.meta = (lay, per_row, sum_rows, U, order, X, Fo)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, gates_UK, ys_O, *ws = ctx.saved_tensors
+        x_MD, gates_UK, ys_P, *ws = ctx.saved_tensors
         lay, per_row, sum_rows, U, order, X, Fo = ctx.meta
         D = x_MD.shape[1]
         K, P = lay.k, lay.n_slots
-        gates_in = ys_O is None
+        gates_in = ys_P is None
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_gates = None
         grad_y = grad_y.contiguous().view(-1, Fo)  # also materialises stride-0 gradients
@@ -340,10 +327,8 @@ class SetExpertMatmul(torch.autograd.Function):
         else:
             if need_g:
                 # d/dgate_j = g · (x W_j): the kept products, no [P, D] term.
-                g_OF = grad_y if sum_rows == 1 else grad_y.repeat_interleave(sum_rows, 0)
-                dots_OK = torch.bmm(ys_O, g_OF.view(U, Fo, 1)).view(U, K)
-                dots_UK = dots_OK if order is None else dots_OK.index_select(0, order[1])
-                grad_gates = _unsort(dots_UK, lay)
+                dots_PK = torch.bmm(ys_P.view(P, K, Fo), g_PF.view(P, Fo, 1)).view(P, K)
+                grad_gates = _unsort(dots_PK.index_select(0, lay.slot_U), lay)
             gg = (g_PF.view(P, 1, Fo) * gate_PK.view(P, K, 1)).view(P, K * Fo)
             if need_x:
                 ga_PD = _grid_bmm(gg, ws, lay, D, transpose=True)
