@@ -22,7 +22,7 @@ K times shorter. Which side of the product the gates act on depends on which is 
 Both contracts are expert_matmul's gated ones: ``groups`` = G units per input row (output
 [rows, G, F]), or ``sum_rows`` = R units per output row (output [rows / R, F]). In the
 output-gated form the forward keeps the [P, K·F] products for the gate gradient (g · x W_j), so
-no [P, D] product is needed for it in the backward; both forms keep the set weights.
+no [P, D] product is needed for it in the backward.
 
 Layout. Units sorted by set fill blocks of one set each; every grid of equal blocks is one
 torch.bmm. A set's count fluctuates around the mean, so one block per set as tall as the
@@ -280,17 +280,17 @@ class SetExpertMatmul(torch.autograd.Function):
                 lay.slotk_UK.view(U, K).index_select(0, order[0]).reshape(-1)
             gate_N = _sorted_gates(gates_UK, lay, order).to(x_MD.dtype).reshape(-1)
             y = slot_sums(ys_P.view(-1, Fo), slotk_O, gate_N, K * sum_rows)
-        # The set weights too: rebuilding them costs a copy, keeping them K·D·F values per
-        # block (independent of the number of rows).
-        ctx.save_for_backward(x_MD, gates_UK, None if gates_in else ys_P, *ws)
-        ctx.meta = (lay, per_row, sum_rows, U, order, X, Fo)
+        # The set weights are rebuilt in the backward (a copy of about a millisecond at the 47M
+        # shapes) rather than kept: with two grids they are several times the expert weights.
+        ctx.save_for_backward(x_MD, w_XDF, gates_UK, None if gates_in else ys_P)
+        ctx.meta = (lay, per_row, sum_rows, U, order)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_MD, gates_UK, ys_P, *ws = ctx.saved_tensors
-        lay, per_row, sum_rows, U, order, X, Fo = ctx.meta
-        D = x_MD.shape[1]
+        x_MD, w_XDF, gates_UK, ys_P = ctx.saved_tensors
+        lay, per_row, sum_rows, U, order = ctx.meta
+        X, D, Fo = w_XDF.shape
         K, P = lay.k, lay.n_slots
         gates_in = ys_P is None
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
@@ -303,6 +303,7 @@ class SetExpertMatmul(torch.autograd.Function):
             g_PF.index_fill_(0, lay.pad_P, 0)
         gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
         xs_PD = _gather_units(x_MD, lay, per_row) if gates_in or need_w else None
+        ws = [_set_weights(w_XDF, g, gates_in) for g in lay.grids] if need_x or gates_in else []
         if need_w:
             grad_w = g_PF.new_zeros(X, D, Fo)
         if gates_in:
