@@ -52,10 +52,10 @@ from moeify.ops.padded_matmul import slot_sums
 MAX_SETS = 64
 # The fewest units per (group, set) block, on average, for "auto" to take the layout. Below it
 # the padding of the blocks (a set's count fluctuates around the mean) and the per-call copies
-# of the set weights cost more than the wider matmuls save. Measured at SwitchHead 47M shapes
-# (D = 412, d_head = 76, E = 5, K = 2: 20 blocks), fwd+bwd time of sets / padded: V experts
-# 1.14 / 0.96 / 0.82 / 0.74 and O experts 1.14 / 1.10 / 0.89 / 0.83 at 100 / 200 / 410 / 820
-# units per block.
+# of the set weights cost about what the wider matmuls save, and the kept [P, K·F] products
+# are not worth their memory. Measured at SwitchHead 47M shapes (D = 412, d_head = 76, E = 5,
+# K = 2: 20 blocks), fwd+bwd time of sets / padded: V experts 1.18 / 0.90 / 0.84 / 0.64 and O
+# experts 1.15 / 1.03 / 0.88 / 0.71 at 100 / 205 / 410 / 820 units per block.
 MIN_UNITS_PER_SET = 320
 # Layout costs in padded rows (module docstring): a block's weight copy and gradient sum, and a
 # second grid's three extra batched matmuls. Rough equivalents measured at the 47M shapes.
