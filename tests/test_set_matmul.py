@@ -148,6 +148,17 @@ def test_gradcheck():
         f = lambda x, w, g: expert_matmul(x, ids, w, g, groups=G, impl="sets",  # noqa: E731
                                           plan=plan)
         assert torch.autograd.gradcheck(f, (x, w, gates))
+    # No rows at all: empty results and gradients, in both output layouts.
+    x0 = torch.zeros(0, 4, dtype=f64, requires_grad=True)
+    w = torch.randn(G * E, 4, 3, dtype=f64, requires_grad=True)
+    none = torch.zeros(0, G * K, dtype=torch.long)
+    empty_plan = make_plan(none, G * E, group_size=E)
+    y = expert_matmul(x0, none, w, torch.zeros(0, G * K, dtype=f64), groups=G, impl="sets",
+                      plan=empty_plan)
+    y.sum().backward()
+    assert y.shape == (0, G, 3) and x0.grad.shape == (0, 4)
+    assert expert_matmul(x0, none, w, torch.zeros(0, G * K, dtype=f64), groups=G, impl="sets",
+                         plan=empty_plan, batch=1).shape == (1, G, 0, 3)
 
 
 def block_ids_of_slots(lay):
