@@ -208,6 +208,7 @@ def test_router_runs_in_float32_under_autocast():
     (dict(expert_size=0), "expert_size"), (dict(entropy_coef=-1.0), "entropy_coef"),
     (dict(expert_dropout=1.0), "expert_dropout"), (dict(dropout=-0.5), "dropout"),
     (dict(expert_impl="fast"), "expert_impl"), (dict(n_layers=0), "n_layers"),
+    (dict(expert_impl="sets"), "expert_impl"),  # sets: experts routed in groups (SwitchHead)
 ])
 def test_config_validation(bad, match):
     kw = dict(d_model=4, n_experts=4, expert_size=2, k=2) | bad

@@ -326,6 +326,7 @@ def test_config_validation(kw, msg):
 
 
 def test_config_normalises_experts_and_builds():
+    SwitchHeadConfig(d_model=8, n_heads=2, d_head=4, n_experts=4, k=2, expert_impl="sets")
     cfg = SwitchHeadConfig(d_model=8, n_heads=2, d_head=4, n_experts=4, k=2, experts=["o", "v"])
     assert cfg.experts == frozenset({"v", "o"}) and cfg.n_selections == 2
     assert isinstance(cfg.build(), SwitchHeadAttention)

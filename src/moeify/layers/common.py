@@ -117,9 +117,10 @@ def check_nonnegative(cfg, *names: str) -> None:
                              f"got {value}")
 
 
-def check_expert_impl(cfg) -> None:
-    """``cfg.expert_impl`` must name a moeify.ops.expert_matmul implementation or "auto"."""
-    allowed = IMPLEMENTATIONS + ("auto",)
+def check_expert_impl(cfg, *, sets: bool = False) -> None:
+    """``cfg.expert_impl`` must name a moeify.ops.expert_matmul implementation or "auto";
+    "sets" only where the layer routes in groups of experts (``sets=True``: SwitchHead)."""
+    allowed = tuple(i for i in IMPLEMENTATIONS if sets or i != "sets") + ("auto",)
     if cfg.expert_impl not in allowed:
         raise ValueError(f"{type(cfg).__name__}.expert_impl must be one of {allowed}, "
                          f"got {cfg.expert_impl!r}")

@@ -76,7 +76,7 @@ class SwitchHeadConfig:
     n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
     attn_dropout: dropout on attention probabilities (never used in the paper).
     expert_impl: expert-matmul implementation ("auto", "reference", "gather", "segment",
-        "grouped"); attn_impl: attention core ("auto" or "reference").
+        "grouped", "padded", "sets"); attn_impl: attention core ("auto" or "reference").
     """
 
     d_model: int
@@ -112,7 +112,7 @@ class SwitchHeadConfig:
         if self.k > self.n_experts:
             raise ValueError(f"k={self.k} exceeds n_experts={self.n_experts}; "
                              f"choose k in [1, {self.n_experts}]")
-        check_expert_impl(self)
+        check_expert_impl(self, sets=True)
         if self.shared_selection and not (self.source_side and self.dest_side):
             raise ValueError("shared_selection needs experts on both sides (v or k, and o or q); "
                              f"experts={sorted(names)} has a single selection anyway")
