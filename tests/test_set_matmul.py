@@ -141,7 +141,6 @@ def test_padding_never_leaks_a_non_finite_row(D, F):
 def test_gradcheck():
     M, G, E, K = 10, 2, 3, 2
     ids = grouped_routing(M * G, G, E, K).view(M, G * K)
-    x, w, gates = operands(M, 4, 3, G * E, G * K)
     plan = make_plan(ids, G * E, group_size=E)
     for D, F in ((4, 3), (3, 4)):
         x, w, gates = operands(M, D, F, G * E, G * K)

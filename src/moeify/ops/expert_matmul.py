@@ -310,12 +310,8 @@ def _with_sets(kind: str, impl: str, x: torch.Tensor, plan: ExpertPlan, k: int,
 
 def _set_layout(plan: ExpertPlan, idx_MK: torch.Tensor, k: int):
     """The set layout of ``plan`` for units of k experts, built once and cached on the plan."""
-    key = ("sets", k)
-    lay = plan._cache.get(key)
-    if lay is None:
-        lay = set_layout(idx_MK.reshape(-1, k).to(torch.int64), plan.group_size)
-        plan._cache[key] = lay
-    return lay
+    return plan._get(("sets", k),
+                     lambda: set_layout(idx_MK.reshape(-1, k).to(torch.int64), plan.group_size))
 
 
 def chosen_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor, *,

@@ -76,8 +76,8 @@ def padded_layout(plan) -> PaddedLayout:
     cap = _capacity(plan)
     if E * cap <= CAPACITY_SLACK * N or N == 0:  # capacity layout: block e is expert e
         b, L, blocks_E, block_expert = cap, E, torch.ones_like(counts_E), None
-    else:  # blocked layout: b = N / (4E) rounded up to a multiple of 8
-        b = 8 * math.ceil(N / (32 * E))
+    else:  # blocked layout
+        b = blocked_block(N, E)
         blocks_E = torch.div(counts_E + (b - 1), b, rounding_mode="floor")
         L = int(blocks_E.sum())
         block_expert = torch.repeat_interleave(torch.arange(E, device=dev), blocks_E,
@@ -107,9 +107,15 @@ def padding_pays(plan) -> bool:
     return plan.num_experts * _capacity(plan) <= SINGLE_THREAD_SLACK * N
 
 
-def _gather_rows(x_MD: torch.Tensor, lay: PaddedLayout, row_P: torch.Tensor) -> torch.Tensor:
-    """The rows of every slot, padding slots zeroed (so that not even a non-finite row 0 reaches
-    another row's output or a weight gradient)."""
+def blocked_block(n_items: int, n_groups: int) -> int:
+    """Block height of the blocked layout: n_items / (4 · n_groups) rounded up to a multiple of
+    8, so that padding is at most a quarter of the items however unbalanced the groups."""
+    return 8 * math.ceil(n_items / (32 * n_groups))
+
+
+def gather_rows(x_MD: torch.Tensor, lay, row_P: torch.Tensor) -> torch.Tensor:
+    """The rows of every slot, padding slots (``lay.pad_P``) zeroed, so that not even a
+    non-finite row 0 reaches another row's output or a weight gradient."""
     xs = x_MD.index_select(0, row_P)
     return xs.index_fill_(0, lay.pad_P, 0) if lay.pad_P.numel() else xs
 
@@ -159,7 +165,7 @@ class PaddedExpertMatmul(torch.autograd.Function):
         Fo = w_EDF.shape[-1]
         L, b = lay.n_blocks, lay.block
         row_P = torch.div(lay.pair_P, k, rounding_mode="floor")
-        xs_PD = _gather_rows(x_MD, lay, row_P)
+        xs_PD = gather_rows(x_MD, lay, row_P)
         ys_PF = torch.bmm(xs_PD.view(L, b, D), _block_weights(w_EDF, lay)).view(L * b, Fo)
         gate_N = None
         if gates_MK is None:
@@ -189,10 +195,8 @@ class PaddedExpertMatmul(torch.autograd.Function):
         # Slot p receives the gradient of the output row its pair was summed into.
         per_out = k // groups * sum_rows if gated else 1
         out_P = torch.div(lay.pair_P, per_out, rounding_mode="floor")
-        g_PF = grad_y.view(-1, Fo).index_select(0, out_P)
-        if lay.pad_P.numel():
-            g_PF.index_fill_(0, lay.pad_P, 0)
-        xs_PD = _gather_rows(x_MD, lay, row_P) if need_g or need_w else None
+        g_PF = gather_rows(grad_y.view(-1, Fo), lay, out_P)
+        xs_PD = gather_rows(x_MD, lay, row_P) if need_g or need_w else None
         w_LDF = _block_weights(w_EDF, lay)
         if need_x or need_g:
             # ga = g @ Wᵀ, the slot's output gradient before gating taken back through its

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeify.ops.padded_matmul import slot_sums
+from moeify.ops.padded_matmul import blocked_block, gather_rows, slot_sums
 
 # Largest number of sets per group the layout takes (C(E, K) must not exceed it).
 MAX_SETS = 64
@@ -121,7 +121,7 @@ def _plan_blocks(counts: list[int]) -> tuple[str, int, int]:
     active = [n for n in counts if n]
     if not active:
         return "grids", 0, 0
-    top, n_active, total = max(active), len(active), sum(active)
+    n_active = len(active)
     best = None
     for b1 in sorted(set(active)):
         over = [n - b1 for n in active if n > b1]
@@ -130,7 +130,7 @@ def _plan_blocks(counts: list[int]) -> tuple[str, int, int]:
                 + (GRID_COST if over else 0))
         if best is None or cost < best[0]:
             best = (cost, "grids", b1, b2)
-    b = 8 * math.ceil(total / (32 * n_active))  # padded_matmul's blocked rule
+    b = blocked_block(sum(active), n_active)
     n_blocks = sum(-(-n // b) for n in active)
     if n_blocks * (b + BLOCK_COST) < best[0]:
         return "blocked", b, 0
@@ -198,11 +198,9 @@ def set_layout(ids_UK: torch.Tensor, group_size: int) -> SetLayout:
 
 
 def _gather_units(t: torch.Tensor, lay: SetLayout, per_unit: int = 1) -> torch.Tensor:
-    """Per slot the row of its unit (row u // per_unit of ``t``), padding slots zeroed (so that
-    not even a non-finite row 0 reaches another unit's output or a weight gradient)."""
+    """Per slot the row of its unit (row u // per_unit of ``t``), padding slots zeroed."""
     rows = lay.pair_P if per_unit == 1 else torch.div(lay.pair_P, per_unit, rounding_mode="floor")
-    out = t.index_select(0, rows)
-    return out.index_fill_(0, lay.pad_P, 0) if lay.pad_P.numel() else out
+    return gather_rows(t, lay, rows)
 
 
 def _sorted_gates(gates_UK: torch.Tensor, lay: SetLayout, order=None) -> torch.Tensor:
@@ -298,9 +296,7 @@ class SetExpertMatmul(torch.autograd.Function):
         grad_y = grad_y.contiguous().view(-1, Fo)  # also materialises stride-0 gradients
         # Slot p receives the gradient of the output row its unit was summed into.
         unit_P = lay.pair_P if order is None else order[1].index_select(0, lay.pair_P)
-        g_PF = grad_y.index_select(0, torch.div(unit_P, sum_rows, rounding_mode="floor"))
-        if lay.pad_P.numel():
-            g_PF.index_fill_(0, lay.pad_P, 0)
+        g_PF = gather_rows(grad_y, lay, torch.div(unit_P, sum_rows, rounding_mode="floor"))
         gate_PK = _slot_gates(gates_UK.to(x_MD.dtype), lay)
         xs_PD = _gather_units(x_MD, lay, per_row) if gates_in or need_w else None
         ws = [_set_weights(w_XDF, g, gates_in) for g in lay.grids] if need_x or gates_in else []
@@ -314,7 +310,7 @@ class SetExpertMatmul(torch.autograd.Function):
                     dots_PK = torch.bmm(gz.view(P, K, D), xs_PD.view(P, D, 1)).view(P, K)
                     grad_gates = _unsort(dots_PK.index_select(0, lay.slot_U), lay)
                 if need_x:
-                    gate_N = gates_UK.gather(1, lay.perm_UK).to(x_MD.dtype).reshape(-1)
+                    gate_N = _sorted_gates(gates_UK, lay).to(x_MD.dtype).reshape(-1)
                     grad_x = slot_sums(gz, lay.slotk_UK, gate_N, K * per_row)
                 del gz
             if need_w:
@@ -330,7 +326,8 @@ class SetExpertMatmul(torch.autograd.Function):
                 # d/dgate_j = g · (x W_j): the kept products, no [P, D] term.
                 dots_PK = torch.bmm(ys_P.view(P, K, Fo), g_PF.view(P, Fo, 1)).view(P, K)
                 grad_gates = _unsort(dots_PK.index_select(0, lay.slot_U), lay)
-            gg = (g_PF.view(P, 1, Fo) * gate_PK.view(P, K, 1)).view(P, K * Fo)
+            if need_x or need_w:
+                gg = (g_PF.view(P, 1, Fo) * gate_PK.view(P, K, 1)).view(P, K * Fo)
             if need_x:
                 ga_PD = _grid_bmm(gg, ws, lay, D, transpose=True)
                 grad_x = slot_sums(ga_PD, lay.slot_U, None, per_row)
