@@ -50,8 +50,8 @@ def dense_reference(m, xq, xkv=None, *, causal=True, pos_q=None, pos_k=None, val
     k = torch.einsum("bsd,dhc->bhsc", xs, m.w_k.view(D, H, C))
     v = torch.einsum("bsd,dhc->bhsc", xs, m.w_v.view(D, H, C))
     if c.pos == "xl":
-        logits = m.scale * (torch.einsum("bhtc,bhsc->bhts", q + m.bias_u[:, None], k)
-                            + ref_xl(q + m.bias_v[:, None], m.w_pos.view(D, H, C), pq, pk))
+        logits = m.core.scale * (torch.einsum("bhtc,bhsc->bhts", q + m.core.bias_u[:, None], k)
+                            + ref_xl(q + m.core.bias_v[:, None], m.core.w_pos.view(D, H, C), pq, pk))
     else:
         if c.pos == "rope":
             q, k = ref_rope(q, pq, C // 2 - (C // 2) % 2), ref_rope(k, pk, C // 2 - (C // 2) % 2)
@@ -155,9 +155,9 @@ def make(pos, **kw):
     m = cfg.build().double()
     with torch.no_grad():  # non-zero u, v and an off-default scale so that they are exercised
         if pos == "xl":
-            m.bias_u.normal_()
-            m.bias_v.normal_()
-            m.scale.fill_(0.3)
+            m.core.bias_u.normal_()
+            m.core.bias_v.normal_()
+            m.core.scale.fill_(0.3)
     return m
 
 
@@ -226,7 +226,7 @@ def test_dense_init_follows_spec():
     assert m.w_q.std().item() == pytest.approx(target * trunc_factor, rel=0.03)
     assert m.w_q.abs().max().item() <= 2 * target + 1e-9
     assert m.w_o.std().item() == pytest.approx(math.sqrt(2 / (8 * 256)) * trunc_factor, rel=0.03)
-    assert torch.all(m.bias_u == 0) and m.scale.item() == pytest.approx(1 / 8)
+    assert torch.all(m.core.bias_u == 0) and m.core.scale.item() == pytest.approx(1 / 8)
 
 
 @pytest.mark.parametrize("kw,msg", [

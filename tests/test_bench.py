@@ -46,9 +46,9 @@ def test_textbook_equals_dense_layer(pos, memory):
     layer = layer.double()
     if pos == "xl":  # exercise u, v and the learned scale away from their initial values
         with torch.no_grad():
-            layer.bias_u.normal_()
-            layer.bias_v.normal_()
-            layer.scale.fill_(0.3)
+            layer.core.bias_u.normal_()
+            layer.core.bias_v.normal_()
+            layer.core.scale.fill_(0.3)
     B, T, M, D = 2, 5, 4, 12
     x = torch.randn(B, T, D, dtype=f64, requires_grad=True)
     mem = torch.randn(B, M, D, dtype=f64)

@@ -20,6 +20,15 @@ D, STEPS = 12, 20
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+def tol(kind):
+    """Exact in float64, except that SwitchHead's selection runs in float32 (Eq. 7-8): a float64
+    logit that differs in its last bits between a one-token and a full-length matmul can round
+    to a neighbouring float32 gate, a relative change of about 6e-8 in one gate."""
+    if kind.startswith("switchhead"):
+        return dict(rtol=1e-5, atol=1e-6)
+    return dict(rtol=1e-10, atol=1e-12)
+
+
 def build(kind, pos):
     torch.manual_seed(0)
     if kind == "dense":
@@ -34,7 +43,7 @@ def build(kind, pos):
     m = cfg.build().double().eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if name in ("bias_u", "bias_v", "w_router"):  # zero at init: make them matter
+            if name in ("core.bias_u", "core.bias_v", "w_router"):  # zero at init: make them matter
                 p.normal_()
     return m
 
@@ -64,8 +73,8 @@ def test_token_by_token_equals_full_forward(kind, pos):
     x = torch.randn(2, STEPS, D, dtype=f64)
     with torch.no_grad():
         full = m(x)[0]
-        torch.testing.assert_close(decode(m, x), full, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(decode(m, x, prompt=7), full, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(decode(m, x), full, **tol(kind))
+        torch.testing.assert_close(decode(m, x, prompt=7), full, **tol(kind))
 
 
 @pytest.mark.parametrize("pos", ["xl", "rope"])
@@ -79,7 +88,7 @@ def test_explicit_positions_decoding(kind, pos):
     p = torch.stack([torch.randperm(200)[:STEPS].sort().values for _ in range(2)])
     with torch.no_grad():
         full = m(x, pos_q=p)[0]
-        torch.testing.assert_close(decode(m, x, pos_q=p), full, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(decode(m, x, pos_q=p), full, **tol(kind))
         assert not torch.allclose(full, m(x)[0])
 
 
@@ -93,7 +102,7 @@ def test_invalid_keys_decoding(kind, pos):
     valid[:, 0] = True
     with torch.no_grad():
         full = m(x, valid_k=valid)[0]
-        torch.testing.assert_close(decode(m, x, valid_k=valid), full, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(decode(m, x, valid_k=valid), full, **tol(kind))
         # An invalid token influences nobody else.
         x2 = x.clone()
         x2[~valid] += 1.0
@@ -110,7 +119,7 @@ def test_xl_memory_equals_full_forward(kind, pos):
     x = torch.randn(2, 9, D, dtype=f64)
     with torch.no_grad():
         full = m(x)[0]
-        torch.testing.assert_close(m(x[:, 5:], x)[0], full[:, 5:], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(m(x[:, 5:], x)[0], full[:, 5:], **tol(kind))
 
 
 def test_decoding_positions_do_not_restart():
@@ -124,7 +133,7 @@ def test_decoding_positions_do_not_restart():
         m(x[:, :4], cache=cache)
         step = m(x[:, 4:], cache=cache)[0]
         assert cache.positions.tolist() == [[0, 1, 2, 3, 4]]
-        torch.testing.assert_close(step, m(x[:, 4:], x)[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(step, m(x[:, 4:], x)[0], **tol("switchhead"))
         restarted = m(x[:, 4:], x, causal=False, pos_q=torch.tensor([[0]]),
                       pos_k=torch.arange(5)[None])[0]
         assert not torch.allclose(step, restarted)

@@ -39,7 +39,7 @@ def moa_reference(m, xq, xkv=None, *, causal=True):
         k = ref_rope(k[:, None], pk, C // 2)[:, 0]
     logits = torch.einsum("betc,bsc->bets", q, k)
     if c.pos == "xl":
-        logits = logits + ref_xl(q, m.w_pos.view(D, 1, C).expand(D, E, C), pq, pk)  # shared
+        logits = logits + ref_xl(q, m.core.w_pos.view(D, 1, C).expand(D, E, C), pq, pk)  # shared
     logits = logits / math.sqrt(C)
     if causal:
         logits = logits.masked_fill(~(pk[:, None, :] <= pq[:, :, None])[:, None], float("-inf"))
@@ -78,7 +78,7 @@ def test_matches_transcription(pos, setting, renormalize):
     for name, a, b in zip(names + ("x", "kv"), torch.autograd.grad((y * g).sum(), tensors),
                           torch.autograd.grad((ref * g).sum(), tensors)):
         # The router's gradient passes through the float32 softmax.
-        tol = dict(rtol=1e-7, atol=1e-9) if name in ("w_q", "w_k", "w_v", "w_o", "w_pos") \
+        tol = dict(rtol=1e-7, atol=1e-9) if name in ("w_q", "w_k", "w_v", "w_o", "core.w_pos") \
             else dict(rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(a, b, **tol, msg=lambda s: f"{name}: {s}")
 

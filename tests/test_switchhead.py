@@ -59,7 +59,7 @@ def switchhead_reference(m, xq, xkv=None, *, causal=True, pos_q=None, pos_k=None
         q, k = ref_rope(q, pq, C // 2), ref_rope(k, pk, C // 2)
     logits = torch.einsum("bhtc,bhsc->bhts", q, k)
     if c.pos == "xl":  # no u/v biases in SwitchHead-XL, fixed scale
-        logits = logits + ref_xl(q, m.w_pos.view(D, H, C), pq, pk)
+        logits = logits + ref_xl(q, m.core.w_pos.view(D, H, C), pq, pk)
     logits = logits / math.sqrt(C)
     if causal:
         logits = logits.masked_fill(~(pk[:, None, :] <= pq[:, :, None])[:, None], float("-inf"))
@@ -299,7 +299,7 @@ def test_init_follows_spec():
     s = math.sqrt(2 / L)
     assert m.w_v.std().item() == pytest.approx(s / 16, rel=0.02)
     assert m.w_o.std().item() == pytest.approx(s / math.sqrt(128), rel=0.02)
-    assert m.w_pos.std().item() == pytest.approx(s / 16, rel=0.03)
+    assert m.core.w_pos.std().item() == pytest.approx(s / 16, rel=0.03)
     for w in (m.w_sel_src, m.w_sel_dst):
         norms = w.norm(dim=-1)
         torch.testing.assert_close(norms, norms.mean().expand_as(norms))

@@ -71,15 +71,15 @@ def textbook_attention(layer, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None =
     v = (src_BSD @ layer.w_v).view(B, S, H, C)
 
     if c.pos == "xl":
-        r = (_sinusoids(S, D, q.device, q.dtype) @ layer.w_pos).view(S, H, C)
-        ac = torch.einsum("bthc,bshc->bhts", q + layer.bias_u, k)
-        bd = _rel_shift(torch.einsum("bthc,rhc->bhtr", q + layer.bias_v, r))
-        score = (ac + bd) * layer.scale
+        r = (_sinusoids(S, D, q.device, q.dtype) @ layer.core.w_pos).view(S, H, C)
+        ac = torch.einsum("bthc,bshc->bhts", q + layer.core.bias_u, k)
+        bd = _rel_shift(torch.einsum("bthc,rhc->bhtr", q + layer.core.bias_v, r))
+        score = (ac + bd) * layer.core.scale
     else:
         if c.pos == "rope":
             pos_S = torch.arange(S, device=q.device)
-            q = _rotate(q, pos_S[S - T:], layer.rope_n, c.rope_base)
-            k = _rotate(k, pos_S, layer.rope_n, c.rope_base)
+            q = _rotate(q, pos_S[S - T:], layer.core.rope_n, c.rope_base)
+            k = _rotate(k, pos_S, layer.core.rope_n, c.rope_base)
         score = torch.einsum("bthc,bshc->bhts", q, k) / math.sqrt(C)
     # Query i sits at S - T + i: it sees the memory and the current tokens up to itself.
     future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1 + S - T)

@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from moeify.layers.attention import (
-    attention_probs,
     check_attention_common,
     check_inputs,
-    positional_attention,
+    core_config,
+    rename_legacy_core_keys,
 )
+from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
     Aux,
     accumulate_usage,
@@ -50,7 +51,6 @@ from moeify.layers.common import (
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
 from moeify.ops.expert_matmul import expert_matmul, make_plan
-from moeify.ops.positional import rope_dims
 from moeify.ops.routing import selection_logits, softmax_topk
 
 
@@ -117,10 +117,11 @@ class MoAAttention(nn.Module):
         self.w_v = nn.Parameter(torch.empty(D, C))
         self.w_o = nn.Parameter(torch.empty(E, C, D))
         self.w_router = nn.Parameter(torch.zeros(E, D))
-        if c.pos == "xl":
-            self.w_pos = nn.Parameter(torch.empty(D, C))
+        # Slot j of the k selected experts is head j of the core; K/V and the XL projection are
+        # one head shared by the slots.
+        self.core = AttentionCore(core_config(c, n_heads=c.k, n_kv_heads=1, xl_heads=1))
+        rename_legacy_core_keys(self, ("w_pos",))
         register_usage(self, "usage", (E,))
-        self.rope_n = rope_dims(C, c.rope_fraction)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -135,6 +136,8 @@ class MoAAttention(nn.Module):
                     p.zero_()
                 else:
                     p.normal_(0.0, std_out if name == "w_o" else std_in)
+            if c.pos == "xl":
+                self.core.w_pos.normal_(0.0, std_in)
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -149,13 +152,29 @@ class MoAAttention(nn.Module):
         added to the ``usage`` buffer in training mode) and "router_entropy"."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
+        B, T, D = q_BTD.shape
+        M, K = B * T, c.k
+        logits_ME, top, plan, q_BKTC, k_B1SC, v_B1SC = self._qkv(q_BTD, kv_BSD)
+        o_BKTC = self.core(q_BKTC, k_B1SC, v_B1SC, causal=causal, self_attention=kv_BSD is None,
+                           cache=cache, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)
+        # One row per (token, slot): each slot's attention output through its own expert's W_o.
+        # sum_rows=K sums a token's K slots inside the expert matmul (no [M·K, D] product).
+        rows_NC = o_BKTC.transpose(1, 2).reshape(M * K, c.d_head)
+        y_BTD = expert_matmul(rows_NC, top.idx.view(M * K, 1), self.w_o, top.gates.view(M * K, 1),
+                              sum_rows=K, impl=c.expert_impl, plan=plan).view(B, T, D)
+
+        valid_BT = destination_validity(valid_k, kv_BSD, T, causal)
+        valid_M = None if valid_BT is None else valid_BT.reshape(M)
+        return y_BTD, self._aux(logits_ME, top, valid_M)
+
+    def _qkv(self, q_BTD, kv_BSD):
+        """The one projection path of ``forward`` and ``inspect``: the router's logits and top-k,
+        the shared plan, the expert queries [B, K, T, C] and the shared K, V [B, 1, S, C]."""
+        c = self.config
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         B, T, D = q_BTD.shape
-        S = src_BSD.shape[1]
-        C, E, K = c.d_head, c.n_experts, c.k
-        M = B * T
-        x_MD = q_BTD.reshape(M, D)
-
+        S, C, E, K = src_BSD.shape[1], c.d_head, c.n_experts, c.k
+        x_MD = q_BTD.reshape(B * T, D)
         logits_ME = selection_logits(x_MD, self.w_router)
         top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
         plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
@@ -165,23 +184,7 @@ class MoAAttention(nn.Module):
         proj = project_by_input([("k", src_BSD, self.w_k)]
                                 + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]))
         v_BSC = proj["v"] if "v" in proj else src_BSD @ self.w_v
-        k_B1SC, v_B1SC = proj["k"].view(B, 1, S, C), v_BSC.view(B, 1, S, C)
-        xl = c.pos == "xl"
-        o_BKTC = positional_attention(
-            q_BKTC, k_B1SC, v_B1SC, pos=c.pos, causal=causal, self_attention=kv_BSD is None,
-            cache=cache, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k,
-            scale=1.0 / math.sqrt(C), rope_n=self.rope_n, rope_base=c.rope_base,
-            w_pos_DHC=self.w_pos.view(D, 1, C) if xl else None,
-            dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
-        # One row per (token, slot): each slot's attention output through its own expert's W_o.
-        # sum_rows=K sums a token's K slots inside the expert matmul (no [M·K, D] product).
-        rows_NC = o_BKTC.transpose(1, 2).reshape(M * K, C)
-        y_BTD = expert_matmul(rows_NC, top.idx.view(M * K, 1), self.w_o, top.gates.view(M * K, 1),
-                              sum_rows=K, impl=c.expert_impl, plan=plan).view(B, T, D)
-
-        valid_BT = destination_validity(valid_k, kv_BSD, T, causal)
-        valid_M = None if valid_BT is None else valid_BT.reshape(M)
-        return y_BTD, self._aux(logits_ME, top, valid_M)
+        return logits_ME, top, plan, q_BKTC, proj["k"].view(B, 1, S, C), v_BSC.view(B, 1, S, C)
 
     @torch.no_grad()
     def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
@@ -190,22 +193,14 @@ class MoAAttention(nn.Module):
         experts, ``sel_dst_BTE``; forward-pass code paths, no cache, no dropout."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
-        src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        B, T, D = q_BTD.shape
-        S, C, E, K = src_BSD.shape[1], c.d_head, c.n_experts, c.k
-        x_MD = q_BTD.reshape(B * T, D)
-        top = softmax_topk(selection_logits(x_MD, self.w_router), K, renormalize=c.renormalize)
-        q_BKTC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl).view(
-            B, T, K, C).transpose(1, 2)
-        xl = c.pos == "xl"
-        probs = attention_probs(
-            q_BKTC, (src_BSD @ self.w_k).view(B, 1, S, C), pos=c.pos, causal=causal,
-            self_attention=kv_BSD is None, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k,
-            scale=1.0 / math.sqrt(C), rope_n=self.rope_n, rope_base=c.rope_base,
-            w_pos_DHC=self.w_pos.view(D, 1, C) if xl else None, impl=c.attn_impl)
-        gates_ME = torch.zeros(B * T, E, device=x_MD.device).scatter_(1, top.idx, top.gates)
-        return {"probs_BHTS": probs, "heads_BTK": top.idx.view(B, T, K),
-                "sel_dst_BTE": gates_ME.view(B, T, E)}
+        B, T, _ = q_BTD.shape
+        _, top, _, q_BKTC, k_B1SC, _ = self._qkv(q_BTD, kv_BSD)
+        probs = self.core.probs(q_BKTC, k_B1SC, causal=causal, self_attention=kv_BSD is None,
+                                pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)
+        gates_ME = torch.zeros(B * T, c.n_experts, device=q_BTD.device).scatter_(
+            1, top.idx, top.gates)
+        return {"probs_BHTS": probs, "heads_BTK": top.idx.view(B, T, c.k),
+                "sel_dst_BTE": gates_ME.view(B, T, c.n_experts)}
 
     def _aux(self, logits_ME, top, valid_M) -> Aux:
         c = self.config

@@ -40,11 +40,12 @@ import torch
 from torch import nn
 
 from moeify.layers.attention import (
-    attention_probs,
     check_attention_common,
     check_inputs,
-    positional_attention,
+    core_config,
+    rename_legacy_core_keys,
 )
+from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
     Aux,
     accumulate_usage,
@@ -58,7 +59,6 @@ from moeify.layers.common import (
 )
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.expert_matmul import ExpertPlan, expert_matmul, make_plan
-from moeify.ops.positional import rope_dims
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
@@ -173,12 +173,11 @@ class SwitchHeadAttention(nn.Module):
                 self.w_sel_src = nn.Parameter(torch.empty(X, D))
             if c.dest_side:
                 self.w_sel_dst = nn.Parameter(torch.empty(X, D))
-        if c.pos == "xl":
-            self.w_pos = nn.Parameter(torch.empty(D, H * C))
+        self.core = AttentionCore(core_config(c, n_heads=H))
+        rename_legacy_core_keys(self, ("w_pos",))
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
             register_usage(self, f"usage_{p}", (H, E))
-        self.rope_n = rope_dims(C, c.rope_fraction)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -192,6 +191,8 @@ class SwitchHeadAttention(nn.Module):
                 p.normal_(0.0, std_out if name == "w_o" else std_in)
                 if name.startswith("w_sel"):
                     renorm_rows_(p)
+            if c.pos == "xl":
+                self.core.w_pos.normal_(0.0, std_in)
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -291,6 +292,18 @@ class SwitchHeadAttention(nn.Module):
                           impl=c.expert_impl, plan=sel.plan)
         return y.view(B, T, c.d_model)
 
+    def _qkv(self, q_BTD, kv_BSD):
+        """The one projection path of ``forward`` and ``inspect``: Q, K, V as [B, H, N, C] and
+        the selections by side."""
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        projs, logits = self._fused_projections(q_BTD, kv_BSD)
+        sels = self.select(q_BTD, kv_BSD, logits=logits)
+        src, dst = sels.get("src"), sels.get("dst")
+        q = projs["q"] if "q" in projs else self._project("q", q_BTD, dst)
+        k = projs["k"] if "k" in projs else self._project("k", src_BSD, src)
+        v = self._project("v", src_BSD, src)
+        return q, k, v, sels
+
     def _counts(self, sel: Selection, valid_M: torch.Tensor | None) -> torch.Tensor:
         c = self.config
         X = c.n_heads * c.n_experts
@@ -308,20 +321,10 @@ class SwitchHeadAttention(nn.Module):
         ``usage_{p}`` buffers in training mode. No aux losses (the paper uses none)."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
-        src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        projs, logits = self._fused_projections(q_BTD, kv_BSD)
-        sels = self.select(q_BTD, kv_BSD, logits=logits)
-        src, dst = sels.get("src"), sels.get("dst")
-        q = projs["q"] if "q" in projs else self._project("q", q_BTD, dst)
-        k = projs["k"] if "k" in projs else self._project("k", src_BSD, src)
-        v = self._project("v", src_BSD, src)
-        xl = c.pos == "xl"
-        o_BHTC = positional_attention(
-            q, k, v, pos=c.pos, causal=causal, self_attention=kv_BSD is None, cache=cache,
-            pos_q=pos_q, pos_k=pos_k, valid_k=valid_k, scale=1.0 / math.sqrt(c.d_head),
-            rope_n=self.rope_n, rope_base=c.rope_base,
-            w_pos_DHC=self.w_pos.view(c.d_model, c.n_heads, c.d_head) if xl else None,
-            dropout_p=c.attn_dropout if self.training else 0.0, impl=c.attn_impl)
+        q, k, v, sels = self._qkv(q_BTD, kv_BSD)
+        o_BHTC = self.core(q, k, v, causal=causal, self_attention=kv_BSD is None, cache=cache,
+                           pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)
+        dst = sels.get("dst")
         y_BTD = self._output(o_BHTC, dst)
 
         aux = Aux()
@@ -344,16 +347,9 @@ class SwitchHeadAttention(nn.Module):
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        sels = self.select(q_BTD, kv_BSD)
-        q = self._project("q", q_BTD, sels.get("dst"))
-        k = self._project("k", src_BSD, sels.get("src"))
-        xl = c.pos == "xl"
-        out = {"probs_BHTS": attention_probs(
-            q, k, pos=c.pos, causal=causal, self_attention=kv_BSD is None, pos_q=pos_q,
-            pos_k=pos_k, valid_k=valid_k, scale=1.0 / math.sqrt(c.d_head), rope_n=self.rope_n,
-            rope_base=c.rope_base,
-            w_pos_DHC=self.w_pos.view(c.d_model, c.n_heads, c.d_head) if xl else None,
-            impl=c.attn_impl)}
+        q, k, _, sels = self._qkv(q_BTD, kv_BSD)
+        out = {"probs_BHTS": self.core.probs(q, k, causal=causal, self_attention=kv_BSD is None,
+                                             pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)}
         for side, x_BND in (("dst", q_BTD), ("src", src_BSD)):
             if side in sels:
                 sel = sels[side]
