@@ -74,3 +74,17 @@ def ref_expert_rows(x, idx, w, gates=None, groups=1, sum_rows=1):
     y = (out * gates.to(x.dtype)[..., None]).view(M, groups, K // groups, -1).sum(2)
     y = y[:, 0] if groups == 1 else y
     return y.view(M // sum_rows, sum_rows, -1).sum(1) if sum_rows > 1 else y
+
+
+def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=None):
+    """softmax over the keys a query may see (causal: pos_k <= pos_q; valid_k), then @ V."""
+    B, _, T, S = logits_BHTS.shape
+    allowed = torch.ones(B, T, S, dtype=torch.bool)
+    if causal:
+        allowed &= pos_k[:, None, :] <= pos_q[:, :, None]
+    if valid_k is not None:
+        allowed &= valid_k[:, None, :]
+    # A finite fill keeps rows without any visible key finite; those rows are then zeroed.
+    logits = logits_BHTS.masked_fill(~allowed[:, None], -1e30)
+    nonempty = allowed.any(-1)[:, None, :, None].to(v_BHSC.dtype)
+    return (torch.softmax(logits, -1) @ v_BHSC) * nonempty

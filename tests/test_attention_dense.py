@@ -12,7 +12,7 @@ import torch
 
 from moeify.layers.attention import DenseAttention, DenseAttentionConfig
 from moeify.ops.attention import attend, build_mask
-from references import ref_positions, ref_rope, ref_xl
+from references import ref_positions, ref_rope, ref_softmax_attention, ref_xl
 
 f64 = torch.float64
 
@@ -21,19 +21,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------------------- transcription
-
-
-def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=None):
-    B, _, T, S = logits_BHTS.shape
-    allowed = torch.ones(B, T, S, dtype=torch.bool)
-    if causal:
-        allowed &= pos_k[:, None, :] <= pos_q[:, :, None]
-    if valid_k is not None:
-        allowed &= valid_k[:, None, :]
-    # A finite fill keeps rows without any visible key finite; those rows are then zeroed.
-    logits = logits_BHTS.masked_fill(~allowed[:, None], -1e30)
-    nonempty = allowed.any(-1)[:, None, :, None].to(v_BHSC.dtype)
-    return (torch.softmax(logits, -1) @ v_BHSC) * nonempty
 
 
 def dense_reference(m, xq, xkv=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
