@@ -208,3 +208,30 @@ def test_repro_family_is_registered_with_the_others_and_parameter_matched(capsys
     assert abs(total["repro-switchall"] - total["repro-dense"]) <= 0.01 * total["repro-dense"]
     assert isinstance(get_preset("repro-switchall").feedforward[0], SigmaMoEConfig)
     assert dense.xl_memory and dense.context_length == 128
+
+
+def test_every_preset_name_is_written_in_the_source():
+    # A preset is found by grepping its name: the table is literal, no name is assembled.
+    from pathlib import Path
+
+    import moeify.models.presets as presets_module
+    import moeify.models.repro_presets as repro_module
+
+    text = Path(presets_module.__file__).read_text() + Path(repro_module.__file__).read_text()
+    assert [n for n in PRESETS if f'"{n}"' not in text] == []
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_rows_carry_dataset_baseline_and_recipe(name):
+    row = PRESETS[name]
+    assert row.data in ("wikitext-103", "c4", "pes2o", "enwik8")
+    assert row.data.replace("wikitext-103", "wt103") == name.split("-")[0]
+    assert row.recipe is not None
+    if row.baseline is None:
+        assert isinstance(_uniform(get_preset(name).attention_layers()), DenseAttentionConfig)
+        assert name.endswith("-dense")
+    else:
+        base = get_preset(row.baseline)
+        assert isinstance(_uniform(base.attention_layers()), DenseAttentionConfig)
+        assert (base.d_model, base.context_length) == (get_preset(name).d_model,
+                                                       get_preset(name).context_length)

@@ -82,16 +82,14 @@ def _shape(cfg: ModelConfig) -> tuple:
 
 
 def dense_baseline_for(name: str, cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
-    """The dense preset a preset is compared with: the paper row's dense baseline, found by
-    replacing ever shorter tails of the name with "dense" ("wt103-47m-switchhead" ->
-    "wt103-47m-dense"), of the same shape. None if there is none."""
-    parts = name.split("-")
-    for i in range(len(parts) - 1, 0, -1):
-        cand = "-".join(parts[:i] + ["dense"])
-        if cand != name and cand in PRESETS:
-            dense = get_preset(cand)
-            if _is_dense(dense) and _shape(dense) == _shape(cfg):
-                return cand, dense
+    """The dense preset a preset is compared with (its table entry's ``baseline``), when it has
+    the same shape. None if there is none."""
+    entry = PRESETS.get(name)
+    if entry is None or entry.baseline is None:
+        return None
+    dense = get_preset(entry.baseline)
+    if _is_dense(dense) and _shape(dense) == _shape(cfg):
+        return entry.baseline, dense
     return None
 
 

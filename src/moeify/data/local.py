@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from moeify.data import cache
-from moeify.data.corpora import SPLITS, Recipe, halve_lines, split_by_fraction, write_splits
+from moeify.data.recipe import SPLITS, Recipe, halve_lines, split_by_fraction, write_splits
 from moeify.errors import MoeifyError
 
 _JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")

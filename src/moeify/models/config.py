@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeify.layers.common import check_positive, check_probability
+from moeify.models.lm import TransformerLM
 
 # Modules whose dataclasses may appear in a ModelConfig; a type tag is looked up in these.
 LAYER_CONFIG_MODULES = (
@@ -113,8 +114,6 @@ class ModelConfig:
 
     def build(self):
         """The TransformerLM this config describes."""
-        from moeify.models.lm import TransformerLM
-
         return TransformerLM(self)
 
     # ------------------------------------------------------------------ JSON

@@ -14,14 +14,17 @@ Shape legend: B batch, T tokens of this call, M memory tokens, D d_model, V voca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
-from moeify.models.config import ModelConfig
 from moeify.ops.aux_losses import masked_mean
+
+if TYPE_CHECKING:  # annotations only: moeify.models.config builds this module's model
+    from moeify.models.config import ModelConfig
 
 
 @dataclass

@@ -25,6 +25,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.feedforward import DenseFFConfig
+from moeify.models.builders import moa_attn, switchhead_attn
 from moeify.models.config import ModelConfig
 from moeify.models.cost import layer_parameters, model_parameters
 
@@ -63,8 +66,6 @@ class MatchResult:
 
 def _new_attention(dense_attn, kind: str, *, d_head: int, n_heads: int, n_experts: int,
                    k: int | None, experts, shared_selection: bool):
-    from moeify.models.presets import moa_attn, switchhead_attn
-
     d, L, pos = dense_attn.d_model, dense_attn.n_layers, dense_attn.pos
     if kind == "switchhead":
         return switchhead_attn(d=d, L=L, H=n_heads, d_h=d_head, E=n_experts, k=k, pos=pos,
@@ -87,9 +88,6 @@ def match_attention(
     """Replace the attention of the dense model ``dense`` by SwitchHead (H = ``n_heads``,
     E = ``n_experts``, top-``k``) or MoA (``n_heads`` selected heads of ``n_experts``; ``k``
     must be None or equal ``n_heads``), choosing d_head (unless given) and d_ff by §5."""
-    from moeify.layers.attention import DenseAttentionConfig
-    from moeify.layers.feedforward import DenseFFConfig
-
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if len(dense.attention) != 1 or len(dense.feedforward) != 1:
@@ -140,13 +138,6 @@ def match_attention(
                        dense_attention_params=target, attention_params=new_attn_params,
                        dense_params=model_parameters(dense)["total"],
                        params=model_parameters(config)["total"])
-
-
-def match_preset(name: str, **kwargs: Any) -> MatchResult:
-    """``match_attention`` on the dense preset ``name`` (see moeify.models.presets)."""
-    from moeify.models.presets import get_preset
-
-    return match_attention(get_preset(name), **kwargs)
 
 
 def _largest_d_head(params_of, target: int, step: int) -> int:

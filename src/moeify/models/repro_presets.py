@@ -14,17 +14,18 @@ SwitchAll replaces the matched SwitchHead model's feedforward by a sigma-MoE of 
 against d_ff 2053); its parameter count differs from the others by ~0.4%, reported by
 ``moeify count``.
 
-The presets register under the names in ``REPRO_PRESETS`` together with the paper's and the tiny
-ones (``moeify.models.presets`` imports this module); ``register_repro_presets()`` is idempotent.
+``REPRO_PRESETS`` are table entries; moeify.models.presets lists them with the paper's and the
+tiny ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from moeify.models.builders import Size, dense_lm, sigma_moe_ff
 from moeify.models.config import ModelConfig
 from moeify.models.match import match_attention
-from moeify.models.presets import PRESETS, Size, dense_lm, register, sigma_moe_ff
+from moeify.models.registry import Preset
 
 # vocab, d, L, T, xl, dropout, dense heads, dense d_head, dense d_ff
 REPRO = Size(256, 128, 4, 128, True, 0.0, 8, 16, 512)
@@ -53,24 +54,15 @@ def repro_switchall() -> ModelConfig:
     return dataclasses.replace(sh, feedforward=(ff,))
 
 
-REPRO_PRESETS = {
-    "repro-dense": ("CPU-scale family: dense XL H=8 d_h=16, d_ff=512 (the many-head baseline)",
-                    repro_dense),
-    "repro-dense-h2": ("CPU-scale family: dense XL H=2 d_h=64, d_ff=512", repro_dense_h2),
-    "repro-switchhead": ("CPU-scale family: SwitchHead H=2 E=4 k=2, d_h and d_ff matched to "
-                         "repro-dense (spec §5)", repro_switchhead),
-    "repro-moa": ("CPU-scale family: MoA 4 selected heads of 8, d_h and d_ff matched to "
-                  "repro-dense", repro_moa),
-    "repro-switchall": ("CPU-scale family: repro-switchhead attention + sigma-MoE FFN "
-                        "8 x 64 k=2", repro_switchall),
-}
-
-
-def register_repro_presets() -> list[str]:
-    for name, (description, fn) in REPRO_PRESETS.items():
-        if name not in PRESETS:
-            register(name, description)(fn)
-    return list(REPRO_PRESETS)
-
-
-register_repro_presets()
+REPRO_PRESETS: tuple[Preset, ...] = (
+    Preset("repro-dense", "CPU-scale family: dense XL H=8 d_h=16, d_ff=512 (the many-head "
+           "baseline)", repro_dense),
+    Preset("repro-dense-h2", "CPU-scale family: dense XL H=2 d_h=64, d_ff=512", repro_dense_h2,
+           baseline="repro-dense"),
+    Preset("repro-switchhead", "CPU-scale family: SwitchHead H=2 E=4 k=2, d_h and d_ff matched "
+           "to repro-dense (spec §5)", repro_switchhead, baseline="repro-dense"),
+    Preset("repro-moa", "CPU-scale family: MoA 4 selected heads of 8, d_h and d_ff matched to "
+           "repro-dense", repro_moa, baseline="repro-dense"),
+    Preset("repro-switchall", "CPU-scale family: repro-switchhead attention + sigma-MoE FFN "
+           "8 x 64 k=2", repro_switchall, baseline="repro-dense"),
+)

@@ -183,18 +183,19 @@ class TrainConfig:
 
 
 def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
-    """The published training recipe for a paper preset (switchhead.md §3)."""
-    parts = preset.split("-")
-    big = len(parts) > 1 and parts[1] in ("262m", "259m", "244m", "243m")
-    enwik8 = preset.startswith("enwik8")
-    switchall = "switchall" in preset
+    """The published training recipe for a paper preset (switchhead.md §3): Adam lr 2.5e-4,
+    100k steps of cosine decay, fp16; batch size, warm-up and clipping from the preset's row."""
+    from moeify.models.presets import find_preset
+
+    row = find_preset(preset)
+    if row.recipe is None:
+        raise ValueError(f"preset {preset!r} is not a paper row (it has no published recipe); "
+                         "choose one of the paper presets (`moeify presets`)")
     recipe = dict(
         preset=preset, steps=100_000, cosine_steps=100_000, lr=2.5e-4, betas=(0.9, 0.999),
-        weight_decay=0.0, batch_size=32 if enwik8 else 64,
-        warmup_steps=4000 if big else 0,
-        grad_clip=0.25 if (big or enwik8 or switchall) else 0.1, amp="fp16",
-        data="enwik8" if enwik8 else ("wikitext-103" if preset.startswith("wt103") else "c4"),
-        eval_every=5000, checkpoint_every=5000, log_every=100, eval_tokens=0)
+        weight_decay=0.0, batch_size=row.recipe.batch_size,
+        warmup_steps=row.recipe.warmup_steps, grad_clip=row.recipe.grad_clip, amp="fp16",
+        data=row.data, eval_every=5000, checkpoint_every=5000, log_every=100, eval_tokens=0)
     recipe.update(changes)
     return TrainConfig(**recipe)
 
