@@ -2,6 +2,10 @@
 
     ops <- layers <- models <- train / eval / bench / analysis <- cli
     data <- train / eval / bench;   analysis never imports train.
+
+And no circle of imports between the modules of one package, counting imports inside functions
+(a late import hides a circle from the interpreter, not from the design); imports under
+``if TYPE_CHECKING:`` (annotations only) do not count.
 """
 
 import ast
@@ -48,6 +52,114 @@ def test_no_upward_imports():
             if bad:
                 problems.append(f"{f.relative_to(ROOT)} imports {sorted(bad)}")
     assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def _module_name(f: Path, root: Path) -> str:
+    parts = list(f.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` blocks."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of the same tree it imports anywhere (top level or in a function),
+    ``from pkg import mod`` resolved to the module, relative imports resolved."""
+    files = {_module_name(f, root): f for f in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, f in files.items():
+        pkg = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(f.read_text())
+        skip = _type_checking_nodes(tree)
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                cands = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                cands = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                         for a in node.names]
+            else:
+                continue
+            for c in cands:
+                while c and c not in files:
+                    c = c.rpartition(".")[0]
+                if c and c != name:
+                    targets.add(c)
+        graph[name] = targets
+    return graph
+
+
+def package_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles among modules of one package: strongly connected components (more
+    than one module) of the graph restricted to edges inside a package."""
+    def package(m: str) -> str:
+        return m.rpartition(".")[0]
+
+    edges = {m: {t for t in ts if package(t) == package(m) and t != package(m)}
+             for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_inside_a_package():
+    circles = package_circles(import_graph(ROOT))
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_finds_a_planted_circle(tmp_path):
+    pkg = tmp_path / "demo" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "demo" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from demo.sub import b\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n")  # hidden in a function
+    (pkg / "c.py").write_text("import demo.sub.a\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from demo.sub import e\n")
+    (pkg / "e.py").write_text("from demo.sub.d import x\n")  # d -> e is annotations only
+    circles = package_circles(import_graph(tmp_path / "demo"))
+    assert circles == [["demo.sub.a", "demo.sub.b", "demo.sub.c"]]
 
 
 def test_every_package_is_covered():
