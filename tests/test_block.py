@@ -87,7 +87,7 @@ def test_aux_keys_are_prefixed_and_padding_reaches_the_feedforward():
     _, aux = b(x, valid_BT=valid)
     assert set(aux.losses) == {"ff.entropy"}
     assert all(k.startswith(("attn.", "ff.")) for k in aux.stats)
-    assert aux.stats["ff.tokens_per_expert"].sum() == 4 * 2  # valid tokens x k
+    assert aux.routing["ff.router"].counts.sum() == 4 * 2  # valid tokens x k
 
 
 def test_positions_with_memory_are_refused():

@@ -368,7 +368,7 @@ def test_staged_mode_routes_only_entered_tokens_to_the_experts(ff_cfg):
     y, aux = mod(x)
     torch.testing.assert_close(y, _reference(mod, x, 0.25))
     k = getattr(ff_cfg, "k", 1)
-    assert aux.stats["ff.tokens_per_expert"].sum() == 2 * 3 * k  # B · ceil(0.25 · 12) · k
+    assert aux.routing["ff.router"].counts.sum() == 2 * 3 * k  # B · ceil(0.25 · 12) · k
     assert any(key.startswith("ff.") for key in aux.losses)
 
 

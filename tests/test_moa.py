@@ -96,9 +96,9 @@ def test_counts_skip_invalid_queries_with_memory():
     x, mem = torch.randn(1, 4, D, dtype=f64), torch.randn(1, 3, D, dtype=f64)
     valid = torch.tensor([[True, True, True, True, False, True, False]])
     _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid)
-    assert aux.stats["counts"].sum().item() == 2 * K
+    assert aux.routing["router"].counts[0].sum().item() == 2 * K
     _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid, causal=False)
-    assert aux.stats["counts"].sum().item() == 4 * K
+    assert aux.routing["router"].counts[0].sum().item() == 4 * K
 
 
 def test_aux_losses_by_hand():
@@ -122,7 +122,7 @@ def test_aux_losses_by_hand():
     assert aux.losses["balance"].item() == pytest.approx(0.5 * balance.item(), rel=1e-5)
     assert aux.losses["z"].item() == pytest.approx(0.25 * z.item(), rel=1e-5)
     assert aux.losses["cv"].item() == pytest.approx(2.0 * cv.item(), rel=1e-5)
-    assert aux.stats["counts"].tolist() == counts.long().tolist()
+    assert aux.routing["router"].counts[0].tolist() == counts.long().tolist()
     # The losses reach the router.
     sum(aux.losses.values()).backward()
     assert m.w_router.grad.abs().sum() > 0
@@ -154,7 +154,7 @@ def test_all_experts_with_uniform_gates():
     assert aux.losses["balance"].item() == pytest.approx(0.01)
     assert aux.losses["z"].item() == pytest.approx(0.001 * math.log(E) ** 2, rel=1e-6)
     assert aux.losses["cv"].item() == pytest.approx(0.0, abs=1e-9)
-    assert aux.stats["counts"].tolist() == [2 * 5] * E
+    assert aux.routing["router"].counts[0].tolist() == [2 * 5] * E
 
 
 @pytest.mark.parametrize("pos", ["xl", "rope", "none"])
@@ -175,7 +175,7 @@ def test_usage_buffer_train_only():
     assert torch.equal(m.usage, torch.zeros(E, dtype=torch.int64))
     m.train()
     m(x)
-    assert torch.equal(m.usage, aux.stats["counts"]) and m.usage.sum().item() == 2 * 3 * K
+    assert torch.equal(m.usage, aux.routing["router"].counts[0]) and m.usage.sum().item() == 2 * 3 * K
 
 
 @pytest.mark.parametrize("pos", ["xl", "rope", "none"])

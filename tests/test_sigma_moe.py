@@ -109,8 +109,8 @@ def test_statistics_count_only_valid_tokens_and_match_the_selection():
     _, aux = m(x, valid_BT=valid)
     s = torch.sigmoid(x[valid] @ m.w_sel_ED.T)
     counts = _topk_mask(s, k).sum(0).long()
-    assert torch.equal(aux.stats["tokens_per_expert"], counts)
-    assert aux.stats["tokens_per_expert"].sum() == valid.sum() * k
+    assert torch.equal(aux.routing["router"].counts[0], counts)
+    assert aux.routing["router"].counts[0].sum() == valid.sum() * k
     assert aux.stats["dead_experts"] == (counts == 0).sum()
     p = torch.softmax(x[valid] @ m.w_sel_ED.T, -1)
     torch.testing.assert_close(aux.stats["router_entropy"], -(p * p.log()).sum(-1).mean())
@@ -129,7 +129,7 @@ def test_usage_buffer_counts_in_training_only_and_loss_always_present():
     assert "entropy" in aux.losses  # computed in eval too: no flag to forget
     m.train()
     _, aux = m(x)
-    assert torch.equal(m.usage, aux.stats["tokens_per_expert"])
+    assert torch.equal(m.usage, aux.routing["router"].counts[0])
     assert m.usage.sum() == 10
     m0 = SigmaMoEConfig(d_model=4, n_experts=3, expert_size=2, k=1, entropy_coef=0).build()
     assert m0(x)[1].losses == {}

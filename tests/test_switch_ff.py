@@ -198,7 +198,7 @@ def test_padding_takes_no_capacity_gets_zero_output_and_is_not_counted():
     counts = torch.zeros(3, dtype=torch.long)
     for mm in range(3, 12):
         counts[choices[mm][0]] += 1
-    assert torch.equal(aux.stats["tokens_per_expert"], counts)
+    assert torch.equal(aux.routing["router"].counts[0], counts)
     p = _probs32(x[0, 3:], m.w_router_RD.detach()).float()
     torch.testing.assert_close(aux.stats["router_entropy"], -(p * p.log()).sum(-1).mean())
     kept_real = keep[3:, 0].sum()
@@ -213,7 +213,7 @@ def test_noop_experts_integrated_mode():
     noop_pairs = sum(e >= 3 for c in choices for e in c)
     assert noop_pairs > 0
     torch.testing.assert_close(aux.stats["fraction_noop"], torch.tensor(noop_pairs / 24.0))
-    assert aux.stats["tokens_per_expert"].shape == (5,)
+    assert aux.routing["router"].counts[0].shape == (5,)
     m_dl = SwitchFFConfig(**{**m.config.__dict__, "dropless": True}).build().double()
     m_dl.load_state_dict(m.state_dict())
     _check_against_dense(m_dl, x)
@@ -228,8 +228,8 @@ def test_statistics_buffers_change_in_training_only():
     m.train()
     _, aux = m(x)
     _, aux = m(x)
-    assert torch.equal(m.usage, 2 * aux.stats["tokens_per_expert"])
-    routed = aux.stats["tokens_per_expert"].sum()
+    assert torch.equal(m.usage, 2 * aux.routing["router"].counts[0])
+    routed = aux.routing["router"].counts[0].sum()
     assert m.dropped == 2 * torch.round(aux.stats["fraction_dropped"] * routed).long()
     assert all(not v.requires_grad for v in aux.stats.values())
     none = SwitchFFConfig(d_model=6, d_ff=4, n_experts=3, balance_coef=0, z_coef=0).build()

@@ -192,8 +192,8 @@ def test_selection_sides_in_cross_attention():
     # The forward pass routes with exactly these selections.
     ids_o = torch.zeros(6, H, E).scatter(-1, base["dst"].idx, 1.0).view(2, 3, H, E).sum((0, 1))
     y, aux = m(q, kv, causal=False)
-    assert torch.equal(aux.stats["sel_o_counts"], ids_o.long())
-    assert aux.stats["sel_v_counts"].sum().item() == 2 * 7 * H * K
+    assert torch.equal(aux.routing["dst"].counts, ids_o.long())
+    assert aux.routing["src"].counts.sum().item() == 2 * 7 * H * K
 
 
 @pytest.mark.parametrize("pos", ["xl", "rope", "none"])
@@ -230,8 +230,8 @@ def test_usage_buffers_train_only_and_counts():
     # Hand counts: how often each expert is among the top-k, per head and side.
     count_v = (topk_gates(kv, m.w_sel_src) > 0).sum((0, 1))
     count_o = (topk_gates(x, m.w_sel_dst) > 0).sum((0, 1))
-    assert torch.equal(aux.stats["sel_v_counts"], count_v) and torch.equal(m.usage_v, count_v)
-    assert torch.equal(aux.stats["sel_o_counts"], count_o) and torch.equal(m.usage_o, count_o)
+    assert torch.equal(aux.routing["src"].counts, count_v) and torch.equal(m.usage_v, count_v)
+    assert torch.equal(aux.routing["dst"].counts, count_o) and torch.equal(m.usage_o, count_o)
     m(x, kv)
     assert torch.equal(m.usage_v, 2 * count_v)
 
@@ -241,8 +241,8 @@ def test_counts_skip_invalid_tokens():
     x = torch.randn(1, 4, D, dtype=f64)
     valid = torch.tensor([[True, False, True, False]])
     _, aux = m(x, valid_k=valid)
-    assert aux.stats["sel_v_counts"].sum().item() == 2 * H * K
-    assert aux.stats["sel_o_counts"].sum().item() == 2 * H * K
+    assert aux.routing["src"].counts.sum().item() == 2 * H * K
+    assert aux.routing["dst"].counts.sum().item() == 2 * H * K
 
 
 def test_counts_skip_invalid_queries_with_memory():
@@ -252,10 +252,10 @@ def test_counts_skip_invalid_queries_with_memory():
     x, mem = torch.randn(1, 4, D, dtype=f64), torch.randn(1, 3, D, dtype=f64)
     valid = torch.tensor([[True, True, True, True, False, True, False]])
     _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid)
-    assert aux.stats["sel_v_counts"].sum().item() == 5 * H * K
-    assert aux.stats["sel_o_counts"].sum().item() == 2 * H * K
+    assert aux.routing["src"].counts.sum().item() == 5 * H * K
+    assert aux.routing["dst"].counts.sum().item() == 2 * H * K
     _, aux = m(x, torch.cat([mem, x], 1), valid_k=valid, causal=False)
-    assert aux.stats["sel_o_counts"].sum().item() == 4 * H * K
+    assert aux.routing["dst"].counts.sum().item() == 4 * H * K
 
 
 def test_gates_are_raw_sigmoids_in_float32():

@@ -4,14 +4,14 @@ Shape legend: B streams, T tokens per window, L layers of one kind, X columns (e
 SwitchHead head-major, column h·E + e).
 
 The model runs in eval mode over the sample as B contiguous streams (XL memory carried between
-windows, as in training and validation); each routed layer's per-batch statistics (the
-``LMOutput.stats`` every layer returns, detached) are summed:
+windows, as in training and validation); the counts of each routing record of every layer
+(``LMOutput.routing``, moeify.layers.common.RoutingStats) are summed per kind and layer:
 
-    SwitchHead   layers.i.attn.sel_{v,k,o,q}_counts [H, E]: selections per head and expert; the
-                 source side (V, K) and the destination side (O, Q) each have one selection
-    MoA          layers.i.attn.counts [E]: selected heads
-    sigma-MoE, Switch   layers.i.ff.tokens_per_expert [E] (Switch: [E + no-op experts])
-    MoD          layers.i.mod.fraction_routed: fraction of tokens the block processed
+    SwitchHead   [H, E] selections per head and expert; the source side (V, K) and the
+                 destination side (O, Q) each have one selection
+    MoA          [1, E] selected heads
+    sigma-MoE, Switch   [1, E] (Switch: [1, E + no-op experts])
+    MoD          [1, 2] skipped and routed tokens: the table holds the fraction routed
 
 Shares are per head (SwitchHead) or per layer: a uniform router gives 1/E everywhere. An expert
 no token selected in the whole sample is "dead".
@@ -19,7 +19,6 @@ no token selected in the whole sample is "dead".
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +29,9 @@ from torch import nn
 from moeify.analysis.plotting import pyplot, save_figure
 from moeify.errors import MoeifyError
 
-_STAT = re.compile(r"^layers\.(\d+)\.(.+)$")
-MOD_KIND = "MoD fraction routed"
+from moeify.layers.common import ROUTING_KINDS, RoutingStats
+
+MOD_KIND = ROUTING_KINDS["mod"]
 
 
 @dataclass
@@ -68,26 +68,59 @@ class UsageTable:
                 "dead": int(self.dead.sum())}
 
 
-def _kind_of(stat: str, layer_cfgs: dict[str, object]) -> tuple[str, str] | None:
-    """(kind, group key) of a per-layer statistic name, or None when it is not usage."""
-    m = re.match(r"^attn\.sel_([qkvo])_counts$", stat)
-    if m:
-        p = m.group(1)
-        experts = sorted(getattr(layer_cfgs["attention"], "experts", {p}))
-        side = ("k", "v") if p in "kv" else ("o", "q")
-        names = "/".join(n.upper() for n in experts if n in side)
-        return f"SwitchHead {names} experts", "src" if p in "kv" else "dst"
-    if stat == "attn.counts":
-        return "MoA heads", "moa"
-    if stat == "ff.tokens_per_expert":
-        name = type(layer_cfgs["feedforward"]).__name__
-        return ("Switch experts" if name.startswith("Switch") else "\u03c3-MoE experts"), "ff"
-    if stat == "mod.fraction_routed":
-        return MOD_KIND, "mod"
-    return None
+_ORDER = {("switchhead", "src"): 0, ("switchhead", "dst"): 1, ("moa", ""): 2,
+          ("sigma_moe", ""): 3, ("switch", ""): 3, ("mod", ""): 4}
+
+
+def _group(r: RoutingStats) -> tuple[int, str]:
+    """Sort key and table of a routing record: SwitchHead's source side before its destination
+    side, then MoA, the feedforwards, depth routing."""
+    side = ("src" if set(r.serves) & {"k", "v"} else "dst") if r.kind == "switchhead" else ""
+    return _ORDER[(r.kind, side)], r.label
 
 
 @torch.no_grad()
+def _summed_routing(model: nn.Module, rows_BN: torch.Tensor, T: int
+                    ) -> dict[tuple[int, str], dict[int, RoutingStats]]:
+    """Run the model over the windows of ``rows_BN`` and sum every routing record's counts:
+    {(order, label): {layer: record with the summed counts}}."""
+    device = next(model.parameters()).device
+    sums: dict[tuple[int, str], dict[int, RoutingStats]] = {}
+    memory = None
+    for start in range(0, rows_BN.shape[1], T):
+        out = model(rows_BN[:, start:start + T].to(device), memory=memory)
+        memory = out.memory
+        for r in out.routing.values():
+            rows = sums.setdefault(_group(r), {})
+            prev = rows.get(r.layer)
+            counts = r.counts.detach().to("cpu", torch.int64)
+            rows[r.layer] = (RoutingStats(r.kind, counts, None, r.serves, r.n_real, r.layer)
+                             if prev is None else
+                             RoutingStats(r.kind, prev.counts + counts, None, r.serves,
+                                          r.n_real, r.layer))
+    return sums
+
+
+def _table(label: str, rows: dict[int, RoutingStats]) -> UsageTable:
+    layers = sorted(rows)
+    first = rows[layers[0]]
+    if first.kind == "mod":
+        frac = [[rows[i].counts[0, 1].item() / max(rows[i].counts.sum().item(), 1)]
+                for i in layers]
+        return UsageTable(label, layers, np.array(frac, dtype=np.float64), 1, None, ["routed"])
+    G = first.counts.shape[0]
+    X = max(rows[i].counts.numel() for i in layers)
+    # differently sized layers of one kind: pad with zeros
+    counts = np.stack([np.pad(rows[i].counts.reshape(-1).numpy(),
+                              (0, X - rows[i].counts.numel())) for i in layers])
+    if G > 1:
+        labels = [f"h{h}e{e}" for h in range(G) for e in range(X // G)]
+    else:
+        labels = [str(e) if first.n_real is None or e < first.n_real else f"no-op {e}"
+                  for e in range(X)]
+    return UsageTable(label, layers, counts.astype(np.int64), G, first.n_real, labels)
+
+
 def expert_usage(model: nn.Module, tokens, *, batch_size: int = 4, seq_len: int | None = None,
                  max_tokens: int = 16384) -> list[UsageTable]:
     """Run ``model`` over the first ``max_tokens`` of the 1-D token array ``tokens`` and sum every
@@ -100,69 +133,13 @@ def expert_usage(model: nn.Module, tokens, *, batch_size: int = 4, seq_len: int 
         raise ValueError(f"the sample ({tok.numel()} tokens) is smaller than the batch "
                          f"({batch_size}); give more data or a smaller batch")
     rows_BN = tok[: per_row * batch_size].view(batch_size, per_row)
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    sums: dict[tuple[int, str], torch.Tensor] = {}
-    n_windows: dict[tuple[int, str], int] = {}
-    memory = None
     try:
-        for start in range(0, per_row, T):
-            out = model(rows_BN[:, start:start + T].to(device), memory=memory)
-            memory = out.memory
-            for key, value in out.stats.items():
-                m = _STAT.match(key)
-                if not m:
-                    continue
-                k = (int(m.group(1)), m.group(2))
-                v = value.detach().to("cpu", torch.float64)
-                sums[k] = sums[k] + v if k in sums else v
-                n_windows[k] = n_windows.get(k, 0) + 1
+        sums = _summed_routing(model, rows_BN, T)
     finally:
         model.train(was_training)
-
-    attn_cfgs, ff_cfgs = cfg.attention_layers(), cfg.feedforward_layers()
-    tables: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    meta: dict[tuple[str, str], dict] = {}
-    for (layer, stat), total in sorted(sums.items()):
-        kind = _kind_of(stat, {"attention": attn_cfgs[layer], "feedforward": ff_cfgs[layer]})
-        if kind is None:
-            continue
-        rows = tables.setdefault(kind, {})
-        if layer in rows:  # V and K (or O and Q) share one selection: count it once
-            continue
-        if kind[0] == MOD_KIND:
-            total = total / n_windows[(layer, stat)]
-        rows[layer] = total.numpy().reshape(1, -1)
-        info = meta.setdefault(kind, {"groups": 1, "n_real": None})
-        if kind[1] in ("src", "dst"):
-            info["groups"] = total.shape[0]
-        if kind[1] == "ff" and hasattr(ff_cfgs[layer], "noop_experts"):
-            info["n_real"] = ff_cfgs[layer].n_experts
-    out_tables = []
-    order = {"src": 0, "dst": 1, "moa": 2, "ff": 3, "mod": 4}
-    for kind, rows in sorted(tables.items(), key=lambda kv: (order[kv[0][1]], kv[0][0])):
-        layers = sorted(rows)
-        widths = {rows[i].shape[1] for i in layers}
-        if len(widths) != 1:  # differently sized layers of one kind: pad with zeros
-            w = max(widths)
-            rows = {i: np.pad(r, ((0, 0), (0, w - r.shape[1]))) for i, r in rows.items()}
-        counts = np.concatenate([rows[i] for i in layers], 0)
-        info = meta[kind]
-        X = counts.shape[1]
-        if kind[0] == MOD_KIND:
-            labels = ["routed"]
-        elif info["groups"] > 1:
-            E = X // info["groups"]
-            labels = [f"h{h}e{e}" for h in range(info["groups"]) for e in range(E)]
-        else:
-            labels = [str(e) if info["n_real"] is None or e < info["n_real"] else f"no-op {e}"
-                      for e in range(X)]
-        if kind[0] != MOD_KIND:
-            counts = np.rint(counts).astype(np.int64)
-        out_tables.append(UsageTable(kind[0], layers, counts, info["groups"], info["n_real"],
-                                     labels))
-    return out_tables
+    return [_table(label, rows) for (_, label), rows in sorted(sums.items())]
 
 
 def panel_titles(tables: list[UsageTable]) -> list[str]:

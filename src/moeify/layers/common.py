@@ -13,25 +13,96 @@ import torch
 from torch import nn
 
 from moeify.ops.expert_matmul import IMPLEMENTATIONS
+from moeify.ops.routing import count_selections
+
+
+ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\u03c3-MoE experts",
+                 "switch": "Switch experts", "mod": "MoD fraction routed"}
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """One routing decision of one layer over one batch (detached, valid tokens only).
+
+    kind:     a key of ROUTING_KINDS.
+    counts:   int64 [G, E]: selections per group and expert, counted by
+              moeify.ops.routing.count_selections; G = heads for SwitchHead (each head routes
+              over its own E experts), 1 otherwise. Mixture-of-Depths: [1, 2] = (skipped, routed).
+    gate_sum: float32 []: the sum of the kept gates over the counted selections (None for
+              Mixture-of-Depths, whose choice has no gate).
+    serves:   the projections a SwitchHead selection serves, sorted (("k", "v"), ("o",), ...).
+    n_real:   columns past ``n_real`` are no-op experts (Switch with no-op experts), else None.
+    layer:    the block index, set by the model (None inside a layer).
+    """
+
+    kind: str
+    counts: torch.Tensor
+    gate_sum: torch.Tensor | None
+    serves: tuple[str, ...] = ()
+    n_real: int | None = None
+    layer: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The routing kind as analysis names it (SwitchHead: which projections it serves)."""
+        if self.kind == "switchhead":
+            return f"SwitchHead {'/'.join(p.upper() for p in self.serves)} experts"
+        return ROUTING_KINDS[self.kind]
+
+    def real_counts(self) -> torch.Tensor:
+        return self.counts if self.n_real is None else self.counts[:, :self.n_real]
+
+    @torch.no_grad()
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """What training logs per routing decision: the counts, the entropy (nats) of the expert
+        usage averaged over groups, the experts with no selection, the mean kept gate
+        (Mixture-of-Depths: the counts and the fraction of valid tokens routed)."""
+        if self.kind == "mod":
+            n = self.counts.sum().clamp_min(1)
+            return {"counts": self.counts, "fraction_routed": self.counts[0, 1].float() / n}
+        c = self.real_counts().double()
+        share = c / c.sum(-1, keepdim=True).clamp_min(1.0)
+        entropy = -(share * share.clamp_min(1e-30).log()).sum(-1).mean()
+        return {"counts": self.counts, "usage_entropy": entropy.float(),
+                "dead_experts": (self.real_counts() == 0).sum(),
+                "gate_mean": self.gate_sum / self.counts.sum().clamp_min(1)}
+
+
+@torch.no_grad()
+def routing_record(kind: str, idx: torch.Tensor, num_experts: int, gates: torch.Tensor,
+                   keep: torch.Tensor | None = None, *, groups: int = 1,
+                   **facts) -> RoutingStats:
+    """The RoutingStats of one selection: ``idx`` / ``gates`` [M, ...] the selected experts (in
+    [0, groups · num_experts): group g's expert e is g · num_experts + e) and their gates;
+    ``keep`` (broadcastable to idx) False for what is not counted."""
+    counts = count_selections(idx, groups * num_experts, keep).view(groups, num_experts)
+    g = gates.detach().float()
+    if keep is not None:
+        g = g * keep.expand_as(idx).to(g.dtype)
+    return RoutingStats(kind, counts, g.sum(), **facts)
 
 
 @dataclass
 class Aux:
     """Auxiliary outputs of a layer, returned (never stored in globals).
 
-    losses: scalar tensors already multiplied by their coefficients, ready to add to the LM loss
-            (a loss is present whenever its coefficient is non-zero).
-    stats:  detached routing statistics (tokens per expert, entropy, fraction dropped, ...).
+    losses:  scalar tensors already multiplied by their coefficients, ready to add to the LM loss
+             (a loss is present whenever its coefficient is non-zero).
+    stats:   other detached statistics (router entropy, fraction dropped, ...).
+    routing: the layer's routing decisions (``RoutingStats``), by name ("src", "dst", "router").
     """
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    routing: dict[str, RoutingStats] = field(default_factory=dict)
 
     def update(self, other: "Aux", prefix: str = "") -> "Aux":
         for k, v in other.losses.items():
             self.losses[prefix + k] = v
         for k, v in other.stats.items():
             self.stats[prefix + k] = v
+        for k, v in other.routing.items():
+            self.routing[prefix + k] = v
         return self
 
     def total_loss(self) -> torch.Tensor | None:

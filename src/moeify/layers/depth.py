@@ -55,6 +55,7 @@ from torch import nn
 
 from moeify.layers.common import (
     Aux,
+    RoutingStats,
     accumulate_usage,
     check_nonnegative,
     check_positive,
@@ -210,4 +211,6 @@ class MixtureOfDepths(nn.Module):
             aux.stats["mod.predictor_accuracy"] = masked_agreement(rule_BT, routed_BT, valid_BT)
             aux.stats["mod.causal_fraction_routed"] = (
                 rule_BT.sum().float() / n_valid.clamp_min(1).float())
-        accumulate_usage(self, "usage", torch.stack([n_valid - n_routed, n_routed]))
+        counts = torch.stack([n_valid - n_routed, n_routed])
+        aux.routing["mod"] = RoutingStats("mod", counts.view(1, 2), None)
+        accumulate_usage(self, "usage", counts)

@@ -47,6 +47,7 @@ from moeify.layers.common import (
     init_scale,
     project_by_input,
     register_usage,
+    routing_record,
 )
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
@@ -148,8 +149,8 @@ class MoAAttention(nn.Module):
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
         """docs/interfaces.md. ``aux.losses``: "balance", "z", "cv" (each when its coefficient is
-        non-zero); ``aux.stats``: "counts" [E] (selections per expert, valid tokens only, also
-        added to the ``usage`` buffer in training mode) and "router_entropy"."""
+        non-zero); ``aux.routing["router"]``: the selected heads, counts [1, E] (valid tokens only,
+        also added to the ``usage`` buffer in training mode); ``aux.stats``: "router_entropy"."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         B, T, D = q_BTD.shape
@@ -216,12 +217,8 @@ class MoAAttention(nn.Module):
             if w_M is not None:
                 gates_ME = gates_ME * w_M[:, None]
             aux.losses["cv"] = c.cv_coef * cv_squared(gates_ME.sum(0))
-        ones = torch.ones_like(top.idx)
-        if valid_M is not None:
-            ones = ones * valid_M.to(torch.int64)[:, None]
-        counts_E = torch.zeros(E, dtype=torch.int64, device=top.idx.device)
-        counts_E.scatter_add_(0, top.idx.reshape(-1), ones.reshape(-1))
-        aux.stats["counts"] = counts_E
+        keep = None if valid_M is None else valid_M[:, None]
+        aux.routing["router"] = record = routing_record("moa", top.idx, E, top.gates, keep)
         aux.stats["router_entropy"] = router_entropy(top.scores, valid_M).detach()
-        accumulate_usage(self, "usage", counts_E)
+        accumulate_usage(self, "usage", record.counts[0])
         return aux

@@ -33,9 +33,10 @@ from moeify.layers.common import (
     check_token_input,
     init_scale,
     register_usage,
+    routing_record,
     renorm_rows_,
 )
-from moeify.layers.ff_common import expert_counts, routing_stats
+from moeify.layers.ff_common import routing_stats
 from moeify.ops.aux_losses import batch_entropy_loss
 from moeify.ops.expert_matmul import expert_matmul, make_plan, resolve_impl
 from moeify.ops.routing import router_logits, sigmoid_topk
@@ -79,8 +80,8 @@ class SigmaMoEConfig:
 
 
 class SigmaMoE(nn.Module):
-    """Aux losses: "entropy" (when entropy_coef > 0). Stats: tokens_per_expert [E] (valid tokens
-    only), router_entropy (mean per-token entropy of softmax(logits)), batch_entropy (entropy of
+    """Aux losses: "entropy" (when entropy_coef > 0). Routing: ``aux.routing["router"]`` (valid
+    tokens only). Stats: router_entropy (mean per-token entropy of softmax(logits)), batch_entropy (entropy of
     the batch-averaged softmax, what the regulariser maximises), dead_experts. Running selection
     counts: the int64 buffer ``usage`` [E], training only."""
 
@@ -144,7 +145,9 @@ class SigmaMoE(nn.Module):
         if c.entropy_coef != 0:
             aux.losses["entropy"] = c.entropy_coef * batch_entropy_loss(logits_ME, valid_M)
         keep_MK = None if valid_M is None else valid_M[:, None].expand(M, K)
-        counts_E = expert_counts(idx_MK, c.n_experts, keep_MK)
+        record = routing_record("sigma_moe", idx_MK, c.n_experts, gates_MK, keep_MK)
+        counts_E = record.counts[0]
+        aux.routing["router"] = record
         aux.stats.update(routing_stats(counts_E, torch.softmax(logits_ME.detach(), -1), valid_M))
         with torch.no_grad():
             aux.stats["batch_entropy"] = -batch_entropy_loss(logits_ME.detach(), valid_M)

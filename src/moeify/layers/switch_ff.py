@@ -47,9 +47,10 @@ from moeify.layers.common import (
     check_probability,
     check_token_input,
     register_usage,
+    routing_record,
     trunc_normal_,
 )
-from moeify.layers.ff_common import expert_counts, routing_stats
+from moeify.layers.ff_common import routing_stats
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
 from moeify.ops.expert_matmul import expert_matmul, make_plan, resolve_impl
 from moeify.ops.routing import capacity_mask, expert_capacity, router_logits, softmax_topk
@@ -101,9 +102,9 @@ class SwitchFFConfig:
 
 class SwitchFeedForward(nn.Module):
     """Aux losses: "balance" (balance_coef > 0) and "z" (z_coef > 0), both over valid tokens.
-    Stats (valid tokens only): tokens_per_expert [E + Z] (routed choices before capacity),
-    fraction_dropped (of the choices of real experts), router_entropy, dead_experts (real experts
-    with no routed token), fraction_noop (Z > 0). Running buffers, training only: ``usage``
+    Routing: ``aux.routing["router"]``, counts [1, E + Z] of the routed choices before capacity
+    (valid tokens only). Stats: fraction_dropped (of the choices of real experts),
+    router_entropy, dead_experts (real experts with no routed token), fraction_noop (Z > 0). Running buffers, training only: ``usage``
     [E + Z] routed choices, ``dropped`` [] dropped choices."""
 
     def __init__(self, config: SwitchFFConfig):
@@ -169,7 +170,11 @@ class SwitchFeedForward(nn.Module):
                 top.scores, idx_MK[:, 0], valid_M)
         if c.z_coef != 0:
             aux.losses["z"] = c.z_coef * z_loss(logits_MR, valid_M)
-        counts_R = expert_counts(idx_MK, R, valid_MK)
+        # Routed choices before capacity (dropped ones count: they were chosen).
+        record = routing_record("switch", idx_MK, R, gates_MK, valid_MK,
+                                n_real=E if c.noop_experts else None)
+        counts_R = record.counts[0]
+        aux.routing["router"] = record
         aux.stats.update(routing_stats(counts_R, top.scores, valid_M, n_real=E))
         with torch.no_grad():
             routed_real = (valid_MK & real_MK).sum()

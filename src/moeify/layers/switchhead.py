@@ -55,6 +55,7 @@ from moeify.layers.common import (
     init_scale,
     project_by_input,
     register_usage,
+    routing_record,
     renorm_rows_,
 )
 from moeify.layers.kv_cache import KVCache
@@ -304,21 +305,12 @@ class SwitchHeadAttention(nn.Module):
         v = self._project("v", src_BSD, src)
         return q, k, v, sels
 
-    def _counts(self, sel: Selection, valid_M: torch.Tensor | None) -> torch.Tensor:
-        c = self.config
-        X = c.n_heads * c.n_experts
-        if valid_M is None and sel.plan is not None:
-            return sel.plan.counts_E.view(c.n_heads, c.n_experts)
-        w = torch.ones_like(sel.ids) if valid_M is None else \
-            valid_M.reshape(-1, 1, 1).to(torch.int64).expand_as(sel.ids)
-        counts = torch.zeros(X, dtype=torch.int64, device=sel.ids.device)
-        return counts.scatter_add_(0, sel.ids.reshape(-1), w.reshape(-1)).view(c.n_heads, -1)
-
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
-        """docs/interfaces.md. ``aux.stats["sel_{p}_counts"]`` [H, E] (int64): how often each
-        expert of each head was selected for projection p (valid tokens only), also added to the
-        ``usage_{p}`` buffers in training mode. No aux losses (the paper uses none)."""
+        """docs/interfaces.md. ``aux.routing["src"]`` / ``["dst"]``: the source-side (V, K) and
+        destination-side (O, Q) selections, counts [H, E] per head and expert (valid tokens
+        only), also added to the ``usage_{p}`` buffers of the projections each serves in
+        training mode. No aux losses (the paper uses none)."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         q, k, v, sels = self._qkv(q_BTD, kv_BSD)
@@ -328,14 +320,16 @@ class SwitchHeadAttention(nn.Module):
         y_BTD = self._output(o_BHTC, dst)
 
         aux = Aux()
-        valid_dst = destination_validity(valid_k, kv_BSD, q_BTD.shape[1], causal)
-        counted: dict[str, torch.Tensor] = {}
-        for p in sorted(c.experts):
-            side = "src" if p in SOURCE_SIDE else "dst"
-            if side not in counted:
-                counted[side] = self._counts(sels[side], valid_k if side == "src" else valid_dst)
-            aux.stats[f"sel_{p}_counts"] = counted[side].detach()
-            accumulate_usage(self, f"usage_{p}", counted[side])
+        valid = {"src": valid_k, "dst": destination_validity(valid_k, kv_BSD, q_BTD.shape[1],
+                                                             causal)}
+        for side, sel in sels.items():
+            serves = tuple(sorted(c.experts & (SOURCE_SIDE if side == "src" else DEST_SIDE)))
+            keep = None if valid[side] is None else valid[side].reshape(-1, 1, 1)
+            record = routing_record("switchhead", sel.ids, c.n_experts, sel.gates, keep,
+                                    groups=c.n_heads, serves=serves)
+            aux.routing[side] = record
+            for p in serves:
+                accumulate_usage(self, f"usage_{p}", record.counts)
         return y_BTD, aux
 
     @torch.no_grad()

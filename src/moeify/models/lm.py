@@ -13,6 +13,7 @@ Shape legend: B batch, T tokens of this call, M memory tokens, D d_model, V voca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
+from moeify.layers.common import RoutingStats
 from moeify.ops.aux_losses import masked_mean
 
 if TYPE_CHECKING:  # annotations only: moeify.models.config builds this module's model
@@ -35,7 +37,11 @@ class LMOutput:
     aux_loss: sum over every layer of its Aux.losses (already weighted by their coefficients);
               a zero tensor when no layer has one.
     losses:   the individual aux losses, keyed "layers.{i}.{name}".
-    stats:    detached per-layer routing statistics, keyed "layers.{i}.{name}".
+    stats:    detached per-layer statistics, keyed "layers.{i}.{name}": each layer's own, and
+              for every routing record "layers.{i}.{record}.{metric}" (RoutingStats.metrics:
+              counts, usage_entropy, dead_experts, gate_mean), the names training logs.
+    routing:  the routing records (RoutingStats, ``layer`` set), keyed "layers.{i}.{record}"
+              (e.g. "layers.0.attn.src", "layers.1.ff.router", "layers.1.mod").
     memory:   the XL memory for the next call (list of [B, T, D], detached), or None.
     """
 
@@ -45,6 +51,7 @@ class LMOutput:
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     memory: list[torch.Tensor] | None = None
+    routing: dict[str, RoutingStats] = field(default_factory=dict)
 
     @property
     def total_loss(self) -> torch.Tensor | None:
@@ -126,6 +133,7 @@ class TransformerLM(nn.Module):
         new_memory: list[torch.Tensor] = []
         losses: dict[str, torch.Tensor] = {}
         stats: dict[str, torch.Tensor] = {}
+        routing: dict[str, RoutingStats] = {}
         for i, block in enumerate(self.blocks):
             if keep_memory:
                 new_memory.append(x_BTD.detach())
@@ -136,13 +144,17 @@ class TransformerLM(nn.Module):
                 losses[f"layers.{i}.{k}"] = v
             for k, v in aux.stats.items():
                 stats[f"layers.{i}.{k}"] = v
+            for k, r in aux.routing.items():
+                routing[f"layers.{i}.{k}"] = dataclasses.replace(r, layer=i)
+                stats.update({f"layers.{i}.{k}.{m}": v for m, v in r.metrics().items()})
         logits_BTV = self.output(self.drop(self.ln_f(x_BTD)))
 
         aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses
                     else logits_BTV.new_zeros((), dtype=torch.float32))
         loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT, valid_BT)
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
-                        stats=stats, memory=new_memory if keep_memory else None)
+                        stats=stats, memory=new_memory if keep_memory else None,
+                        routing=routing)
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,

@@ -140,3 +140,16 @@ def capacity_mask(
     rank[order] = rank_sorted
     keep = (rank < capacity) & (flat_KM < num_experts)
     return keep.view(K, M).t()
+
+
+@torch.no_grad()
+def count_selections(idx: torch.Tensor, num_experts: int,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each expert was selected, int64 [num_experts]: every entry of ``idx`` (any
+    shape) is one selection; those with ``keep`` False (padding, dropped tokens; broadcastable
+    to ``idx``) are not counted. One bincount, no host sync. The one way every routed layer
+    counts its selections."""
+    flat = idx.reshape(-1).long()
+    if keep is not None:
+        flat = torch.where(keep.expand_as(idx).reshape(-1), flat, num_experts)  # park past the end
+    return torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
