@@ -388,7 +388,7 @@ def test_mod_zero_shot_scores_do_not_depend_on_batch_padding():
     from moeify.eval import score_continuations
     from moeify.models.lm import TransformerLM
     from moeify.models.presets import get_preset
-    from moeify.train.validate import stateless_logits_fn
+    from moeify.eval.adapters import stateless_logits_fn
 
     torch.manual_seed(0)
     model = TransformerLM(get_preset("tiny-mod")).eval()

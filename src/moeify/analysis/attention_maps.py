@@ -27,6 +27,9 @@ import torch
 from torch import nn
 
 from moeify.analysis.plotting import pyplot, save_figure
+from moeify.layers.moa import MoAAttention
+from moeify.layers.switchhead import SwitchHeadAttention
+from moeify.models.lm import attention_of
 
 
 @dataclass
@@ -77,20 +80,10 @@ def head_entropy(probs_HTS: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ent, norm
 
 
-def attention_module(block: nn.Module) -> nn.Module:
-    """The attention of a block, looking through depth-routing wrappers."""
-    while not hasattr(block, "attention"):
-        if not hasattr(block, "block"):
-            raise ValueError(f"{type(block).__name__} has no attention module")
-        block = block.block
-    return block.attention
-
-
 def layer_kind(attn: nn.Module) -> str:
-    name = type(attn).__name__
-    if name.startswith("SwitchHead"):
+    if isinstance(attn, SwitchHeadAttention):
         return "switchhead"
-    if name.startswith("MoA"):
+    if isinstance(attn, MoAAttention):
         return "moa"
     return "dense"
 
@@ -114,7 +107,7 @@ def compute_attention_maps(model: nn.Module, ids_T, *, layer: int = 0,
         raise ValueError(f"layer {layer} does not exist: the model has {len(blocks)} layers "
                          f"(0-{len(blocks) - 1})")
     layer = layer % len(blocks)
-    attn = attention_module(blocks[layer])
+    attn = attention_of(blocks[layer])
     if not hasattr(attn, "inspect"):
         raise ValueError(f"{type(attn).__name__} has no inspect() method: its attention maps "
                          "cannot be drawn")

@@ -293,7 +293,7 @@ def child_main(spec_path: str) -> int:
     from moeify.train.config import TrainConfig
     from moeify.train.rundir import load_trained
     from moeify.train.trainer import train
-    from moeify.train.validate import evaluate_stream, stateless_logits_fn
+    from moeify.eval.adapters import evaluate_stream, stateless_logits_fn
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(int(spec["threads"]))

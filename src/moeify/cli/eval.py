@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-TASKS = ("ppl", "lambada", "blimp", "cbt")
+TASK_NAMES = ("ppl", "lambada", "blimp", "cbt")  # TASKS below maps each to its scorer
 
 
 def register(sub) -> None:
@@ -14,7 +14,7 @@ def register(sub) -> None:
         "carried. lambada / blimp / cbt: zero-shot, every item scored on its own; their data is "
         "found under --data-dir or $MOEIFY_DATA_DIR (blimp/, lambada/, cbt/) or at --data.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=TASK_NAMES)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--data-dir", help="directory laid out like $MOEIFY_DATA_DIR (overrides it)")
     p.add_argument("--data", help="the task's data itself (ppl: a corpus name or path; blimp: a "
@@ -34,10 +34,10 @@ def run(args) -> int:
 
     import torch
 
+    from moeify.eval.adapters import stateless_logits_fn
     from moeify.train.distributed import DistEnv, pick_device
     from moeify.train.rundir import load_trained
     from moeify.train.trainer import resolve_amp
-    from moeify.train.validate import evaluate_stream, stateless_logits_fn
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be a positive integer, got {args.limit}")
@@ -61,49 +61,66 @@ def run(args) -> int:
     mc = tm.model_config
     # Without memory, an XL model was trained to attend over its chunk plus one chunk of memory.
     max_len = mc.context_length * (2 if mc.xl_memory else 1)
-    tok = tm.tokenizer
     logits_fn = stateless_logits_fn(tm.model, device, amp_dtype)
     result: dict = {"run": str(tm.run_dir), "checkpoint": tm.checkpoint.path.name,
                     "step": tm.checkpoint.step, "task": args.task}
+    task = TASKS[args.task]
     with torch.no_grad():
-        if args.task == "ppl":
-            from moeify.data.corpora import load_corpus
-            from moeify.data.stream import tokenize_split
-
-            corpus_spec = data_path or (tm.train_config.data if tm.train_config else None)
-            if corpus_spec is None:
-                raise ValueError("the run records no corpus: pass --data CORPUS")
-            corpus = load_corpus(corpus_spec)
-            tokens = tokenize_split(corpus, tok, args.split)
-            res = evaluate_stream(tm.model, tokens, tok, seq_len=mc.context_length,
-                                  batch_size=args.batch_size, max_tokens=args.limit or 0,
-                                  device=device, amp_dtype=amp_dtype)
-            result.update({"corpus": corpus.name, "split": args.split, **res})
-            if "bpc" not in res:
-                result["ppl"] = res["ppl"]
-        elif args.task == "lambada":
-            from moeify.eval.lambada import lambada_accuracy, load_lambada
-
-            texts = load_lambada(data_path, limit=args.limit)
-            result.update(lambada_accuracy(logits_fn, tok, texts, batch_size=args.batch_size,
-                                           max_len=max_len))
-        elif args.task == "blimp":
-            from moeify.eval.blimp import blimp_accuracy, load_blimp
-
-            pairs = load_blimp(data_path, limit_per_paradigm=args.limit)
-            # Whole sentences: a truncated sentence would not have the score the task defines.
-            result.update(blimp_accuracy(logits_fn, tok, pairs, batch_size=args.batch_size))
-        else:
-            from moeify.eval.cbt import cbt_accuracy, load_cbt
-
-            examples = load_cbt(data_path, limit=args.limit)
-            result.update(cbt_accuracy(logits_fn, tok, examples, batch_size=args.batch_size,
-                                       max_len=max_len))
+        result.update(task(args, tm, logits_fn, data_path, max_len, device, amp_dtype))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     _print_human(result)
     return 0
+
+
+# One function per task: (args, trained run, logits_fn, data path, max length, device, amp dtype)
+# -> the task's result fields.
+
+def _ppl(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+    from moeify.data.corpora import load_corpus
+    from moeify.data.stream import tokenize_split
+    from moeify.eval.adapters import evaluate_stream
+
+    corpus_spec = data_path or (tm.train_config.data if tm.train_config else None)
+    if corpus_spec is None:
+        raise ValueError("the run records no corpus: pass --data CORPUS")
+    corpus = load_corpus(corpus_spec)
+    tokens = tokenize_split(corpus, tm.tokenizer, args.split)
+    res = evaluate_stream(tm.model, tokens, tm.tokenizer, seq_len=tm.model_config.context_length,
+                          batch_size=args.batch_size, max_tokens=args.limit or 0,
+                          device=device, amp_dtype=amp_dtype)
+    out = {"corpus": corpus.name, "split": args.split, **res}
+    if "bpc" not in res:
+        out["ppl"] = res["ppl"]
+    return out
+
+
+def _lambada(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+    from moeify.eval.lambada import lambada_accuracy, load_lambada
+
+    texts = load_lambada(data_path, limit=args.limit)
+    return lambada_accuracy(logits_fn, tm.tokenizer, texts, batch_size=args.batch_size,
+                            max_len=max_len)
+
+
+def _blimp(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+    from moeify.eval.blimp import blimp_accuracy, load_blimp
+
+    pairs = load_blimp(data_path, limit_per_paradigm=args.limit)
+    # Whole sentences: a truncated sentence would not have the score the task defines.
+    return blimp_accuracy(logits_fn, tm.tokenizer, pairs, batch_size=args.batch_size)
+
+
+def _cbt(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+    from moeify.eval.cbt import cbt_accuracy, load_cbt
+
+    examples = load_cbt(data_path, limit=args.limit)
+    return cbt_accuracy(logits_fn, tm.tokenizer, examples, batch_size=args.batch_size,
+                        max_len=max_len)
+
+
+TASKS = {"ppl": _ppl, "lambada": _lambada, "blimp": _blimp, "cbt": _cbt}
 
 
 def _print_human(r: dict) -> None:

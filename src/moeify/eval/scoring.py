@@ -8,7 +8,7 @@ those positions? ``score_continuations`` answers it in padded batches through
 ``logits_fn(ids_BT) -> logits_BTV``, a stateless function (no XL memory carried between calls:
 the tasks score every item on its own, as the SwitchHead authors did). Sequences are padded on
 the right, which a causal model never sees from earlier positions. A ``logits_fn`` that takes a
-``valid_BT`` keyword (False = padding; ``moeify.train.validate.stateless_logits_fn`` does) gets
+``valid_BT`` keyword (False = padding; ``moeify.eval.adapters.stateless_logits_fn`` does) gets
 the padding mask too, so that layers which look at the whole sequence (Mixture-of-Depths'
 expert-choice routing) treat a padded item as they would the item alone.
 """

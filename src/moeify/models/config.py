@@ -128,17 +128,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        if not isinstance(data, dict):
-            raise ValueError(f"a ModelConfig dict is expected, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {unknown}; known: {sorted(known)}")
-        kwargs = dict(data)
+        kwargs = known_fields(cls, data)
         for name in ("attention", "feedforward", "depth"):
-            if name in kwargs:
-                v = kwargs[name]
-                kwargs[name] = tuple(_decode(c) for c in (v if isinstance(v, list) else [v]))
+            if name in kwargs and not isinstance(kwargs[name], tuple):
+                kwargs[name] = (kwargs[name],)  # one layer config for every layer
         return cls(**kwargs)
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -147,6 +140,31 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
         return cls.from_dict(json.loads(text))
+
+
+# ---------------------------------------------------------------------- dict -> dataclass
+
+def field_hints(cls: type) -> dict[str, Any]:
+    """The resolved type annotations of a dataclass ({} when they cannot be resolved, e.g. a
+    name imported only under TYPE_CHECKING)."""
+    try:
+        return typing.get_type_hints(cls, vars(importlib.import_module(cls.__module__)))
+    except Exception:
+        return {}
+
+
+def known_fields(cls: type, data: Any) -> dict[str, Any]:
+    """``data`` as the keyword arguments of dataclass ``cls``: a dict whose keys are all fields
+    of ``cls`` (ValueError naming the unknown ones), JSON lists turned back into the container
+    type each field is annotated with."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a {cls.__name__} dict is expected, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; known: {sorted(known)}")
+    hints = field_hints(cls)
+    return {k: _decode_field(v, hints.get(k)) for k, v in data.items()}
 
 
 # ---------------------------------------------------------------------- layer-config codec
@@ -186,18 +204,7 @@ def _decode(value: Any) -> Any:
     if not isinstance(value, dict) or "type" not in value:
         return value
     cls = layer_config_class(value["type"])
-    try:
-        hints = typing.get_type_hints(cls, vars(importlib.import_module(cls.__module__)))
-    except Exception:  # annotations naming TYPE_CHECKING-only imports: fall back to tuples
-        hints = {}
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in value:
-            kwargs[f.name] = _decode_field(value[f.name], hints.get(f.name))
-    unknown = sorted(set(value) - {"type"} - set(kwargs))
-    if unknown:
-        raise ValueError(f"unknown fields {unknown} for {cls.__name__}")
-    return cls(**kwargs)
+    return cls(**known_fields(cls, {k: v for k, v in value.items() if k != "type"}))
 
 
 def _decode_field(value: Any, hint: Any) -> Any:

@@ -86,7 +86,7 @@ class TransformerLM(nn.Module):
         """One attention KV cache per block, for incremental decoding: call ``forward`` with
         ``cache=`` on successive pieces of a sequence (the first piece may be the whole prompt)
         and the logits equal those of one full forward pass without memory."""
-        return [_attention_of(b).new_cache() for b in self.blocks]
+        return [attention_of(b).new_cache() for b in self.blocks]
 
     def forward(
         self,
@@ -175,7 +175,7 @@ def build_block(config: ModelConfig, attn, ff, depth) -> nn.Module:
     return MixtureOfDepths(depth, block)
 
 
-def _attention_of(block: nn.Module) -> nn.Module:
+def attention_of(block: nn.Module) -> nn.Module:
     """The attention module of a block, looking through a depth-routing wrapper."""
     while not isinstance(block, TransformerBlock):
         block = block.block

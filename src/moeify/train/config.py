@@ -17,13 +17,18 @@ into the run directory.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import typing
 from dataclasses import dataclass
 from typing import Any
 
-from moeify.models.config import ModelConfig
+from moeify.models.config import known_fields
+from moeify.train.overrides import (  # noqa: F401  (re-exported: the override API)
+    apply_model_overrides,
+    base_model_config,
+    resolve_model_config,
+)
+from moeify.train.values import parse_value, split_override  # noqa: F401
 
 AMP_MODES = ("auto", "fp32", "bf16", "fp16")
 TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
@@ -141,17 +146,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        if not isinstance(data, dict):
-            raise ValueError(f"a TrainConfig dict is expected, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields {unknown}; known: {sorted(known)}")
-        kw = dict(data)
-        for name in ("betas", "model_overrides"):
-            if name in kw and isinstance(kw[name], list):
-                kw[name] = tuple(kw[name])
-        return cls(**kw)
+        return cls(**known_fields(cls, data))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -198,176 +193,6 @@ def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
         data=row.data, eval_every=5000, checkpoint_every=5000, log_every=100, eval_tokens=0)
     recipe.update(changes)
     return TrainConfig(**recipe)
-
-
-# ---------------------------------------------------------------------- value parsing
-
-def split_override(item: str) -> tuple[str, str]:
-    if not isinstance(item, str) or "=" not in item:
-        raise ValueError(f"--set expects key=value (e.g. --set lr=1e-3), got {item!r}")
-    key, value = item.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ValueError(f"--set {item!r}: the key before '=' is empty")
-    return key, value.strip()
-
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
-
-def parse_value(text: str, hint: Any, *, what: str) -> Any:
-    """``text`` converted to the type ``hint`` (int, float, bool, str, Optional, tuple, set,
-    Literal), or a ValueError that names the expected type."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if type(None) in args and text.lower() in ("none", "null"):
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return parse_value(text, a, what=what)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{what}: cannot parse {text!r}")
-    if origin is typing.Literal:
-        for a in args:
-            if str(a) == text:
-                return a
-        raise ValueError(f"{what}: expected one of {', '.join(map(str, args))}, got {text!r}")
-    if origin in (tuple, set, frozenset, list):
-        parts = [p.strip() for p in text.split(",") if p.strip()] if text else []
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(parts) != len(args):
-                raise ValueError(f"{what}: expected {len(args)} comma-separated values, got "
-                                 f"{text!r}")
-            return tuple(parse_value(p, a, what=what) for p, a in zip(parts, args))
-        elem = args[0] if args else str
-        vals = [parse_value(p, elem, what=what) for p in parts]
-        return origin(vals) if origin is not tuple else tuple(vals)
-    if hint is bool:
-        low = text.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError(f"{what}: expected true or false, got {text!r}")
-    if hint is int:
-        try:
-            return int(text)
-        except ValueError:
-            try:
-                f = float(text)
-            except ValueError:
-                f = None
-            if f is not None and f.is_integer():
-                return int(f)
-            raise ValueError(f"{what}: expected an integer, got {text!r}") from None
-    if hint is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{what}: expected a number, got {text!r}") from None
-    if hint is str or hint is Any or hint is None:
-        return text
-    raise ValueError(f"{what}: settings of type {hint} cannot be set from the command line")
-
-
-# ---------------------------------------------------------------------- model overrides
-
-_PATTERNS = ("attention", "feedforward", "depth")
-_PROPAGATED = ("d_model", "n_layers")
-
-
-def base_model_config(preset: str) -> ModelConfig:
-    from moeify.models.presets import get_preset
-
-    return get_preset(preset)
-
-
-def _field_hint(cls: type, name: str) -> Any:
-    try:
-        hints = typing.get_type_hints(cls, vars(importlib.import_module(cls.__module__)))
-    except Exception:
-        hints = {}
-    return hints.get(name)
-
-
-def _hint_from_value(value: Any) -> Any:
-    if isinstance(value, bool):
-        return bool
-    if isinstance(value, int):
-        return int
-    if isinstance(value, float):
-        return float
-    if isinstance(value, frozenset):
-        return frozenset[str]
-    if isinstance(value, tuple):
-        return tuple[str, ...]
-    return str
-
-
-def _replace_layer(cfg: Any, name: str, text: str, what: str) -> Any:
-    names = [f.name for f in dataclasses.fields(cfg)]
-    if name not in names:
-        raise ValueError(f"{what}: {type(cfg).__name__} has no field {name!r}; its fields are "
-                         f"{', '.join(names)}")
-    hint = _field_hint(type(cfg), name) or _hint_from_value(getattr(cfg, name))
-    return dataclasses.replace(cfg, **{name: parse_value(text, hint, what=what)})
-
-
-def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str, ...],
-                          ) -> ModelConfig:
-    """``config`` with "model.<...>=value" overrides applied in order."""
-    for item in overrides:
-        key, text = split_override(item)
-        what = f"--set {item}"
-        parts = key.split(".")
-        if parts[0] != "model" or len(parts) not in (2, 3):
-            raise ValueError(f"{what}: model settings are model.<field> or "
-                             f"model.<attention|feedforward|depth>.<field>")
-        if len(parts) == 3:
-            pattern, name = parts[1], parts[2]
-            if pattern not in _PATTERNS:
-                raise ValueError(f"{what}: {pattern!r} is not one of {', '.join(_PATTERNS)}")
-            entries = getattr(config, pattern)
-            if all(e is None for e in entries):
-                raise ValueError(f"{what}: this model has no {pattern} config to change")
-            new = tuple(None if e is None else _replace_layer(e, name, text, what)
-                        for e in entries)
-            config = dataclasses.replace(config, **{pattern: new})
-            continue
-        name = parts[1]
-        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
-        if name not in fields:
-            raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
-                             f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"
-                             ".<field>")
-        hint = _field_hint(ModelConfig, name) or _hint_from_value(getattr(config, name))
-        value = parse_value(text, hint, what=what)
-        changes: dict[str, Any] = {name: value}
-        if name in _PROPAGATED:
-            for pattern in _PATTERNS:
-                changes[pattern] = tuple(
-                    e if e is None or name not in {f.name for f in dataclasses.fields(e)}
-                    else dataclasses.replace(e, **{name: value})
-                    for e in getattr(config, pattern))
-        try:
-            config = dataclasses.replace(config, **changes)
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-    return config
-
-
-def resolve_model_config(cfg: TrainConfig, vocab_size: int | None = None) -> ModelConfig:
-    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary."""
-    model = apply_model_overrides(base_model_config(cfg.preset), cfg.model_overrides)
-    if vocab_size is not None and vocab_size != model.vocab_size:
-        model = dataclasses.replace(model, vocab_size=vocab_size)
-    return model
 
 
 # Settings that may change when a run is resumed: they do not change what is learnt up to the

@@ -1,0 +1,95 @@
+"""Model overrides: "model.<field>=value" and "model.<attention|feedforward|depth>.<field>=value"
+applied to a preset's ModelConfig (moeify.train.config documents the keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from moeify.models.config import ModelConfig, field_hints
+from moeify.models.presets import get_preset
+from moeify.train.values import parse_value, split_override
+
+if TYPE_CHECKING:  # annotations only: moeify.train.config builds on this module
+    from moeify.train.config import TrainConfig
+
+_PATTERNS = ("attention", "feedforward", "depth")
+_PROPAGATED = ("d_model", "n_layers")
+
+
+def base_model_config(preset: str) -> ModelConfig:
+    return get_preset(preset)
+
+
+def _hint_from_value(value: Any) -> Any:
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int):
+        return int
+    if isinstance(value, float):
+        return float
+    if isinstance(value, frozenset):
+        return frozenset[str]
+    if isinstance(value, tuple):
+        return tuple[str, ...]
+    return str
+
+
+def _replace_layer(cfg: Any, name: str, text: str, what: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if name not in names:
+        raise ValueError(f"{what}: {type(cfg).__name__} has no field {name!r}; its fields are "
+                         f"{', '.join(names)}")
+    hint = field_hints(type(cfg)).get(name) or _hint_from_value(getattr(cfg, name))
+    return dataclasses.replace(cfg, **{name: parse_value(text, hint, what=what)})
+
+
+def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str, ...],
+                          ) -> ModelConfig:
+    """``config`` with "model.<...>=value" overrides applied in order."""
+    for item in overrides:
+        key, text = split_override(item)
+        what = f"--set {item}"
+        parts = key.split(".")
+        if parts[0] != "model" or len(parts) not in (2, 3):
+            raise ValueError(f"{what}: model settings are model.<field> or "
+                             f"model.<attention|feedforward|depth>.<field>")
+        if len(parts) == 3:
+            pattern, name = parts[1], parts[2]
+            if pattern not in _PATTERNS:
+                raise ValueError(f"{what}: {pattern!r} is not one of {', '.join(_PATTERNS)}")
+            entries = getattr(config, pattern)
+            if all(e is None for e in entries):
+                raise ValueError(f"{what}: this model has no {pattern} config to change")
+            new = tuple(None if e is None else _replace_layer(e, name, text, what)
+                        for e in entries)
+            config = dataclasses.replace(config, **{pattern: new})
+            continue
+        name = parts[1]
+        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+        if name not in fields:
+            raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
+                             f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"
+                             ".<field>")
+        hint = field_hints(ModelConfig).get(name) or _hint_from_value(getattr(config, name))
+        value = parse_value(text, hint, what=what)
+        changes: dict[str, Any] = {name: value}
+        if name in _PROPAGATED:
+            for pattern in _PATTERNS:
+                changes[pattern] = tuple(
+                    e if e is None or name not in {f.name for f in dataclasses.fields(e)}
+                    else dataclasses.replace(e, **{name: value})
+                    for e in getattr(config, pattern))
+        try:
+            config = dataclasses.replace(config, **changes)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    return config
+
+
+def resolve_model_config(cfg: "TrainConfig", vocab_size: int | None = None) -> ModelConfig:
+    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary."""
+    model = apply_model_overrides(base_model_config(cfg.preset), cfg.model_overrides)
+    if vocab_size is not None and vocab_size != model.vocab_size:
+        model = dataclasses.replace(model, vocab_size=vocab_size)
+    return model
