@@ -18,10 +18,10 @@ ALLOWED = {
     "layers": {"ops", "layers", "errors"},
     "models": {"ops", "layers", "models", "errors"},
     "data": {"data", "errors"},
-    "train": {"ops", "layers", "models", "data", "train", "eval", "errors"},
+    "train": {"ops", "layers", "models", "data", "train", "eval", "rundir", "errors"},
     "eval": {"ops", "layers", "models", "data", "eval", "errors"},
     "bench": {"ops", "layers", "models", "data", "bench", "errors"},
-    "analysis": {"ops", "layers", "models", "data", "eval", "analysis", "errors"},
+    "analysis": {"ops", "layers", "models", "data", "eval", "analysis", "rundir", "errors"},
     "cli": None,  # may import anything
 }
 
@@ -42,6 +42,10 @@ def imported_packages(path: Path) -> set[str]:
     return found
 
 
+# Top-level modules: the run-directory layout sits above models and data, below train / analysis.
+MODULES = {"rundir": {"models", "data", "errors"}, "errors": set()}
+
+
 def test_no_upward_imports():
     problems = []
     for pkg, allowed in ALLOWED.items():
@@ -51,6 +55,10 @@ def test_no_upward_imports():
             bad = imported_packages(f) - allowed
             if bad:
                 problems.append(f"{f.relative_to(ROOT)} imports {sorted(bad)}")
+    for mod, allowed in MODULES.items():
+        bad = imported_packages(ROOT / f"{mod}.py") - allowed
+        if bad:
+            problems.append(f"{mod}.py imports {sorted(bad)}")
     assert not problems, "layering violations:\n" + "\n".join(problems)
 
 

@@ -1,18 +1,8 @@
-"""Read-only access to run directories for analysis (never imports moeify.train).
-
-The layout is the trainer's (documented in moeify.train.rundir and moeify.train.checkpoint):
-
-    RUN/model.json                       the resolved ModelConfig
-    RUN/config.json                      the resolved training configuration (a plain dict here)
-    RUN/tokenizer.json (+ model files)   moeify.data.tokenizers.load_tokenizer
-    RUN/metrics.jsonl                    {"kind": "train" | "valid", "step", "tokens", ...}
-    RUN/checkpoints/latest               name of the newest complete checkpoint
-    RUN/checkpoints/step-*/model.safetensors, meta.json
-"""
+"""Read-only access to run directories for analysis (never imports moeify.train); the layout is
+moeify.rundir's."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,17 +11,8 @@ import torch
 
 from moeify.data.cache import read_jsonl
 from moeify.errors import MoeifyError
+from moeify import rundir
 from moeify.models.config import ModelConfig
-
-
-def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise MoeifyError(f"{path.parent} is not a moeify run directory: {path.name} ({what}) "
-                          "is missing; give the directory a `moeify train --out DIR` wrote")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MoeifyError(f"{path} is corrupt ({e})") from None
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
@@ -42,22 +23,17 @@ def check_run_dir(run_dir: str | Path) -> Path:
 
 
 def read_model_config(run_dir: str | Path) -> ModelConfig:
-    path = check_run_dir(run_dir) / "model.json"
-    try:
-        return ModelConfig.from_dict(_read_json(path, "model configuration"))
-    except (TypeError, ValueError) as e:
-        raise MoeifyError(f"{path} is not a valid model configuration ({e})") from None
+    return rundir.read_model_config(check_run_dir(run_dir))
 
 
 def read_train_config(run_dir: str | Path) -> dict[str, Any]:
     """config.json as a dict ({} when absent)."""
-    path = check_run_dir(run_dir) / "config.json"
-    return _read_json(path, "training configuration") if path.is_file() else {}
+    return rundir.read_train_config_dict(check_run_dir(run_dir))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of metrics.jsonl (a torn last line from a crash is skipped)."""
-    path = check_run_dir(run_dir) / "metrics.jsonl"
+    path = check_run_dir(run_dir) / rundir.METRICS_FILE
     if not path.is_file():
         raise MoeifyError(f"{path} is missing: the run has not logged any metrics yet")
     return read_jsonl(path)

@@ -1,12 +1,5 @@
-"""Run directories: what a run writes besides checkpoints, and loading a trained model back.
-
-    runs/NAME/
-        config.json         the resolved TrainConfig
-        model.json          the resolved ModelConfig (vocabulary = the tokenizer's)
-        tokenizer.json      the tokenizer (plus its model files), see moeify.data.tokenizers
-        metrics.jsonl       moeify.train.metrics
-        checkpoints/        moeify.train.checkpoint
-"""
+"""Run directories (layout: moeify.rundir): writing a run's files, and loading a trained model
+back with its checkpoint verified."""
 
 from __future__ import annotations
 
@@ -19,13 +12,12 @@ import torch
 
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig
+from moeify.rundir import CONFIG_FILE, MODEL_CONFIG_FILE, read_json, read_model_config  # noqa: F401
 from moeify.train.checkpoint import (Checkpoint, checkpoint_dirs, load_checkpoint,
                                      load_model_state, resolve_checkpoint, run_dir_of,
                                      write_json_atomic)
 from moeify.train.config import TrainConfig
 
-CONFIG_FILE = "config.json"
-MODEL_CONFIG_FILE = "model.json"
 
 
 def model_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
@@ -40,32 +32,13 @@ def write_run_files(run_dir: Path, cfg: TrainConfig, model_cfg: ModelConfig, tok
     tokenizer.save(run_dir)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise MoeifyError(f"{path} is missing: {path.parent} is not a moeify run directory "
-                          f"(no {what})")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MoeifyError(f"{path} is corrupt ({e}); it holds the run's {what}") from None
-
-
 def read_train_config(run_dir: Path) -> TrainConfig:
-    data = _read_json(Path(run_dir) / CONFIG_FILE, "training configuration")
+    data = read_json(Path(run_dir) / CONFIG_FILE, "training configuration")
     try:
         return TrainConfig.from_dict(data)
     except (TypeError, ValueError) as e:
         raise MoeifyError(f"{Path(run_dir) / CONFIG_FILE} is not a valid training configuration "
                           f"({e})") from None
-
-
-def read_model_config(run_dir: Path) -> ModelConfig:
-    data = _read_json(Path(run_dir) / MODEL_CONFIG_FILE, "model configuration")
-    try:
-        return ModelConfig.from_dict(data)
-    except (TypeError, ValueError) as e:
-        raise MoeifyError(f"{Path(run_dir) / MODEL_CONFIG_FILE} is not a valid model "
-                          f"configuration ({e})") from None
 
 
 def is_run_dir(path: Path) -> bool:
