@@ -209,10 +209,12 @@ def test_dense_init_follows_spec():
     cfg = DenseAttentionConfig(d_model=256, n_heads=4, d_head=64, pos="xl", n_layers=8)
     m = cfg.build()
     target = math.sqrt(2 / (8 * 256))
-    trunc_factor = 0.8796  # std of a normal truncated at ±2 std
-    assert m.w_q.std().item() == pytest.approx(target * trunc_factor, rel=0.03)
-    assert m.w_q.abs().max().item() <= 2 * target + 1e-9
-    assert m.w_o.std().item() == pytest.approx(math.sqrt(2 / (8 * 256)) * trunc_factor, rel=0.03)
+    # The authors' init: a normal truncated at ±2 (actual std 0.8796) rescaled to std exactly
+    # the target, so no value exceeds 2 / 0.8796 ≈ 2.27 targets (up to sampling).
+    assert m.w_q.std().item() == pytest.approx(target, rel=1e-5)
+    assert m.w_q.abs().max().item() <= 2.35 * target
+    assert m.w_o.std().item() == pytest.approx(target, rel=1e-5)
+    assert m.core.w_pos.std().item() == pytest.approx(target, rel=1e-5)
     assert torch.all(m.core.bias_u == 0) and m.core.scale.item() == pytest.approx(1 / 8)
 
 

@@ -3,6 +3,7 @@ with capacity dropping replayed by a plain loop in the position-priority order.
 
 Legend: M tokens, E real experts, R = E + no-op experts router outputs, K choices, D d_model."""
 
+import dataclasses
 import math
 
 import pytest
@@ -292,3 +293,44 @@ def test_config_validation(bad, match):
     kw = dict(d_model=4, d_ff=4, n_experts=3) | bad
     with pytest.raises(ValueError, match=match):
         SwitchFFConfig(**kw)
+
+
+def _decode_token_by_token(model, ids):
+    cache = model.new_cache()
+    return torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(ids.shape[1])], 1)
+
+
+@torch.no_grad()
+def test_cached_decoding_equals_the_dropless_full_forward():
+    # The decoding rule (layers/switch_ff.py): a call of one token per sequence never drops, so
+    # token-by-token decoding of a capacity model is the full forward of the dropless one.
+    from moeify.models.presets import get_preset
+
+    torch.manual_seed(0)
+    base = get_preset("tiny-switch")
+    # A small evaluation capacity, so that the full pass surely drops tokens.
+    cfg = dataclasses.replace(base, feedforward=tuple(
+        dataclasses.replace(f, eval_capacity_factor=0.5) for f in base.feedforward))
+    capped = cfg.build().double().eval()
+    dropless_cfg = dataclasses.replace(cfg, feedforward=tuple(
+        dataclasses.replace(f, dropless=True) for f in cfg.feedforward))
+    dropless = dropless_cfg.build().double().eval()
+    dropless.load_state_dict(capped.state_dict())
+    ids = torch.randint(0, 256, (3, 24))
+    decoded = _decode_token_by_token(capped, ids)
+    torch.testing.assert_close(decoded, dropless(ids).logits, rtol=1e-6, atol=1e-6)
+    full = capped(ids)
+    dropped = [v for k, v in full.stats.items() if k.endswith("fraction_dropped")]
+    assert any(d > 0 for d in dropped)  # the full pass drops, so the two differ (the rule)
+    assert not torch.allclose(decoded, full.logits, rtol=1e-6, atol=1e-6)
+
+
+def test_one_token_per_sequence_is_dropless_even_when_sequences_collide():
+    torch.manual_seed(0)
+    m = SwitchFFConfig(d_model=8, d_ff=16, n_experts=4, capacity_factor=0.25,
+                       eval_capacity_factor=0.25).build().eval()
+    x = torch.randn(6, 1, 8)
+    _, aux = m(x)
+    assert aux.stats["fraction_dropped"].item() == 0.0
+    _, aux_chunk = m(x.view(1, 6, 8))  # the same tokens as one sequence: capacity applies
+    assert aux_chunk.stats["fraction_dropped"].item() > 0.0

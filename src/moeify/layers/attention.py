@@ -21,7 +21,13 @@ import torch
 from torch import nn
 
 from moeify.layers.attention_core import AttentionCore, AttentionCoreConfig, check_core_fields
-from moeify.layers.common import Aux, check_positive, init_scale, project_by_input, trunc_normal_
+from moeify.layers.common import (
+    Aux,
+    check_positive,
+    init_scale,
+    project_by_input,
+    trunc_normal_exact_std_,
+)
 from moeify.layers.kv_cache import KVCache
 
 # The paper layers' positional variants (the core also knows "absolute", which the model adds).
@@ -113,12 +119,12 @@ class DenseAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Every projection trunc-normal (±2 std) with std sqrt(2 / (L · fan_in)) (spec §3)."""
+        """Every projection trunc-normal (±2 std) with std sqrt(2 / (L · fan_in)) (spec §3),
+        rescaled to exactly that std as the authors' code does (trunc_normal_exact_std_)."""
         s = init_scale(self.config.n_layers)
         for w in (self.w_q, self.w_k, self.w_v, self.w_o) + (
                 (self.core.w_pos,) if self.config.pos == "xl" else ()):
-            std = s / math.sqrt(w.shape[0])
-            nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
+            trunc_normal_exact_std_(w, s / math.sqrt(w.shape[0]))
         self.core.reset_parameters()
 
     def new_cache(self) -> KVCache:

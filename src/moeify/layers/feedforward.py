@@ -25,7 +25,7 @@ from moeify.layers.common import (
     check_probability,
     check_token_input,
     init_scale,
-    trunc_normal_,
+    trunc_normal_exact_std_,
 )
 
 
@@ -59,10 +59,11 @@ class DenseFeedForward(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # switchhead.md §3: dense baseline Linears trunc-normal, std sqrt(2 / (L · fan_in)).
+        # switchhead.md §3: dense baseline Linears trunc-normal, std sqrt(2 / (L · fan_in)),
+        # rescaled to exactly that std as the authors' code does.
         s = init_scale(self.config.n_layers)
         for lin in (self.w1, self.w2):
-            trunc_normal_(lin.weight, s / lin.in_features ** 0.5)
+            trunc_normal_exact_std_(lin.weight, s / lin.in_features ** 0.5)
             nn.init.zeros_(lin.bias)
 
     def forward(self, x_BTD: torch.Tensor, *,

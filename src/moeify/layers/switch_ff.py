@@ -14,6 +14,14 @@ earlier tokens first within a choice rank (``moeify.ops.routing.capacity_mask``)
 pair contributes zero; the residual carries the token. ``dropless=True`` keeps every pair.
 Training uses ``capacity_factor``, evaluation ``eval_capacity_factor`` (Switch §2.2).
 
+Decoding rule: capacity is computed per call, over that call's rows, so it depends on how many
+tokens a call holds. A call with one token per sequence (T = 1: cached decoding, one new token
+at a time) is dropless: no token competes with a later one of its own sequence, and a token's
+output then does not depend on the other sequences of the batch. Cached decoding therefore
+equals the full forward pass of the same weights with ``dropless=True``; it equals the capacity
+model's full forward pass only where that pass drops nothing (the prompt, when fed as one chunk,
+is routed with capacity like any call of several tokens).
+
 Compute follows the capacity: the kept pairs are packed into a static-size buffer of
 min(M·k, E·capacity) rows (kept pairs first, the rest padded with zero-gated rows), so the
 expert matmuls never see more rows than the capacity allows and no host sync is needed.
@@ -155,7 +163,7 @@ class SwitchFeedForward(nn.Module):
         real_MK = idx_MK < E
         valid_MK = (torch.ones_like(real_MK) if valid_M is None
                     else valid_M[:, None].expand(M, K))
-        cap = self.capacity(M)
+        cap = None if T == 1 else self.capacity(M)  # the decoding rule (module docstring)
         if cap is None:
             keep_MK = valid_MK & real_MK
         else:

@@ -85,7 +85,8 @@ class TransformerLM(nn.Module):
     def new_cache(self) -> list:
         """One attention KV cache per block, for incremental decoding: call ``forward`` with
         ``cache=`` on successive pieces of a sequence (the first piece may be the whole prompt)
-        and the logits equal those of one full forward pass without memory."""
+        and the logits equal those of one full forward pass without memory (Switch feedforwards:
+        of the dropless model, moeify.layers.switch_ff's decoding rule)."""
         return [attention_of(b).new_cache() for b in self.blocks]
 
     def forward(
