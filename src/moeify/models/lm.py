@@ -102,33 +102,7 @@ class TransformerLM(nn.Module):
         chunk). ``cache``: from ``new_cache()``, for decoding (not combined with memory).
         ``valid_BT``: False for padding; padded targets do not count in the loss."""
         cfg = self.config
-        if ids_BT.dim() != 2:
-            raise ValueError(f"ids_BT must be [batch, tokens], got shape {tuple(ids_BT.shape)}")
-        if ids_BT.is_floating_point() or ids_BT.is_complex() or ids_BT.dtype == torch.bool:
-            raise ValueError(f"ids_BT must hold integer token ids, got dtype {ids_BT.dtype}")
-        for name, t in (("targets_BT", targets_BT), ("valid_BT", valid_BT)):
-            if t is not None and t.shape != ids_BT.shape:
-                raise ValueError(f"{name} must have the shape of ids_BT {tuple(ids_BT.shape)}, "
-                                 f"got {tuple(t.shape)}")
-        if memory is not None and not cfg.xl_memory:
-            raise ValueError("memory was passed to a model without xl_memory; pass memory=None "
-                             "or build the model with xl_memory=True")
-        if memory is not None and cache is not None:
-            raise ValueError("pass either memory (chunked XL training/evaluation) or cache "
-                             "(incremental decoding), not both")
-        if memory is not None and len(memory) != len(self.blocks):
-            raise ValueError(f"memory must hold one tensor per block ({len(self.blocks)}), "
-                             f"got {len(memory)}")
-        if memory is not None and any(m.dim() != 3 or m.shape[0] != ids_BT.shape[0]
-                                      or m.shape[2] != cfg.d_model for m in memory):
-            raise ValueError(f"memory tensors must be [batch={ids_BT.shape[0]}, tokens, "
-                             f"d_model={cfg.d_model}], got {[tuple(m.shape) for m in memory]}: "
-                             "pass the previous call's output.memory for the same batch rows, "
-                             "or memory=None to start afresh")
-        if cache is not None and len(cache) != len(self.blocks):
-            raise ValueError(f"cache must hold one entry per block ({len(self.blocks)}); "
-                             "make it with model.new_cache()")
-
+        self._check_forward_args(ids_BT, targets_BT, memory, cache, valid_BT)
         x_BTD = self.drop(self.embedding(ids_BT))
         keep_memory = cfg.xl_memory and cache is None
         new_memory: list[torch.Tensor] = []
@@ -156,6 +130,37 @@ class TransformerLM(nn.Module):
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
                         stats=stats, memory=new_memory if keep_memory else None,
                         routing=routing)
+
+
+    def _check_forward_args(self, ids_BT, targets_BT, memory, cache, valid_BT) -> None:
+        """ValueError (what to pass instead) for inputs ``forward`` cannot use."""
+        cfg = self.config
+        if ids_BT.dim() != 2:
+            raise ValueError(f"ids_BT must be [batch, tokens], got shape {tuple(ids_BT.shape)}")
+        if ids_BT.is_floating_point() or ids_BT.is_complex() or ids_BT.dtype == torch.bool:
+            raise ValueError(f"ids_BT must hold integer token ids, got dtype {ids_BT.dtype}")
+        for name, t in (("targets_BT", targets_BT), ("valid_BT", valid_BT)):
+            if t is not None and t.shape != ids_BT.shape:
+                raise ValueError(f"{name} must have the shape of ids_BT {tuple(ids_BT.shape)}, "
+                                 f"got {tuple(t.shape)}")
+        if memory is not None and not cfg.xl_memory:
+            raise ValueError("memory was passed to a model without xl_memory; pass memory=None "
+                             "or build the model with xl_memory=True")
+        if memory is not None and cache is not None:
+            raise ValueError("pass either memory (chunked XL training/evaluation) or cache "
+                             "(incremental decoding), not both")
+        if memory is not None and len(memory) != len(self.blocks):
+            raise ValueError(f"memory must hold one tensor per block ({len(self.blocks)}), "
+                             f"got {len(memory)}")
+        if memory is not None and any(m.dim() != 3 or m.shape[0] != ids_BT.shape[0]
+                                      or m.shape[2] != cfg.d_model for m in memory):
+            raise ValueError(f"memory tensors must be [batch={ids_BT.shape[0]}, tokens, "
+                             f"d_model={cfg.d_model}], got {[tuple(m.shape) for m in memory]}: "
+                             "pass the previous call's output.memory for the same batch rows, "
+                             "or memory=None to start afresh")
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache must hold one entry per block ({len(self.blocks)}); "
+                             "make it with model.new_cache()")
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
