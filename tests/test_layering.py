@@ -173,3 +173,12 @@ def test_the_circle_check_finds_a_planted_circle(tmp_path):
 def test_every_package_is_covered():
     pkgs = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert pkgs <= set(ALLOWED), f"add the new package(s) to ALLOWED: {pkgs - set(ALLOWED)}"
+
+
+def test_tests_mirror_src():
+    # tests/<package>/ holds the tests of src/moeify/<package>/; only shared files sit on top.
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders <= set(ALLOWED), f"test folders without a src package: {folders - set(ALLOWED)}"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert top == ["test_layering.py", "test_readme.py"], top

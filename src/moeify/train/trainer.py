@@ -9,7 +9,7 @@ runs forward with its rows of the XL memory (the previous window's block inputs,
 backward with loss / grad_accum (the model's aux losses, already weighted, are added); then the
 gradients are averaged over processes (DDP), clipped to norm kappa, and AdamW steps. Every
 micro-batch has the same number of tokens, so this equals one big batch: W processes with B rows
-each compute the update of one process with W*B rows (tests/test_train_ddp.py).
+each compute the update of one process with W*B rows (tests/train/test_distributed.py).
 
 Exactness of resume: the checkpoint holds everything the next update reads (weights, AdamW
 moments, schedule position, grad-scaler state, data position, every process's RNG state and the
