@@ -76,6 +76,23 @@ def ref_expert_rows(x, idx, w, gates=None, groups=1, sum_rows=1):
     return y.view(M // sum_rows, sum_rows, -1).sum(1) if sum_rows > 1 else y
 
 
+def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None):
+    """The one input factory of the expert-matmul tests: x [M, D], distinct expert ids [M, K]
+    (the top K of random scores; ``skew`` puts expert 0 in every row), w [E, D, F] and gates
+    [M, K] (float64 in float64, else float32 as routers produce them). No gradients."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=g, dtype=f64).to(dtype)
+    w = torch.randn(E, D, F, generator=g, dtype=f64).to(dtype)
+    if idx is None:
+        scores = torch.rand(M, E, generator=g)
+        if skew:  # expert 0 in every row: the padding of the other experts is large
+            scores[:, 0] = 2.0
+        idx = scores.topk(K, -1).indices
+    gate_dtype = f64 if dtype == f64 else torch.float32
+    gates = torch.rand(M, K, generator=g, dtype=gate_dtype) if gated else None
+    return x, idx, w, gates
+
+
 def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=None):
     """softmax over the keys a query may see (causal: pos_k <= pos_q; valid_k), then @ V."""
     B, _, T, S = logits_BHTS.shape

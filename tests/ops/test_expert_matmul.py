@@ -6,18 +6,7 @@ import torch
 
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
 from references import ref_expert_rows as naive
-
-
-def make(M, K, E, D, F, dtype=torch.float64, seed=0, gated=True, idx=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, D, generator=g, dtype=torch.float64).to(dtype)
-    w = torch.randn(E, D, F, generator=g, dtype=torch.float64).to(dtype)
-    if idx is None:
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]) if M else \
-            torch.zeros(0, K, dtype=torch.long)
-    gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # routers run in fp32
-    gates = torch.rand(M, K, generator=g, dtype=gate_dtype) if gated else None
-    return x, idx, w, gates
+from references import routed_inputs as make
 
 
 def run(impl, x, idx, w, gates, groups=1, grad_out=None):

@@ -30,6 +30,7 @@ from moeify.ops.positional import (
 from moeify.ops.xl_attention import xl_attention
 from references import ref_expert_rows as naive_rows
 from references import ref_rope as brute_rope
+from references import routed_inputs
 
 f64 = torch.float64
 
@@ -52,15 +53,10 @@ def assert_all_close(a, b, rtol=1e-10, atol=1e-10):
 
 
 def routed(M, K, E, D, F, *, seed=0, skew=False, gated=True):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, D, generator=g, dtype=f64, requires_grad=True)
-    w = torch.randn(E, D, F, generator=g, dtype=f64, requires_grad=True)
-    scores = torch.rand(M, E, generator=g)
-    if skew:  # expert 0 in every row: the padding of the other experts is large
-        scores[:, 0] = 2.0
-    idx = scores.topk(K, -1).indices
-    gates = torch.rand(M, K, generator=g, dtype=f64, requires_grad=True) if gated else None
-    return x, idx, w, gates
+    """references.routed_inputs in float64, with gradients on x, w and the gates."""
+    x, idx, w, gates = routed_inputs(M, K, E, D, F, seed=seed, skew=skew, gated=gated)
+    return (x.requires_grad_(), idx, w.requires_grad_(),
+            None if gates is None else gates.requires_grad_())
 
 
 @pytest.mark.parametrize("D,F", [(12, 5), (5, 12)])  # gates on the outputs / on the inputs
