@@ -3,7 +3,7 @@
 #   make test    -> builds .venv and runs the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,plot,tokenizers
+EXTRAS ?= dev,plot,tokenizers,hf
 
 .PHONY: setup train demo test bench clean
 

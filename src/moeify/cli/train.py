@@ -77,7 +77,8 @@ def run(args) -> int:
     else:
         base = TrainConfig()
     cfg = dataclasses.replace(base, **explicit).with_overrides(args.overrides)
-    resolve_model_config(cfg)  # unknown presets and bad model overrides fail before any data work
+    # Unknown presets and bad model overrides fail before any data work.
+    resolve_model_config(cfg, run_dir=run_dir if resume is not None else None)
     if resume is None:
         if args.out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Each process would pick its own numbered default directory.

@@ -8,7 +8,8 @@ directory is self-contained).
 
 ``build_tokenizer(kind, corpus)`` picks one by name: ``byte`` (the byte values occurring in the
 corpus's train split), ``byte256`` (all 256 bytes), ``sentencepiece`` (BPE trained on the train
-split and cached per corpus), ``gpt2`` (GPT-2's BPE, see moeify.data.gpt2_bpe).
+split and cached per corpus), ``gpt2`` (GPT-2's BPE, see moeify.data.gpt2_bpe). Run directories
+imported from Hugging Face checkpoints hold a fifth kind, ``hf`` (moeify.data.hf_tokenizer).
 """
 
 from __future__ import annotations
@@ -200,4 +201,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         return SentencePieceTokenizer(directory / meta["model_file"])
     if kind == "gpt2":
         return GPT2Tokenizer(directory / meta["encoder_file"], directory / meta["merges_file"])
+    if kind == "hf":
+        from moeify.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_file(directory / meta["hf_file"], int(meta["vocab_size"]))
     raise MoeifyError(f"{meta_path} names an unknown tokenizer kind {kind!r}")

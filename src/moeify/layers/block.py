@@ -18,15 +18,17 @@ import torch
 from torch import nn
 
 from moeify.layers.common import Aux
+from moeify.layers.norm import NormConfig
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, d_model: int, attention: nn.Module, feedforward: nn.Module,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, norm: NormConfig | None = None):
         super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
+        norm = norm or NormConfig()  # the papers' LayerNorm unless the model says otherwise
+        self.ln1 = norm.build(d_model)
         self.attention = attention
-        self.ln2 = nn.LayerNorm(d_model)
+        self.ln2 = norm.build(d_model)
         self.feedforward = feedforward
         self.drop = nn.Dropout(dropout)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeify.layers.common import check_positive, check_probability
+from moeify.layers.norm import NormConfig
 from moeify.models.lm import TransformerLM
 
 # Modules whose dataclasses may appear in a ModelConfig; a type tag is looked up in these.
@@ -29,7 +30,14 @@ LAYER_CONFIG_MODULES = (
     "moeify.layers.moa",
     "moeify.layers.feedforward",
     "moeify.layers.depth",
+    "moeify.layers.gqa",
+    "moeify.layers.mlp",
+    "moeify.layers.norm",
 )
+
+# Fields written to JSON only when they differ from their default, so that the model.json and
+# checkpoint records of models without them read exactly as before these options existed.
+OPTIONAL_FIELDS = ("norm", "max_positions", "tie_embeddings", "output_bias")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +55,12 @@ class ModelConfig:
     xl_memory:      carry the previous chunk's block inputs as memory (Transformer-XL).
     dropout:        on the embeddings, the residual branches and before the output layer
                     (the layers' own configs hold their inner dropout).
+    norm:           the blocks' and the final normalisation (NormConfig: LayerNorm with bias,
+                    eps 1e-5 by default; RMSNorm for the Llama family).
+    max_positions:  > 0 adds a learned absolute position embedding of that many positions to the
+                    token embedding (GPT-2); 0 = none (positions come from the attention).
+    tie_embeddings: the output layer reuses the token embedding matrix (no bias then).
+    output_bias:    the untied output layer has a bias (the papers' models) or not.
     """
 
     vocab_size: int
@@ -58,10 +72,27 @@ class ModelConfig:
     depth: Any = None
     xl_memory: bool = True
     dropout: float = 0.0
+    norm: NormConfig = NormConfig()
+    max_positions: int = 0
+    tie_embeddings: bool = False
+    output_bias: bool = True
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "d_model", "n_layers", "context_length")
         check_probability(self, "dropout")
+        if not isinstance(self.norm, NormConfig):
+            raise ValueError(f"ModelConfig.norm must be a NormConfig, got {self.norm!r}")
+        if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) \
+                or self.max_positions < 0:
+            raise ValueError(f"ModelConfig.max_positions must be an integer >= 0 (0: no learned "
+                             f"position embedding), got {self.max_positions!r}")
+        for name in ("tie_embeddings", "output_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")
+        if self.tie_embeddings and self.output_bias:
+            raise ValueError("ModelConfig: a tied output layer has no bias; set "
+                             "output_bias=False with tie_embeddings=True")
         if not isinstance(self.xl_memory, bool):
             raise ValueError(f"ModelConfig.xl_memory must be True or False, got {self.xl_memory!r}")
         for name in ("attention", "feedforward", "depth"):
@@ -122,8 +153,10 @@ class ModelConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in OPTIONAL_FIELDS and v == f.default:
+                continue
             out[f.name] = [_encode(c) for c in v] if f.name in ("attention", "feedforward",
-                                                                "depth") else v
+                                                                "depth") else _encode(v)
         return out
 
     @classmethod

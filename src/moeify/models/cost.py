@@ -114,12 +114,29 @@ def moa_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, T: int,
     return AttentionCost(macs, mem)
 
 
+def gqa_cost(*, d_model: int, n_heads: int, n_kv_heads: int, d_head: int, T: int,
+             C: int) -> AttentionCost:
+    """Grouped-query attention, in the terms of ``dense_attention_cost``: the Q and O
+    projections cost d·H·d_h per token, K and V d·Hk·d_h; the cache holds Hk key/value heads
+    (biases and RoPE are not counted, as in the dense formula)."""
+    _positive(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, T=T, C=C)
+    d, H, Hk, dh = d_model, n_heads, n_kv_heads, d_head
+    macs = 2 * H * dh * C * T * T + 2 * d * (H + Hk) * dh * T
+    mem = 2 * H * C * T * T + 2 * (H + Hk) * dh * T
+    return AttentionCost(macs, mem)
+
+
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
-    """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig)."""
+    """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
+    GroupedQueryAttentionConfig)."""
     from moeify.layers.attention import DenseAttentionConfig
+    from moeify.layers.gqa import GroupedQueryAttentionConfig
     from moeify.layers.moa import MoAConfig
     from moeify.layers.switchhead import SwitchHeadConfig
 
+    if isinstance(cfg, GroupedQueryAttentionConfig):
+        return gqa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                        d_head=cfg.d_head, T=T, C=C)
     xl = cfg.pos == "xl"
     if isinstance(cfg, DenseAttentionConfig):
         return dense_attention_cost(d_model=cfg.d_model, n_heads=cfg.n_heads,
@@ -133,7 +150,8 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
         return moa_cost(d_model=cfg.d_model, n_heads=cfg.k, d_head=cfg.d_head,
                         n_experts=cfg.n_experts, T=T, C=C, xl=xl)
     raise ValueError(f"no cost formula for attention config {type(cfg).__name__}; "
-                     "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig")
+                     "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig, "
+                     "GroupedQueryAttentionConfig")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -195,7 +213,7 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
 def _add_parts(parts: dict[str, int], module: nn.Module, prefix: str, times: int) -> None:
     for name, p in module.named_parameters():
         name = prefix + name
-        if name.startswith("embedding."):
+        if name.startswith("embedding.") or name.startswith("pos_embedding."):
             part = "embedding"
         elif name.startswith("output."):
             part = "output"
@@ -213,6 +231,8 @@ def _add_parts(parts: dict[str, int], module: nn.Module, prefix: str, times: int
 def attention_summary(cfg: Any) -> str:
     """A short description of an attention config: "SwitchHead H=2 d_h=76 E=5 k=2 VO xl"."""
     name = type(cfg).__name__.removesuffix("Config").removesuffix("Attention") or "Dense"
+    if name == "GroupedQuery":
+        return f"GQA H={cfg.n_heads} Hk={cfg.n_kv_heads} d_h={cfg.d_head} {cfg.pos}"
     parts = [name]
     if hasattr(cfg, "n_experts") and name == "MoA":
         parts += [f"H={cfg.k}/{cfg.n_experts}", f"d_h={cfg.d_head}"]

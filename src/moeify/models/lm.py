@@ -1,8 +1,14 @@
 """TransformerLM: the decoder-only language model of switchhead.md §3, assembled from layers.
 
-    x = Drop(Embed(ids))                      embedding std 1/sqrt(d)
-    x = block_l(x, mem_l)   for l = 1..L      pre-LN blocks, optionally wrapped by depth routing
-    logits = Out(Drop(LN(x)))                 untied Linear(d, V) with bias
+    x = Drop(Embed(ids) [+ Pos(p)])           embedding std 1/sqrt(d); Pos: learned absolute
+                                              positions when max_positions > 0 (GPT-2)
+    x = block_l(x, mem_l)   for l = 1..L      pre-norm blocks, optionally wrapped by depth routing
+    logits = Out(Drop(Norm(x)))               untied Linear(d, V) with bias (the papers), or
+                                              without bias, or tied to the embedding (x Eᵀ)
+
+Learned positions count from the first token of the sequence; with a cache, from the number of
+tokens the longest per-block cache holds (every block's cache holds every token unless it is
+routed by Mixture-of-Depths, so at least one plain block is needed for exact positions).
 
 XL memory: ``mem_l`` is the input of block l for the previous chunk, detached (one chunk of
 memory). The caller carries it: pass ``output.memory`` of one call as ``memory=`` of the next.
@@ -64,10 +70,13 @@ class TransformerLM(nn.Module):
         self.config = config
         d, V = config.d_model, config.vocab_size
         self.embedding = nn.Embedding(V, d)
+        if config.max_positions:
+            self.pos_embedding = nn.Embedding(config.max_positions, d)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = self._build_blocks(config)
-        self.ln_f = nn.LayerNorm(d)
-        self.output = nn.Linear(d, V, bias=True)
+        self.ln_f = config.norm.build(d)
+        # Tied: the logits are x Eᵀ with the embedding's own parameter (no second copy to save).
+        self.output = None if config.tie_embeddings else nn.Linear(d, V, bias=config.output_bias)
         self.reset_parameters()
 
     def _build_blocks(self, config: ModelConfig) -> nn.ModuleList:
@@ -78,9 +87,14 @@ class TransformerLM(nn.Module):
         """Embedding and output layer only; every layer initialises itself (§3)."""
         d = self.config.d_model
         nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # switchhead.md §3
+        if self.config.max_positions:  # not in the papers: the token embedding's scale
+            nn.init.normal_(self.pos_embedding.weight, std=d ** -0.5)
+        if self.output is None:
+            return
         # The spec leaves the output layer's init open: the same 1/sqrt(fan_in) scale, bias 0.
         nn.init.normal_(self.output.weight, std=d ** -0.5)
-        nn.init.zeros_(self.output.bias)
+        if self.output.bias is not None:
+            nn.init.zeros_(self.output.bias)
 
     def new_cache(self) -> list:
         """One attention KV cache per block, for incremental decoding: call ``forward`` with
@@ -103,7 +117,7 @@ class TransformerLM(nn.Module):
         ``valid_BT``: False for padding; padded targets do not count in the loss."""
         cfg = self.config
         self._check_forward_args(ids_BT, targets_BT, memory, cache, valid_BT)
-        x_BTD = self.drop(self.embedding(ids_BT))
+        x_BTD = self.drop(self._embed(ids_BT, cache))
         keep_memory = cfg.xl_memory and cache is None
         new_memory: list[torch.Tensor] = []
         losses: dict[str, torch.Tensor] = {}
@@ -122,7 +136,7 @@ class TransformerLM(nn.Module):
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = dataclasses.replace(r, layer=i)
                 stats.update({f"layers.{i}.{k}.{m}": v for m, v in r.metrics().items()})
-        logits_BTV = self.output(self.drop(self.ln_f(x_BTD)))
+        logits_BTV = self.logits(self.drop(self.ln_f(x_BTD)))
 
         aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses
                     else logits_BTV.new_zeros((), dtype=torch.float32))
@@ -130,7 +144,6 @@ class TransformerLM(nn.Module):
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
                         stats=stats, memory=new_memory if keep_memory else None,
                         routing=routing)
-
 
     def _check_forward_args(self, ids_BT, targets_BT, memory, cache, valid_BT) -> None:
         """ValueError (what to pass instead) for inputs ``forward`` cannot use."""
@@ -162,6 +175,25 @@ class TransformerLM(nn.Module):
             raise ValueError(f"cache must hold one entry per block ({len(self.blocks)}); "
                              "make it with model.new_cache()")
 
+    def _embed(self, ids_BT: torch.Tensor, cache: list | None) -> torch.Tensor:
+        x_BTD = self.embedding(ids_BT)
+        P = self.config.max_positions
+        if not P:
+            return x_BTD
+        past = max((len(c) for c in cache), default=0) if cache is not None else 0
+        T = ids_BT.shape[1]
+        if past + T > P:
+            raise ValueError(f"the model has learned positions for {P} tokens; this call reaches "
+                             f"position {past + T}: use shorter sequences (or a generation "
+                             "window)")
+        return x_BTD + self.pos_embedding(torch.arange(past, past + T, device=ids_BT.device))
+
+    def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """The output layer on normalised hidden states [B, T, D] -> [B, T, V]."""
+        if self.output is None:
+            return h_BTD @ self.embedding.weight.t()
+        return self.output(h_BTD)
+
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
             valid_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,7 +205,8 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
 
 def build_block(config: ModelConfig, attn, ff, depth) -> nn.Module:
     """One layer: a pre-LN block of ``attn`` and ``ff``, wrapped by depth routing if ``depth``."""
-    block = TransformerBlock(config.d_model, attn.build(), ff.build(), config.dropout)
+    block = TransformerBlock(config.d_model, attn.build(), ff.build(), config.dropout,
+                             norm=config.norm)
     if depth is None:
         return block
     from moeify.layers.depth import MixtureOfDepths

@@ -24,6 +24,7 @@ from typing import Any
 
 from moeify.models.config import known_fields
 from moeify.train.overrides import (  # noqa: F401  (re-exported: the override API)
+    RUN_MODEL_PRESET,
     apply_model_overrides,
     base_model_config,
     resolve_model_config,
@@ -172,7 +173,7 @@ class TrainConfig:
                 raise ValueError("set model fields with model.<field>=value, not model_overrides")
             changes[key] = parse_value(value, hints[key], what=f"--set {item}")
         out = dataclasses.replace(self, **changes, model_overrides=tuple(model_ovr))
-        if len(model_ovr) > len(self.model_overrides):
+        if len(model_ovr) > len(self.model_overrides) and out.preset != RUN_MODEL_PRESET:
             apply_model_overrides(base_model_config(out.preset), model_ovr)  # fail early
         return out
 
@@ -201,14 +202,18 @@ RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_ba
                      "checkpoint_every", "keep_checkpoints", "tensorboard", "device")
 
 
-def check_resume_compatible(saved: TrainConfig, requested: TrainConfig) -> None:
-    """Raise if ``requested`` changes something a resumed run cannot change."""
+def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
+                            weights_only: bool = False) -> None:
+    """Raise if ``requested`` changes something a resumed run cannot change. From a checkpoint
+    that holds only weights (an imported model: nothing trained yet) only the model is fixed."""
     if saved.preset != requested.preset or saved.model_overrides != requested.model_overrides:
         raise ValueError(f"the checkpoint is from another preset: the run was trained as "
                          f"{saved.preset!r} {list(saved.model_overrides) or ''} but "
                          f"{requested.preset!r} {list(requested.model_overrides) or ''} was "
                          "requested; resume without --preset/model overrides, or start a new run "
                          "with --out")
+    if weights_only:
+        return
     bad = [f.name for f in dataclasses.fields(TrainConfig)
            if f.name not in RESUMABLE_CHANGES + ("preset", "model_overrides")
            and getattr(saved, f.name) != getattr(requested, f.name)]

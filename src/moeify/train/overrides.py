@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig, field_hints
 from moeify.models.presets import get_preset
+from moeify.rundir import read_model_config
 from moeify.train.values import parse_value, split_override
 
 if TYPE_CHECKING:  # annotations only: moeify.train.config builds on this module
@@ -17,7 +19,20 @@ _PATTERNS = ("attention", "feedforward", "depth")
 _PROPAGATED = ("d_model", "n_layers")
 
 
-def base_model_config(preset: str) -> ModelConfig:
+# The preset of a run whose model is no preset (one imported from a Hugging Face checkpoint): its
+# model is the run directory's model.json, so it can only be resumed, not started afresh.
+RUN_MODEL_PRESET = "run-model"
+
+
+def base_model_config(preset: str, run_dir=None) -> ModelConfig:
+    if preset == RUN_MODEL_PRESET:
+        if run_dir is None:
+            raise ValueError(f"preset {RUN_MODEL_PRESET!r} means the model.json of an existing run "
+                             "(e.g. one made by `moeify import`): continue it with --resume RUN")
+        try:
+            return read_model_config(run_dir)
+        except MoeifyError as e:
+            raise ValueError(str(e)) from None
     return get_preset(preset)
 
 
@@ -87,9 +102,11 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
     return config
 
 
-def resolve_model_config(cfg: "TrainConfig", vocab_size: int | None = None) -> ModelConfig:
-    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary."""
-    model = apply_model_overrides(base_model_config(cfg.preset), cfg.model_overrides)
+def resolve_model_config(cfg: "TrainConfig", vocab_size: int | None = None,
+                         run_dir=None) -> ModelConfig:
+    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary
+    (``run_dir``: the run being resumed, whose model.json the preset "run-model" names)."""
+    model = apply_model_overrides(base_model_config(cfg.preset, run_dir), cfg.model_overrides)
     if vocab_size is not None and vocab_size != model.vocab_size:
         model = dataclasses.replace(model, vocab_size=vocab_size)
     return model

@@ -37,8 +37,8 @@ from moeify.train.config import TrainConfig, check_resume_compatible, resolve_mo
 from moeify.train.distributed import DistEnv, pick_device, setup_distributed
 from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
 from moeify.train.progress import Progress
-from moeify.train.rundir import (model_config_dict, read_model_config, read_train_config,
-                                 write_run_files)
+from moeify.train.rundir import (CONFIG_FILE, model_config_dict, read_model_config,
+                                 read_train_config, write_run_files)
 from moeify.train.schedule import make_scheduler
 from moeify.train.validate import autocast_context, evaluate_stream
 
@@ -139,7 +139,7 @@ class Trainer:
 
         ckpt_dir = self._check_run_dir(resume)
         self.corpus, self.tokenizer = self._data(resume=ckpt_dir is not None)
-        self.model_cfg = resolve_model_config(cfg, self.tokenizer.vocab_size)
+        self.model_cfg = resolve_model_config(cfg, self.tokenizer.vocab_size, self.run_dir)
         if ckpt_dir is not None:
             saved_model = read_model_config(self.run_dir)
             if model_config_dict(saved_model) != model_config_dict(self.model_cfg):
@@ -202,6 +202,7 @@ class Trainer:
         return out if self.env.is_main else fn()
 
     def _check_run_dir(self, resume: bool | str | Path) -> Path | None:
+        self.weights_only = False
         if resume is False or resume is None:
             if ckpt_io.checkpoint_dirs(self.run_dir):
                 raise MoeifyError(f"{self.run_dir} already holds a run with checkpoints; pass "
@@ -212,7 +213,9 @@ class Trainer:
         if ckpt_io.run_dir_of(ckpt).resolve() != self.run_dir.resolve():
             raise MoeifyError(f"checkpoint {ckpt} belongs to run {ckpt_io.run_dir_of(ckpt)}, not "
                               f"{self.run_dir}; resume it with --out {ckpt_io.run_dir_of(ckpt)}")
-        check_resume_compatible(read_train_config(self.run_dir), self.cfg)
+        self.weights_only = bool(ckpt_io.read_meta(ckpt).get("weights_only"))
+        check_resume_compatible(read_train_config(self.run_dir), self.cfg,
+                                weights_only=self.weights_only)
         return ckpt
 
     def _data(self, *, resume: bool):
@@ -236,6 +239,14 @@ class Trainer:
                                        map_location="cpu")
         ckpt_io.load_model_state(self.model, ckpt)
         st = ckpt.train_state
+        if self.weights_only:
+            # Weights without a training state (moeify import): training starts at step 0 with
+            # a fresh optimizer and data position, under the settings of this invocation.
+            self.last_checkpoint = ckpt.path
+            if self.env.is_main:
+                ckpt_io.write_json_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_dict())
+                truncate_metrics(self.run_dir, 0)
+            return
         try:
             self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])

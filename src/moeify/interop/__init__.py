@@ -1,0 +1,8 @@
+"""Interoperability with other tools: Hugging Face checkpoints in (``import_hf``) and out
+(``export_hf``). Optional dependencies (transformers, tokenizers: ``pip install 'moeify[hf]'``)
+are imported lazily; the rest of moeify never needs this package."""
+
+from moeify.interop.hf_export import export_hf
+from moeify.interop.hf_import import SUPPORTED_ARCHITECTURES, import_hf
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "import_hf", "export_hf"]

@@ -1,0 +1,145 @@
+"""Export a moeify run as a Hugging Face model directory (``moeify export``).
+
+    out/ config.json              model_type "moeify", auto_map, the moeify ModelConfig
+         configuration_moeify.py  the transformers config class   } loaded with
+         modeling_moeify.py       the transformers model class    } trust_remote_code=True
+         model.safetensors        the run's latest checkpoint weights (float32, "model." prefix)
+         tokenizer.json           the run's tokenizer for transformers (when it has a
+         tokenizer_config.json    Hugging Face form: imported, byte, byte256 and gpt2 kinds)
+         README.md
+
+The modeling code imports moeify (every family runs moeify's own layers), so the directory needs
+``pip install moeify`` wherever it is loaded; config.json and the README say so. What is
+preserved: the weights exactly, hence the logits (tests hold transformers' logits to moeify's
+within 1e-5 for every family) and greedy generation. Routing statistics buffers are not
+exported (they are not part of a checkpoint either).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from moeify.errors import MoeifyError
+
+REMOTE_DIR = Path(__file__).with_name("hf_remote")
+REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
+REQUIRES = "the modeling code imports moeify: pip install moeify (trust_remote_code=True)"
+
+
+def hf_config(model_cfg, hf_source: dict | None) -> dict:
+    """config.json of the exported directory."""
+    from moeify.train.rundir import model_config_dict
+
+    src = hf_source or {}
+    cfg = {"model_type": "moeify", "architectures": ["MoeifyForCausalLM"],
+           "auto_map": {"AutoConfig": "configuration_moeify.MoeifyConfig",
+                        "AutoModelForCausalLM": "modeling_moeify.MoeifyForCausalLM"},
+           "moeify_requires": REQUIRES, "moeify_config": model_config_dict(model_cfg),
+           "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.d_model,
+           "num_hidden_layers": model_cfg.n_layers,
+           "max_position_embeddings": model_cfg.max_positions or model_cfg.context_length,
+           "tie_word_embeddings": model_cfg.tie_embeddings, "use_cache": True,
+           "dtype": "float32"}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if src.get(key) is not None:
+            cfg[key] = src[key]
+    return cfg
+
+
+def byte_level_tokenizer_json(values, unk: bool) -> bytes:
+    """A ``tokenizers`` byte-level BPE without merges whose ids are moeify's byte ids:
+    id i = byte ``values[i]`` (GPT-2's byte-to-character map), the last id the unknown byte."""
+    from moeify.data.gpt2_bpe import bytes_to_unicode
+    from moeify.data.hf_tokenizer import import_tokenizers
+
+    tk = import_tokenizers()
+    b2u = bytes_to_unicode()
+    vocab = {b2u[int(v)]: i for i, v in enumerate(values)}
+    if unk:
+        vocab["<unk>"] = len(vocab)
+    tok = tk.Tokenizer(tk.models.BPE(vocab, [], unk_token="<unk>" if unk else None))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    return tok.to_str().encode()
+
+
+def tokenizer_json(tokenizer) -> bytes | None:
+    """The run's tokenizer as a tokenizer.json, or None when it has no Hugging Face form."""
+    if tokenizer.name == "hf":
+        return tokenizer.json_bytes
+    if tokenizer.name in ("byte", "byte256"):
+        return byte_level_tokenizer_json(tokenizer.values, tokenizer.has_unk)
+    if tokenizer.name == "gpt2":
+        from moeify.data.hf_tokenizer import import_tokenizers
+
+        tk = import_tokenizers()
+        merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.get)
+        tok = tk.Tokenizer(tk.models.BPE(dict(tokenizer.encoder), merges))
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        return tok.to_str().encode()
+    return None
+
+
+def _readme(run_dir: Path, model_cfg, has_tokenizer: bool) -> str:
+    tok = ("tokenizer.json (AutoTokenizer.from_pretrained(DIR)) is the run's tokenizer."
+           if has_tokenizer else "The run's tokenizer (SentencePiece) has no Hugging Face form "
+           "here: its moeify files are in moeify_tokenizer/ (moeify.data.tokenizers."
+           "load_tokenizer).")
+    return (f"# moeify model\n\nExported by `moeify export` from the run {run_dir.name} "
+            f"({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocabulary "
+            f"{model_cfg.vocab_size}).\n\n**Requires moeify**: {REQUIRES}.\n\n"
+            "```python\nfrom transformers import AutoModelForCausalLM\n"
+            "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)\n```\n\n"
+            f"{tok}\n")
+
+
+def _write(tmp: Path, tm, hf_source: dict | None) -> None:
+    from safetensors.torch import save_file
+
+    tmp.mkdir(parents=True)
+    for name in REMOTE_FILES:
+        shutil.copyfile(REMOTE_DIR / name, tmp / name)
+    (tmp / "config.json").write_text(json.dumps(hf_config(tm.model_config, hf_source),
+                                                indent=2) + "\n")
+    state = {f"model.{k}": v.detach().float().cpu().contiguous()
+             for k, v in tm.model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tok = tokenizer_json(tm.tokenizer)
+    if tok is not None:
+        (tmp / "tokenizer.json").write_bytes(tok)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast",
+             "model_max_length": tm.model_config.context_length}, indent=2) + "\n")
+    else:
+        tm.tokenizer.save(tmp / "moeify_tokenizer")
+    (tmp / "README.md").write_text(_readme(tm.run_dir, tm.model_config, tok is not None))
+
+
+def export_hf(run: str | Path, out: str | Path) -> Path:
+    """Write the Hugging Face directory ``out`` (new or empty) from the run (or checkpoint)
+    ``run``. The directory appears complete or not at all (written beside it, then renamed)."""
+    from moeify.interop.hf_import import HF_CONFIG_COPY
+    from moeify.train.rundir import load_trained
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
+                          "--out for the exported model")
+    tm = load_trained(run)
+    src = tm.run_dir / HF_CONFIG_COPY
+    hf_source = json.loads(src.read_text()) if src.is_file() else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write(tmp, tm, hf_source)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,333 @@
+"""Import a Hugging Face causal LM checkpoint (a ``save_pretrained`` directory) as a moeify run.
+
+    import_hf(src, out)  ->  out/ model.json, config.json, tokenizer.json + hf_tokenizer.json,
+                             hf_config.json (the source config), checkpoints/step-00000000/
+
+Supported: GPT-2 (``GPT2LMHeadModel``) and the Llama family (``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``). The conversion preserves the function: the moeify
+model computes the same logits as the transformers model for any batch within the context
+(float32 weights; tests/test_interop_hf.py holds both families to 1e-4, padded batches too):
+
+    GPT-2  learned absolute positions, LayerNorm (eps from the config), multi-head attention
+           with Q/K/V and output biases (Conv1D [in, out] weights transposed, c_attn split into
+           Q, K, V), GELU MLP with biases (gelu_new = tanh approximation), tied embeddings.
+    Llama  RMSNorm (eps from the config), grouped-query attention with full-width RoPE of the
+           config's base (Hugging Face's rotate-half layout is moeify's: no permutation),
+           optional biases (Qwen2: Q/K/V), SwiGLU MLP, tied or untied embeddings.
+
+Not preserved: dropout rates (the imported model has none), the weights' dtype (stored as
+float32), and anything the config marks as a variant moeify does not implement (RoPE scaling,
+GPT-2's layer-index attention scaling...), which is refused. Mistral's sliding window is not
+applied: the context length is capped at the window instead. Nothing is downloaded: the
+directory must hold config.json, the weights (model.safetensors, or shards with
+model.safetensors.index.json) and tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeify.errors import MoeifyError
+from moeify.layers.gqa import GroupedQueryAttentionConfig
+from moeify.layers.mlp import GatedMLPConfig, MLPConfig
+from moeify.layers.norm import NormConfig
+from moeify.models.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                           "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_CONFIG_COPY = "hf_config.json"
+# context_length is the training chunk and the generation window, not a limit of the weights:
+# long-context checkpoints get this default (change it with --set model.context_length=N).
+MAX_IMPORTED_CONTEXT = 2048
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+             "relu": "relu", "silu": "silu"}
+
+
+def _supported() -> str:
+    return ", ".join(SUPPORTED_ARCHITECTURES.values())
+
+
+def read_hf_config(src: Path) -> dict[str, Any]:
+    path = src / "config.json"
+    if not src.is_dir():
+        raise MoeifyError(f"{src} is not a directory: give a Hugging Face checkpoint directory "
+                          "(written by save_pretrained)")
+    if not path.is_file():
+        raise MoeifyError(f"{src} has no config.json: it is not a Hugging Face checkpoint "
+                          "directory (save the model with save_pretrained)")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MoeifyError(f"{path} cannot be read as JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise MoeifyError(f"{path} does not hold a JSON object")
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        names = hf.get("architectures") or [arch]
+        raise MoeifyError(f"{src}: architecture {', '.join(map(str, names))} (model_type "
+                          f"{arch!r}) is not supported; moeify imports {_supported()}")
+    return hf
+
+
+def _need(hf: dict, key: str, default: Any = None) -> Any:
+    value = hf.get(key, default)
+    if value is None:
+        raise MoeifyError(f"config.json has no {key!r}; it is needed to rebuild the model")
+    return value
+
+
+# ---------------------------------------------------------------------- configs
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a supported Hugging Face config (a dict read from config.json)."""
+    try:
+        return _gpt2_config(hf) if hf["model_type"] == "gpt2" else _llama_config(hf)
+    except (TypeError, ValueError) as e:
+        raise MoeifyError(f"config.json describes a model moeify cannot rebuild: {e}") from None
+
+
+def _gpt2_config(hf: dict) -> ModelConfig:
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(key):
+            raise MoeifyError(f"config.json sets {key}=true, a GPT-2 variant moeify does not "
+                              "implement")
+    if hf.get("scale_attn_weights") is False:
+        raise MoeifyError("config.json sets scale_attn_weights=false (unscaled attention), a "
+                          "GPT-2 variant moeify does not implement")
+    act = _need(hf, "activation_function", "gelu_new")
+    if act not in _GPT2_ACT:
+        raise MoeifyError(f"config.json: activation_function {act!r} is not supported; "
+                          f"moeify has {', '.join(_GPT2_ACT)}")
+    D, L, H = _need(hf, "n_embd"), _need(hf, "n_layer"), _need(hf, "n_head")
+    P = _need(hf, "n_positions")
+    if D % H:
+        raise MoeifyError(f"config.json: n_embd={D} is not a multiple of n_head={H}")
+    attn = GroupedQueryAttentionConfig(d_model=D, n_heads=H, n_kv_heads=H, d_head=D // H,
+                                       pos="none", qkv_bias=True, out_bias=True, n_layers=L)
+    ff = MLPConfig(d_model=D, d_ff=hf.get("n_inner") or 4 * D, activation=_GPT2_ACT[act],
+                   bias=True, n_layers=L)
+    return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,
+                       context_length=P, attention=attn, feedforward=ff, xl_memory=False,
+                       norm=NormConfig(kind="layernorm", eps=float(hf.get("layer_norm_epsilon",
+                                                                           1e-5))),
+                       max_positions=P, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                       output_bias=False)
+
+
+def _rope(hf: dict) -> tuple[float, float]:
+    """(base, fraction) from ``rope_parameters`` (transformers 5) or ``rope_theta`` /
+    ``rope_scaling`` (earlier configs); scaled RoPE variants are refused."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise MoeifyError(f"config.json uses RoPE scaling {kind!r}; moeify implements plain RoPE "
+                          "only (rope_type 'default')")
+    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    return float(base), float(fraction)
+
+
+def _llama_config(hf: dict) -> ModelConfig:
+    act = _need(hf, "hidden_act", "silu")
+    if act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        raise MoeifyError(f"config.json: hidden_act {act!r} is not supported; moeify has silu, "
+                          "gelu, gelu_pytorch_tanh, relu")
+    D, L = _need(hf, "hidden_size"), _need(hf, "num_hidden_layers")
+    H = _need(hf, "num_attention_heads")
+    Hk = hf.get("num_key_value_heads") or H
+    C = hf.get("head_dim") or D // H
+    qwen = hf["model_type"] == "qwen2"
+    bias = bool(hf.get("attention_bias", False))
+    base, fraction = _rope(hf)
+    attn = GroupedQueryAttentionConfig(
+        d_model=D, n_heads=H, n_kv_heads=Hk, d_head=C, pos="rope", rope_base=base,
+        rope_fraction=fraction, qkv_bias=qwen or bias, out_bias=bias and not qwen, n_layers=L)
+    ff = GatedMLPConfig(d_model=D, d_ff=_need(hf, "intermediate_size"),
+                        activation="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
+                        bias=bool(hf.get("mlp_bias", False)), n_layers=L)
+    T = min(int(_need(hf, "max_position_embeddings", MAX_IMPORTED_CONTEXT)),
+            MAX_IMPORTED_CONTEXT)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window:
+        T = min(T, int(window))
+    tied = bool(hf.get("tie_word_embeddings", False))
+    return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,
+                       context_length=T, attention=attn, feedforward=ff, xl_memory=False,
+                       norm=NormConfig(kind="rmsnorm", eps=float(hf.get("rms_norm_eps", 1e-6)),
+                                       bias=False),
+                       tie_embeddings=tied, output_bias=False)
+
+
+# ---------------------------------------------------------------------- weights
+
+def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json names."""
+    from safetensors.torch import load_file
+
+    single, index = src / "model.safetensors", src / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise MoeifyError(f"{index} is corrupt ({e})") from None
+        files = [src / s for s in shards]
+    else:
+        raise MoeifyError(f"{src} has no model.safetensors (nor a sharded "
+                          "model.safetensors.index.json); save the model with save_pretrained "
+                          "(safetensors is its default)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise MoeifyError(f"{f} is missing: the checkpoint's weights are incomplete")
+        try:
+            out.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types on damaged files
+            raise MoeifyError(f"{f} cannot be read ({str(e).splitlines()[0]}): the weights file "
+                              "is truncated or damaged") from None
+    return out
+
+
+class _Weights:
+    """The checkpoint's tensors by name, with a clear error for a missing one."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str):
+        self.tensors, self.prefix = tensors, prefix
+
+    def __call__(self, name: str) -> torch.Tensor:
+        key = self.prefix + name
+        if key not in self.tensors:
+            raise MoeifyError(f"the checkpoint has no tensor {key!r}: the weights do not match "
+                              "config.json (missing or from another model)")
+        return self.tensors[key].float()
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(self.prefix + name)
+
+
+def _gpt2_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    D = cfg.d_model
+    sd = {"embedding.weight": w("wte.weight"), "pos_embedding.weight": w("wpe.weight"),
+          "ln_f.weight": w("ln_f.weight"), "ln_f.bias": w("ln_f.bias")}
+    for i in range(cfg.n_layers):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        qkv_w, qkv_b = w(h + "attn.c_attn.weight"), w(h + "attn.c_attn.bias")  # Conv1D: [in, out]
+        for j, name in enumerate(("w_q", "w_k", "w_v")):
+            sd[b + f"attention.{name}.weight"] = qkv_w[:, j * D:(j + 1) * D].t()
+            sd[b + f"attention.{name}.bias"] = qkv_b[j * D:(j + 1) * D]
+        sd[b + "attention.w_o.weight"] = w(h + "attn.c_proj.weight").t()
+        sd[b + "attention.w_o.bias"] = w(h + "attn.c_proj.bias")
+        sd[b + "feedforward.w1.weight"] = w(h + "mlp.c_fc.weight").t()
+        sd[b + "feedforward.w1.bias"] = w(h + "mlp.c_fc.bias")
+        sd[b + "feedforward.w2.weight"] = w(h + "mlp.c_proj.weight").t()
+        sd[b + "feedforward.w2.bias"] = w(h + "mlp.c_proj.bias")
+        for ln, hf_ln in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            sd[b + f"{ln}.weight"] = w(h + f"{hf_ln}.weight")
+            sd[b + f"{ln}.bias"] = w(h + f"{hf_ln}.bias")
+    return sd
+
+
+def _llama_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    sd = {"embedding.weight": w("embed_tokens.weight"), "ln_f.weight": w("norm.weight")}
+    a, f = cfg.attention[0], cfg.feedforward[0]
+    names = [("w_q", "self_attn.q_proj", a.qkv_bias), ("w_k", "self_attn.k_proj", a.qkv_bias),
+             ("w_v", "self_attn.v_proj", a.qkv_bias), ("w_o", "self_attn.o_proj", a.out_bias)]
+    ff = [("w_gate", "mlp.gate_proj"), ("w_up", "mlp.up_proj"), ("w_down", "mlp.down_proj")]
+    for i in range(cfg.n_layers):
+        h, b = f"layers.{i}.", f"blocks.{i}."
+        for ours, theirs, bias in names:
+            sd[b + f"attention.{ours}.weight"] = w(h + theirs + ".weight")
+            if bias:
+                sd[b + f"attention.{ours}.bias"] = w(h + theirs + ".bias")
+        for ours, theirs in ff:
+            sd[b + f"feedforward.{ours}.weight"] = w(h + theirs + ".weight")
+            if f.bias:
+                sd[b + f"feedforward.{ours}.bias"] = w(h + theirs + ".bias")
+        sd[b + "ln1.weight"] = w(h + "input_layernorm.weight")
+        sd[b + "ln2.weight"] = w(h + "post_attention_layernorm.weight")
+    return sd
+
+
+def state_from_hf(tensors: dict[str, torch.Tensor], hf: dict, cfg: ModelConfig,
+                  ) -> dict[str, torch.Tensor]:
+    """The moeify state dict of ``cfg`` from the checkpoint's tensors, checked name by name and
+    shape by shape against the model ``cfg`` builds."""
+    gpt2 = hf["model_type"] == "gpt2"
+    body = "transformer." if gpt2 else "model."
+    prefix = body if any(k.startswith(body) for k in tensors) else ""
+    sd = (_gpt2_state if gpt2 else _llama_state)(_Weights(tensors, prefix), cfg)
+    if not cfg.tie_embeddings:
+        head = tensors.get("lm_head.weight")
+        if head is None:
+            raise MoeifyError("the checkpoint has no lm_head.weight but config.json says the "
+                              "embeddings are not tied")
+        sd["output.weight"] = head.float()
+    with torch.device("meta"):
+        want = cfg.build().state_dict()
+    for key, t in want.items():
+        if key not in sd or tuple(sd[key].shape) != tuple(t.shape):
+            got = tuple(sd[key].shape) if key in sd else "nothing"
+            raise MoeifyError(f"the checkpoint's weights do not match config.json: {key} needs "
+                              f"shape {tuple(t.shape)}, the checkpoint gives {got}")
+    return {k: sd[k].contiguous() for k in want}
+
+
+# ---------------------------------------------------------------------- the run directory
+
+def _read_tokenizer(src: Path, vocab_size: int):
+    from moeify.data.hf_tokenizer import HFTokenizer
+
+    path = src / "tokenizer.json"
+    if not path.is_file():
+        raise MoeifyError(f"{src} has no tokenizer.json: save the tokenizer into the checkpoint "
+                          "directory (tokenizer.save_pretrained(DIR)); moeify needs it to "
+                          "evaluate and generate")
+    return HFTokenizer(path.read_bytes(), vocab_size, where=str(path))
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
+                          "--out for the imported run")
+
+
+def import_hf(src: str | Path, out: str | Path) -> Path:
+    """Convert the checkpoint directory ``src`` into the moeify run directory ``out`` (new or
+    empty). Everything is read and checked before anything is written, and the run directory
+    appears complete or not at all (written beside ``out``, then renamed)."""
+    from moeify.train.checkpoint import save_checkpoint
+    from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
+    from moeify.train.rundir import model_config_dict, write_run_files
+
+    src, out = Path(src), Path(out)
+    _check_out(out)
+    hf = read_hf_config(src)
+    cfg = model_config_from_hf(hf)
+    tokenizer = _read_tokenizer(src, cfg.vocab_size)
+    state = state_from_hf(read_hf_weights(src), hf, cfg)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.import-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_run_files(tmp, TrainConfig(preset=RUN_MODEL_PRESET), cfg, tokenizer)
+        (tmp / HF_CONFIG_COPY).write_text(json.dumps(hf, indent=2) + "\n")
+        meta = {"preset": RUN_MODEL_PRESET, "model_config": model_config_dict(cfg),
+                "weights_only": True,
+                "imported_from": {"path": str(src.resolve()),
+                                  "architecture": SUPPORTED_ARCHITECTURES[hf["model_type"]]}}
+        save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True}, meta=meta)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

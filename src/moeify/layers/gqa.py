@@ -1,0 +1,137 @@
+"""Grouped-query attention with optional biases: the attention of GPT-2, Llama, Mistral and Qwen2.
+
+Shape legend
+    B batch    T query tokens    S source tokens (cached + new)    D d_model
+    H query heads    Hk key/value heads (H: multi-head; 1: multi-query; else grouped)
+    C d_head
+
+    q = W_q x (+ b_q),  k = W_k x (+ b_k),  v = W_v x (+ b_v)          [B, H|Hk, ·, C]
+    o = W_o · concat_h softmax(q_h k_g(h)ᵀ / sqrt(C), causal) v_g(h) (+ b_o)
+
+Query head h reads key/value head g(h) = h // (H / Hk) (Ainslie et al. 2023, GQA §2: the query
+heads are split into Hk consecutive groups), the grouping of Hugging Face's ``repeat_kv`` and of
+SDPA's ``enable_gqa``. Positions: "rope" rotates ``rope_fraction`` of each head's channels with
+``rope_base`` in moeify's rotate-half convention (channel i pairs with i + n/2), which is the
+convention of Hugging Face's Llama code, so its checkpoints need no channel permutation; "none"
+leaves positions to the embedding (GPT-2's learned absolute positions).
+
+Positions, masks, the KV cache (keys after RoPE, Hk heads) and the attention core are the shared
+glue of moeify.layers.attention, so cached decoding, padding and Mixture-of-Depths positions
+behave as in every other moeify attention. ``attn_impl="reference"`` repeats the key/value heads
+and runs the explicit softmax; "auto" passes the Hk heads to SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeify.layers.attention import check_inputs, positional_attention
+from moeify.layers.common import Aux, check_positive, check_probability, init_scale, trunc_normal_
+from moeify.layers.kv_cache import KVCache
+from moeify.ops.attention import ATTENTION_IMPLS
+from moeify.ops.positional import rope_dims
+
+GQA_POSITIONAL = ("rope", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedQueryAttentionConfig:
+    """n_kv_heads: key/value heads Hk (must divide n_heads); qkv_bias / out_bias: biases of the
+    Q, K, V and of the output projection; rope_fraction 1.0 = the full head width (Llama)."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    pos: str = "rope"
+    rope_base: float = 10000.0
+    rope_fraction: float = 1.0
+    qkv_bias: bool = False
+    out_bias: bool = False
+    n_layers: int = 1
+    attn_dropout: float = 0.0
+    attn_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_positive(self, "d_model", "n_heads", "n_kv_heads", "d_head", "n_layers")
+        check_probability(self, "attn_dropout")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"GroupedQueryAttentionConfig: n_kv_heads={self.n_kv_heads} must "
+                             f"divide n_heads={self.n_heads}")
+        if self.pos not in GQA_POSITIONAL:
+            raise ValueError(f"GroupedQueryAttentionConfig.pos must be one of "
+                             f"{', '.join(GQA_POSITIONAL)}, got {self.pos!r}")
+        if not 0.0 <= self.rope_fraction <= 1.0 or not self.rope_base > 0:
+            raise ValueError("GroupedQueryAttentionConfig: rope_fraction must lie in [0, 1] and "
+                             f"rope_base be positive, got {self.rope_fraction}, {self.rope_base}")
+        if self.attn_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"GroupedQueryAttentionConfig.attn_impl must be one of "
+                             f"{', '.join(ATTENTION_IMPLS)}, got {self.attn_impl!r}")
+
+    def param_count(self) -> int:
+        D, H, Hk, C = self.d_model, self.n_heads, self.n_kv_heads, self.d_head
+        n = 2 * D * H * C + 2 * D * Hk * C
+        if self.qkv_bias:
+            n += (H + 2 * Hk) * C
+        if self.out_bias:
+            n += D
+        return n
+
+    def build(self) -> "GroupedQueryAttention":
+        return GroupedQueryAttention(self)
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, config: GroupedQueryAttentionConfig):
+        super().__init__()
+        self.config = c = config
+        D, H, Hk, C = c.d_model, c.n_heads, c.n_kv_heads, c.d_head
+        self.w_q = nn.Linear(D, H * C, bias=c.qkv_bias)
+        self.w_k = nn.Linear(D, Hk * C, bias=c.qkv_bias)
+        self.w_v = nn.Linear(D, Hk * C, bias=c.qkv_bias)
+        self.w_o = nn.Linear(H * C, D, bias=c.out_bias)
+        self.rope_n = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As the dense baseline: trunc-normal, std sqrt(2 / (L · fan_in)) (switchhead.md §3)."""
+        s = init_scale(self.config.n_layers)
+        for lin in (self.w_q, self.w_k, self.w_v, self.w_o):
+            trunc_normal_(lin.weight, s / lin.in_features ** 0.5)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def param_count(self) -> int:
+        return self.config.param_count()
+
+    def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
+                valid_k=None):
+        """docs/interfaces.md; the returned Aux is empty (nothing is routed)."""
+        c = self.config
+        check_inputs(q_BTD, kv_BSD, c.d_model)
+        src_BSD = q_BTD if kv_BSD is None else kv_BSD
+        B, T, _ = q_BTD.shape
+        S = src_BSD.shape[1]
+        H, Hk, C = c.n_heads, c.n_kv_heads, c.d_head
+        q = self.w_q(q_BTD).view(B, T, H, C).transpose(1, 2)
+        k = self.w_k(src_BSD).view(B, S, Hk, C).transpose(1, 2)
+        v = self.w_v(src_BSD).view(B, S, Hk, C).transpose(1, 2)
+        if c.attn_impl == "reference" and Hk != H:
+            k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+        o_BHTC = positional_attention(
+            q, k, v, pos="rope" if self.rope_n else "none", causal=causal,
+            self_attention=kv_BSD is None, cache=cache, pos_q=pos_q, pos_k=pos_k,
+            valid_k=valid_k, scale=1.0 / math.sqrt(C), rope_n=self.rope_n,
+            rope_base=c.rope_base, dropout_p=c.attn_dropout if self.training else 0.0,
+            impl=c.attn_impl)
+        return self.w_o(o_BHTC.transpose(1, 2).reshape(B, T, H * C)), Aux()
+
+
+__all__ = ["GQA_POSITIONAL", "GroupedQueryAttentionConfig", "GroupedQueryAttention"]
