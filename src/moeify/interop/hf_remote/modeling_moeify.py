@@ -91,6 +91,21 @@ class MoeifyForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         """moeify layers initialise themselves (the papers' recipes); nothing to do here."""
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' loading, then the non-persistent buffers (routing-usage counters,
+        SwitchHead's head offsets), which no checkpoint holds and which loading leaves
+        uninitialised, are taken from a freshly built model."""
+        model = super().from_pretrained(*args, **kwargs)
+        fresh = ModelConfig.from_dict(model.config.moeify_config).build()
+        ours = dict(model.model.named_modules())
+        with torch.no_grad():
+            for name, module in fresh.named_modules():
+                for buf in module._non_persistent_buffers_set:
+                    target = getattr(ours[name], buf)
+                    target.copy_(getattr(module, buf).to(target.device))
+        return model
+
     def get_input_embeddings(self):
         return self.model.embedding
 
