@@ -254,6 +254,56 @@ def test_cli_import_generate_export(hf_dirs, tmp_path, capsys):
     assert "moeify" in (out / "README.md").read_text()
 
 
+# ---------------------------------------------------------------------- bad input
+
+def _bigger_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
+    tok.add_tokens([f"<extra{i}>" for i in range(V)])  # 556 ids for a 300-token model
+    (path / "tokenizer.json").write_text(tok.to_str())
+
+
+BAD_INPUTS = {
+    "no config.json": (lambda p: (p / "config.json").unlink(), "has no config.json"),
+    "unsupported architecture": (
+        lambda p: (p / "config.json").write_text(json.dumps(
+            {"model_type": "bert", "architectures": ["BertForMaskedLM"]})),
+        "GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+    "missing weights": (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
+    "truncated weights": (
+        lambda p: (p / "model.safetensors").write_bytes(
+            (p / "model.safetensors").read_bytes()[:5000]), "truncated or damaged"),
+    "tokenizer larger than the vocabulary": (_bigger_tokenizer, "the tokenizer has 556 tokens"),
+    "no tokenizer": (lambda p: (p / "tokenizer.json").unlink(), "has no tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_checkpoints_fail_in_one_line_and_write_nothing(case, hf_dirs, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs["gpt2"][1], src)
+    damage, message = BAD_INPUTS[case]
+    damage(src)
+    out = tmp_path / "run"
+    assert main(["import", "--hf", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists() and list(tmp_path.iterdir()) == [src]
+
+
+def test_import_and_export_refuse_a_used_output(imported, tmp_path, capsys):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("user data")
+    assert main(["export", "--run", str(imported["gpt2"]), "--out", str(used)]) == 2
+    assert main(["import", "--hf", str(tmp_path), "--out", str(used)]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in used.iterdir()] == ["keep.txt"]
+
+
 def test_report_measured_differences():
     """Prints the largest logit differences measured above (pytest -s shows them)."""
     print("\nmax |logit difference|:", json.dumps({k: f"{v:.2e}" for k, v in MAX_DIFF.items()}))

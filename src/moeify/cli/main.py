@@ -42,7 +42,7 @@ def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "eval", "generate", "plot",
-            "compare"]
+            "compare", "import_", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,6 +49,12 @@ _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": 
              "relu": "relu", "silu": "silu"}
 
 
+def offline() -> None:
+    """Keep the Hugging Face libraries from reaching the network (nothing is downloaded)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
 def _supported() -> str:
     return ", ".join(SUPPORTED_ARCHITECTURES.values())
 

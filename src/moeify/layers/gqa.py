@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moeify.layers.attention import check_inputs, positional_attention
+from moeify.layers.attention import attention_probs, check_inputs, positional_attention
 from moeify.layers.common import Aux, check_positive, check_probability, init_scale, trunc_normal_
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.attention import ATTENTION_IMPLS
@@ -111,9 +111,8 @@ class GroupedQueryAttention(nn.Module):
     def param_count(self) -> int:
         return self.config.param_count()
 
-    def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
-                valid_k=None):
-        """docs/interfaces.md; the returned Aux is empty (nothing is routed)."""
+    def _project(self, q_BTD, kv_BSD, repeat: bool):
+        """Q [B, H, T, C], K and V [B, Hk, S, C] (or [B, H, S, C] with ``repeat``)."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
@@ -123,15 +122,34 @@ class GroupedQueryAttention(nn.Module):
         q = self.w_q(q_BTD).view(B, T, H, C).transpose(1, 2)
         k = self.w_k(src_BSD).view(B, S, Hk, C).transpose(1, 2)
         v = self.w_v(src_BSD).view(B, S, Hk, C).transpose(1, 2)
-        if c.attn_impl == "reference" and Hk != H:
+        if repeat and Hk != H:
             k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+        return q, k, v
+
+    def _glue_args(self, kv_BSD, causal, pos_q, pos_k, valid_k) -> dict:
+        return dict(pos="rope" if self.rope_n else "none", causal=causal,
+                    self_attention=kv_BSD is None, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k,
+                    scale=1.0 / math.sqrt(self.config.d_head), rope_n=self.rope_n,
+                    rope_base=self.config.rope_base)
+
+    def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
+                valid_k=None):
+        """docs/interfaces.md; the returned Aux is empty (nothing is routed)."""
+        c = self.config
+        q, k, v = self._project(q_BTD, kv_BSD, repeat=c.attn_impl == "reference")
         o_BHTC = positional_attention(
-            q, k, v, pos="rope" if self.rope_n else "none", causal=causal,
-            self_attention=kv_BSD is None, cache=cache, pos_q=pos_q, pos_k=pos_k,
-            valid_k=valid_k, scale=1.0 / math.sqrt(C), rope_n=self.rope_n,
-            rope_base=c.rope_base, dropout_p=c.attn_dropout if self.training else 0.0,
-            impl=c.attn_impl)
-        return self.w_o(o_BHTC.transpose(1, 2).reshape(B, T, H * C)), Aux()
+            q, k, v, cache=cache, dropout_p=c.attn_dropout if self.training else 0.0,
+            impl=c.attn_impl, **self._glue_args(kv_BSD, causal, pos_q, pos_k, valid_k))
+        B, T, _ = q_BTD.shape
+        return self.w_o(o_BHTC.transpose(1, 2).reshape(B, T, -1)), Aux()
+
+    @torch.no_grad()
+    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
+        """For analysis: ``probs_BHTS``, the attention probabilities of the forward pass (no
+        cache, no dropout), one map per query head."""
+        q, k, _ = self._project(q_BTD, kv_BSD, repeat=True)
+        return {"probs_BHTS": attention_probs(
+            q, k, **self._glue_args(kv_BSD, causal, pos_q, pos_k, valid_k))}
 
 
 __all__ = ["GQA_POSITIONAL", "GroupedQueryAttentionConfig", "GroupedQueryAttention"]

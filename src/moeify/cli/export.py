@@ -1,0 +1,25 @@
+"""``moeify export``: a run directory becomes a Hugging Face model directory."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "export", help="export a run as a Hugging Face model directory (trust_remote_code)",
+        description="Write the latest checkpoint of a run as a Hugging Face directory: "
+        "config.json (model_type moeify, auto_map), modeling code that imports moeify, "
+        "model.safetensors and the tokenizer. Load it with AutoModelForCausalLM.from_pretrained"
+        "(DIR, trust_remote_code=True); it needs moeify installed wherever it is loaded.")
+    p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the new model directory")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moeify.interop.hf_export import export_hf
+    from moeify.interop.hf_import import offline
+
+    offline()
+    out = export_hf(args.run, args.out)
+    print(f"exported {args.run} to {out}")
+    return 0
