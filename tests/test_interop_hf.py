@@ -40,7 +40,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 HF_CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0),
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
     "llama-gqa-untied": lambda: transformers.LlamaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -140,6 +140,26 @@ def test_imported_run_files(imported):
     assert tok.decode(tok.encode("Hello, world")) == "Hello, world"
 
 
+def test_train_resume_continues_an_imported_model(hf_dirs, tmp_path, monkeypatch, capsys):
+    """train --resume starts from the imported weights (step 0: fresh optimizer, any data)."""
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    run = import_hf(hf_dirs["llama-gqa-untied"][1], tmp_path / "run")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of a small corpus about cats and mats" for i in
+                              range(400)))
+    before = load_trained(run).model.state_dict()
+    assert main(["train", "--resume", str(run), "--data", str(text), "--steps", "2",
+                 "--set", "batch_size=2", "--set", "eval_every=0", "--set", "eval_tokens=128",
+                 "--quiet"]) == 0
+    after = load_trained(run)
+    assert after.checkpoint.step == 2
+    assert json.loads((run / "config.json").read_text())["data"] == str(text)
+    moved = [k for k, v in after.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert moved and max((after.model.state_dict()[k] - before[k]).abs().max() for k in moved) < 0.1
+    assert main(["train", "--resume", str(run), "--data", "other", "--steps", "3"]) == 2
+    assert "cannot change data" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- export
 
 FAMILIES = ["tiny-dense", "tiny-switchhead", "tiny-moa", "tiny-sigmamoe", "tiny-switch",
@@ -232,7 +252,7 @@ def test_round_trip_import_export_keeps_logits(hf_dirs, imported, tmp_path):
         diff = (got - want)[mask.bool()].abs().max().item()
         MAX_DIFF[f"round trip {name}"] = diff
         assert diff < 1e-4, diff
-        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / name, trust_remote_code=True)
         assert tok("Hello").input_ids == load_trained(imported[name]).tokenizer.encode("Hello")
 
 

@@ -42,7 +42,9 @@ def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "eval", "generate", "plot",
-            "compare", "import_", "export"]
+            "compare", "import", "export"]
+# Subcommands whose module cannot carry their name (``import`` is a Python keyword).
+MODULES = {"import": "import_"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"moeify.cli.{name}").register(sub)
+        importlib.import_module(f"moeify.cli.{MODULES.get(name, name)}").register(sub)
     return parser
 
 

@@ -122,9 +122,10 @@ def _write(tmp: Path, tm, hf_source: dict | None) -> None:
 def export_hf(run: str | Path, out: str | Path) -> Path:
     """Write the Hugging Face directory ``out`` (new or empty) from the run (or checkpoint)
     ``run``. The directory appears complete or not at all (written beside it, then renamed)."""
-    from moeify.interop.hf_import import HF_CONFIG_COPY
+    from moeify.interop.hf_import import HF_CONFIG_COPY, offline
     from moeify.train.rundir import load_trained
 
+    offline()
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "

@@ -313,6 +313,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
     from moeify.train.rundir import model_config_dict, write_run_files
 
+    offline()
     src, out = Path(src), Path(out)
     _check_out(out)
     hf = read_hf_config(src)
