@@ -274,6 +274,27 @@ def test_cli_import_generate_export(hf_dirs, tmp_path, capsys):
     assert "moeify" in (out / "README.md").read_text()
 
 
+def test_exported_tokenizers_encode_as_moeify(tmp_path):
+    """tokenizer.json written for byte (with an unknown id), byte256 and GPT-2 BPE runs gives
+    moeify's ids."""
+    from tokenizers import Tokenizer
+
+    from moeify.data.gpt2_bpe import GPT2Tokenizer, bytes_to_unicode
+    from moeify.interop.hf_export import tokenizer_json
+
+    b2u = bytes_to_unicode()
+    encoder = {b2u[b]: i for i, b in enumerate(range(256))}
+    encoder.update({"Ġt": 256, "Ġth": 257, "he": 258})
+    (tmp_path / "encoder.json").write_text(json.dumps(encoder))
+    (tmp_path / "vocab.bpe").write_text("#version: 0.2\nĠ t\nĠt h\nh e\n")
+    text = "the theme, then: ünïcode!\n  two  spaces"
+    for tok in (ByteTokenizer(range(97, 123)), ByteTokenizer(),
+                GPT2Tokenizer(tmp_path / "encoder.json", tmp_path / "vocab.bpe")):
+        hf = Tokenizer.from_str(tokenizer_json(tok).decode())
+        assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text), tok
+        assert hf.get_vocab_size(with_added_tokens=True) == tok.vocab_size
+
+
 # ---------------------------------------------------------------------- bad input
 
 def _bigger_tokenizer(path: Path) -> None:
