@@ -124,10 +124,12 @@ def test_imported_cached_decoding_equals_full_forward(name, imported):
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
-def test_count_prices_imported_models_exactly(name, hf_dirs, imported):
+def test_count_prices_imported_models_exactly(name, hf_dirs, imported, capsys):
     hf_model, _ = hf_dirs[name]
     cfg = load_trained(imported[name]).model_config
     assert model_parameters(cfg)["total"] == hf_model.num_parameters()
+    assert main(["count", "--run", str(imported[name]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == hf_model.num_parameters()
 
 
 def test_imported_run_files(imported):

@@ -12,6 +12,8 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="preset name (see `moeify presets`)")
     src.add_argument("--config", help="a ModelConfig JSON file (e.g. a run directory's)")
+    src.add_argument("--run", help="a run directory (its model.json), e.g. one made by "
+                     "`moeify import`")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -22,6 +24,10 @@ def load_config(args):
 
     if args.preset is not None:
         return args.preset, get_preset(args.preset)
+    if args.run is not None:
+        from moeify.analysis.rundir import read_model_config
+
+        return args.run, read_model_config(args.run)
     with open(args.config) as f:
         return args.config, ModelConfig.from_json(f.read())
 
