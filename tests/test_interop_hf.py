@@ -71,6 +71,7 @@ def make_hf_checkpoint(root: Path, name: str, seed: int = 0):
     path = root / name
     model.save_pretrained(path)
     (path / "tokenizer.json").write_bytes(byte_level_tokenizer_json(range(256), unk=False))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "\u0120"}))  # "Ġ", id 32
     return model, path
 
 
@@ -255,6 +256,7 @@ def test_round_trip_import_export_keeps_logits(hf_dirs, imported, tmp_path):
         MAX_DIFF[f"round trip {name}"] = diff
         assert diff < 1e-4, diff
         tok = transformers.AutoTokenizer.from_pretrained(tmp_path / name, trust_remote_code=True)
+        assert tok.eos_token == "\u0120" and tok.eos_token_id == 32
         assert tok("Hello").input_ids == load_trained(imported[name]).tokenizer.encode("Hello")
 
 

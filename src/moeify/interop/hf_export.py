@@ -97,6 +97,17 @@ def _readme(run_dir: Path, model_cfg, has_tokenizer: bool) -> str:
             f"{tok}\n")
 
 
+def _tokenizer_config(tm) -> dict:
+    from moeify.interop.hf_import import HF_TOKENIZER_CONFIG_COPY
+
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
+           "model_max_length": tm.model_config.context_length}
+    kept = tm.run_dir / HF_TOKENIZER_CONFIG_COPY  # an imported checkpoint's special tokens
+    if kept.is_file():
+        cfg.update(json.loads(kept.read_text()))
+    return cfg
+
+
 def _write(tmp: Path, tm, hf_source: dict | None) -> None:
     from safetensors.torch import save_file
 
@@ -111,9 +122,8 @@ def _write(tmp: Path, tm, hf_source: dict | None) -> None:
     tok = tokenizer_json(tm.tokenizer)
     if tok is not None:
         (tmp / "tokenizer.json").write_bytes(tok)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast",
-             "model_max_length": tm.model_config.context_length}, indent=2) + "\n")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tm), indent=2)
+                                                    + "\n")
     else:
         tm.tokenizer.save(tmp / "moeify_tokenizer")
     (tmp / "README.md").write_text(_readme(tm.run_dir, tm.model_config, tok is not None))

@@ -1,7 +1,8 @@
 """Import a Hugging Face causal LM checkpoint (a ``save_pretrained`` directory) as a moeify run.
 
     import_hf(src, out)  ->  out/ model.json, config.json, tokenizer.json + hf_tokenizer.json,
-                             hf_config.json (the source config), checkpoints/step-00000000/
+                             hf_config.json (the source config), hf_tokenizer_config.json
+                             (its special tokens), checkpoints/step-00000000/ (weights only)
 
 Supported: GPT-2 (``GPT2LMHeadModel``) and the Llama family (``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``). The conversion preserves the function: the moeify
@@ -42,6 +43,9 @@ from moeify.models.config import ModelConfig
 SUPPORTED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                            "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 HF_CONFIG_COPY = "hf_config.json"
+# The special tokens and chat template of tokenizer_config.json, kept for the export.
+HF_TOKENIZER_CONFIG_COPY = "hf_tokenizer_config.json"
+TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template")
 # context_length is the training chunk and the generation window, not a limit of the weights:
 # long-context checkpoints get this default (change it with --set model.context_length=N).
 MAX_IMPORTED_CONTEXT = 2048
@@ -299,6 +303,16 @@ def _read_tokenizer(src: Path, vocab_size: int):
     return HFTokenizer(path.read_bytes(), vocab_size, where=str(path))
 
 
+def _special_tokens(src: Path) -> dict[str, Any]:
+    """The special-token entries of the checkpoint's tokenizer_config.json ({} without one)."""
+    try:
+        data = json.loads((src / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: data[k] for k in TOKENIZER_CONFIG_KEYS if isinstance(data, dict)
+            and isinstance(data.get(k), (str, dict))}
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
@@ -327,6 +341,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     try:
         write_run_files(tmp, TrainConfig(preset=RUN_MODEL_PRESET), cfg, tokenizer)
         (tmp / HF_CONFIG_COPY).write_text(json.dumps(hf, indent=2) + "\n")
+        (tmp / HF_TOKENIZER_CONFIG_COPY).write_text(json.dumps(_special_tokens(src)) + "\n")
         meta = {"preset": RUN_MODEL_PRESET, "model_config": model_config_dict(cfg),
                 "weights_only": True,
                 "imported_from": {"path": str(src.resolve()),
