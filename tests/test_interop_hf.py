@@ -238,6 +238,10 @@ def test_exported_cache_continues_the_sequence(preset, exported):
             cache = step.cache
             steps.append(step.logits)
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+    model = load_trained(run).model
+    with torch.no_grad():
+        want = model(ids[:, :-1], ids[:, 1:]).loss
+        assert torch.allclose(hf(ids, labels=ids, use_cache=False).loss, want, atol=1e-6)
     gen = hf.generate(ids[:, :4], max_new_tokens=3, do_sample=False,
                       return_dict_in_generate=True)
     assert type(gen.cache).__name__ == "MoeifyCache"

@@ -111,6 +111,8 @@ class MoeifyForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, use_cache=None,
                 labels=None, **kwargs):
+        if input_ids is None:
+            raise ValueError("moeify models take input_ids (inputs_embeds is not supported)")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if cache is not None and not isinstance(cache, MoeifyCache):
             if cache.get_seq_length() > 0:
