@@ -112,6 +112,18 @@ def test_imported_logits_equal_transformers(name, hf_dirs, imported):
     assert diff < 1e-4, diff
 
 
+def test_sharded_checkpoint_imports(hf_dirs, tmp_path):
+    hf_model, src = hf_dirs["llama-gqa-untied"]
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    (sharded / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    model = load_trained(import_hf(sharded, tmp_path / "run")).model
+    ids, _ = _batch(6)
+    with torch.no_grad():
+        assert (model(ids).logits - hf_model(ids).logits).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied"])
 def test_imported_cached_decoding_equals_full_forward(name, imported):
     model = load_trained(imported[name]).model
