@@ -30,12 +30,6 @@ def import_tokenizers():
     return tokenizers
 
 
-def tokenizer_size(data: bytes) -> int:
-    """Ids a tokenizer.json can produce (its vocabulary with added tokens)."""
-    tok = _parse(data, "tokenizer.json")
-    return int(tok.get_vocab_size(with_added_tokens=True))
-
-
 def _parse(data: bytes, where: str):
     tokenizers = import_tokenizers()
     try:
@@ -72,14 +66,6 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def encode_array(self, data: bytes):
-        import numpy as np
-
-        return np.asarray(self.encode(data.decode("utf-8", errors="replace")), dtype=np.int64)
-
-    def token_id(self, token: str) -> int | None:
-        return self.tok.token_to_id(token)
 
     def fingerprint(self) -> str:
         return "hf-" + hashlib.sha1(self._data).hexdigest()[:12]

@@ -219,9 +219,6 @@ class _Weights:
                               "config.json (missing or from another model)")
         return self.tensors[key].float()
 
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.tensors.get(self.prefix + name)
-
 
 def _gpt2_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     D = cfg.d_model
