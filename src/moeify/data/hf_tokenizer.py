@@ -1,5 +1,6 @@
 """A Hugging Face ``tokenizers`` tokenizer (a checkpoint's tokenizer.json) behind moeify's
-Tokenizer interface, for models imported from Hugging Face checkpoints.
+Tokenizer interface (moeify.data.tokenizer_base), for models imported from Hugging Face
+checkpoints.
 
 In a run directory the Hugging Face file is stored as ``hf_tokenizer.json`` (moeify's own
 ``tokenizer.json`` names the tokenizer kind). Text is encoded without special tokens (no BOS/EOS
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moeify.data import cache
-from moeify.data.tokenizers import Tokenizer
+from moeify.data.tokenizer_base import Tokenizer
 from moeify.errors import MoeifyError
 
 HF_TOKENIZER_FILE = "hf_tokenizer.json"
