@@ -119,7 +119,8 @@ def _gpt2_config(hf: dict) -> ModelConfig:
     if D % H:
         raise MoeifyError(f"config.json: n_embd={D} is not a multiple of n_head={H}")
     attn = GroupedQueryAttentionConfig(d_model=D, n_heads=H, n_kv_heads=H, d_head=D // H,
-                                       pos="none", qkv_bias=True, out_bias=True, n_layers=L)
+                                       pos="absolute", qkv_bias=True, out_bias=True,
+                                       n_layers=L)
     ff = MLPConfig(d_model=D, d_ff=hf.get("n_inner") or 4 * D, activation=_GPT2_ACT[act],
                    bias=True, n_layers=L)
     return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,

@@ -12,30 +12,29 @@ Query head h reads key/value head g(h) = h // (H / Hk) (Ainslie et al. 2023, GQA
 heads are split into Hk consecutive groups), the grouping of Hugging Face's ``repeat_kv`` and of
 SDPA's ``enable_gqa``. Positions: "rope" rotates ``rope_fraction`` of each head's channels with
 ``rope_base`` in moeify's rotate-half convention (channel i pairs with i + n/2), which is the
-convention of Hugging Face's Llama code, so its checkpoints need no channel permutation; "none"
-leaves positions to the embedding (GPT-2's learned absolute positions).
+convention of Hugging Face's Llama code, so its checkpoints need no channel permutation;
+"absolute" leaves positions to the model's learned embedding (ModelConfig.max_positions, GPT-2),
+so inside the layer it is "none", no positional information.
 
-Positions, masks, the KV cache (keys after RoPE, Hk heads) and the attention core are the shared
-glue of moeify.layers.attention, so cached decoding, padding and Mixture-of-Depths positions
-behave as in every other moeify attention. ``attn_impl="reference"`` repeats the key/value heads
-and runs the explicit softmax; "auto" passes the Hk heads to SDPA.
+Positions, masks, the KV cache (keys after RoPE, Hk heads), dropout and the kernel are the
+attention core's (moeify.layers.attention_core), so cached decoding, padding and Mixture-of-Depths
+positions behave as in every other moeify attention; the core repeats the key/value heads over
+their query groups.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from moeify.layers.attention import attention_probs, check_inputs, positional_attention
-from moeify.layers.common import Aux, check_positive, check_probability, init_scale, trunc_normal_
+from moeify.layers.attention import check_inputs, core_config
+from moeify.layers.attention_core import AttentionCore, check_core_fields
+from moeify.layers.common import Aux, check_positive, init_scale, trunc_normal_exact_std_
 from moeify.layers.kv_cache import KVCache
-from moeify.ops.attention import ATTENTION_IMPLS
-from moeify.ops.positional import rope_dims
 
-GQA_POSITIONAL = ("rope", "none")
+GQA_POSITIONAL = ("rope", "none", "absolute")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,19 +57,10 @@ class GroupedQueryAttentionConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "n_kv_heads", "d_head", "n_layers")
-        check_probability(self, "attn_dropout")
+        check_core_fields(self, GQA_POSITIONAL)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"GroupedQueryAttentionConfig: n_kv_heads={self.n_kv_heads} must "
                              f"divide n_heads={self.n_heads}")
-        if self.pos not in GQA_POSITIONAL:
-            raise ValueError(f"GroupedQueryAttentionConfig.pos must be one of "
-                             f"{', '.join(GQA_POSITIONAL)}, got {self.pos!r}")
-        if not 0.0 <= self.rope_fraction <= 1.0 or not self.rope_base > 0:
-            raise ValueError("GroupedQueryAttentionConfig: rope_fraction must lie in [0, 1] and "
-                             f"rope_base be positive, got {self.rope_fraction}, {self.rope_base}")
-        if self.attn_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"GroupedQueryAttentionConfig.attn_impl must be one of "
-                             f"{', '.join(ATTENTION_IMPLS)}, got {self.attn_impl!r}")
 
     def param_count(self) -> int:
         D, H, Hk, C = self.d_model, self.n_heads, self.n_kv_heads, self.d_head
@@ -94,16 +84,18 @@ class GroupedQueryAttention(nn.Module):
         self.w_k = nn.Linear(D, Hk * C, bias=c.qkv_bias)
         self.w_v = nn.Linear(D, Hk * C, bias=c.qkv_bias)
         self.w_o = nn.Linear(H * C, D, bias=c.out_bias)
-        self.rope_n = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
+        self.core = AttentionCore(core_config(c, n_heads=H, n_kv_heads=Hk))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """As the dense baseline: trunc-normal, std sqrt(2 / (L · fan_in)) (switchhead.md §3)."""
+        """As the dense baseline: trunc-normal rescaled to std sqrt(2 / (L · fan_in))
+        (switchhead.md §3), biases zero."""
         s = init_scale(self.config.n_layers)
         for lin in (self.w_q, self.w_k, self.w_v, self.w_o):
-            trunc_normal_(lin.weight, s / lin.in_features ** 0.5)
+            trunc_normal_exact_std_(lin.weight, s / lin.in_features ** 0.5)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
+        self.core.reset_parameters()
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -111,45 +103,34 @@ class GroupedQueryAttention(nn.Module):
     def param_count(self) -> int:
         return self.config.param_count()
 
-    def _project(self, q_BTD, kv_BSD, repeat: bool):
-        """Q [B, H, T, C], K and V [B, Hk, S, C] (or [B, H, S, C] with ``repeat``)."""
+    def _qkv(self, q_BTD, kv_BSD):
+        """Q [B, H, T, C], K and V [B, Hk, S, C]: the projections of forward and inspect."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         B, T, _ = q_BTD.shape
         S = src_BSD.shape[1]
         H, Hk, C = c.n_heads, c.n_kv_heads, c.d_head
-        q = self.w_q(q_BTD).view(B, T, H, C).transpose(1, 2)
-        k = self.w_k(src_BSD).view(B, S, Hk, C).transpose(1, 2)
-        v = self.w_v(src_BSD).view(B, S, Hk, C).transpose(1, 2)
-        if repeat and Hk != H:
-            k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
-        return q, k, v
-
-    def _glue_args(self, kv_BSD, causal, pos_q, pos_k, valid_k) -> dict:
-        return dict(pos="rope" if self.rope_n else "none", causal=causal,
-                    self_attention=kv_BSD is None, pos_q=pos_q, pos_k=pos_k, valid_k=valid_k,
-                    scale=1.0 / math.sqrt(self.config.d_head), rope_n=self.rope_n,
-                    rope_base=self.config.rope_base)
+        return (self.w_q(q_BTD).view(B, T, H, C).transpose(1, 2),
+                self.w_k(src_BSD).view(B, S, Hk, C).transpose(1, 2),
+                self.w_v(src_BSD).view(B, S, Hk, C).transpose(1, 2))
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
         """docs/interfaces.md; the returned Aux is empty (nothing is routed)."""
-        c = self.config
-        q, k, v = self._project(q_BTD, kv_BSD, repeat=c.attn_impl == "reference")
-        o_BHTC = positional_attention(
-            q, k, v, cache=cache, dropout_p=c.attn_dropout if self.training else 0.0,
-            impl=c.attn_impl, **self._glue_args(kv_BSD, causal, pos_q, pos_k, valid_k))
-        B, T, _ = q_BTD.shape
-        return self.w_o(o_BHTC.transpose(1, 2).reshape(B, T, -1)), Aux()
+        q, k, v = self._qkv(q_BTD, kv_BSD)
+        o_BHTC = self.core(q, k, v, causal=causal, self_attention=kv_BSD is None, cache=cache,
+                           pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)
+        B, H, T, C = o_BHTC.shape
+        return self.w_o(o_BHTC.transpose(1, 2).reshape(B, T, H * C)), Aux()
 
     @torch.no_grad()
     def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
         """For analysis: ``probs_BHTS``, the attention probabilities of the forward pass (no
         cache, no dropout), one map per query head."""
-        q, k, _ = self._project(q_BTD, kv_BSD, repeat=True)
-        return {"probs_BHTS": attention_probs(
-            q, k, **self._glue_args(kv_BSD, causal, pos_q, pos_k, valid_k))}
+        q, k, _ = self._qkv(q_BTD, kv_BSD)
+        return {"probs_BHTS": self.core.probs(q, k, causal=causal, self_attention=kv_BSD is None,
+                                              pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)}
 
 
 __all__ = ["GQA_POSITIONAL", "GroupedQueryAttentionConfig", "GroupedQueryAttention"]
