@@ -25,7 +25,7 @@ def load_config(args):
     if args.preset is not None:
         return args.preset, get_preset(args.preset)
     if args.run is not None:
-        from moeify.analysis.rundir import read_model_config
+        from moeify.rundir import read_model_config
 
         return args.run, read_model_config(args.run)
     with open(args.config) as f:
