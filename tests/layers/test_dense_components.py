@@ -1,9 +1,9 @@
-"""The dense components of the Hugging Face families (layers/norm.py, mlp.py, gqa.py) and the
-ModelConfig options that use them, against plain formulas written here."""
+"""The dense components of the Hugging Face families (layers/norm.py, mlp.py, gqa.py) against
+plain formulas written here."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 
 import pytest
@@ -12,8 +12,6 @@ import torch
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.norm import NormConfig
-from moeify.models.config import ModelConfig
-from moeify.models.presets import get_preset
 from moeify.ops.positional import apply_rope
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -70,12 +68,13 @@ def test_gqa_matches_a_per_head_loop_forward_and_backward(Hk):
     torch.manual_seed(0)
     cfg = GroupedQueryAttentionConfig(d_model=16, n_heads=4, n_kv_heads=Hk, d_head=8,
                                       rope_base=100.0, qkv_bias=True, out_bias=True)
-    layer = cfg.build().double()
+    weights = cfg.build().double().state_dict()
     x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
     valid = torch.ones(2, 7, dtype=torch.bool)
     valid[1, 5:] = False
     for impl in ("auto", "reference"):
-        layer.config = GroupedQueryAttentionConfig(**{**cfg.__dict__, "attn_impl": impl})
+        layer = dataclasses.replace(cfg, attn_impl=impl).build().double()
+        layer.load_state_dict(weights)
         got = layer(x, valid_k=valid)[0]
         want = _naive_gqa(layer, x, valid)
         rows = valid  # padded queries are not compared (no consumer reads them)
@@ -84,6 +83,18 @@ def test_gqa_matches_a_per_head_loop_forward_and_backward(Hk):
         g_want = torch.autograd.grad(want[rows].sum(), [x, layer.w_k.weight])
         for a, b in zip(g_got, g_want):
             assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_gqa_cached_decoding_stores_the_kv_heads_and_equals_the_full_forward():
+    torch.manual_seed(3)
+    layer = GroupedQueryAttentionConfig(d_model=16, n_heads=4, n_kv_heads=2, d_head=4,
+                                        rope_fraction=0.5, qkv_bias=True).build().double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    cache = layer.new_cache()
+    steps = [layer(x[:, :2], cache=cache)[0]] + [layer(x[:, t:t + 1], cache=cache)[0]
+                                                 for t in range(2, 6)]
+    assert cache.keys.shape == (2, 2, 6, 4)  # Hk heads, not H
+    assert torch.allclose(torch.cat(steps, 1), layer(x)[0], atol=1e-10)
 
 
 def test_gqa_inspect_probabilities_reproduce_the_output():
@@ -95,48 +106,3 @@ def test_gqa_inspect_probabilities_reproduce_the_output():
     out = layer.w_o((probs @ v).transpose(1, 2).reshape(1, 6, 16))
     assert torch.allclose(out, layer(x)[0], atol=1e-6)
     assert torch.allclose(probs.sum(-1), torch.ones(1, 4, 6))
-
-
-def _hf_style_config(**changes) -> ModelConfig:
-    L, D = 2, 16
-    base = dict(vocab_size=40, d_model=D, n_layers=L, context_length=8, xl_memory=False,
-                attention=GroupedQueryAttentionConfig(d_model=D, n_heads=4, n_kv_heads=2,
-                                                      d_head=4, n_layers=L),
-                feedforward=GatedMLPConfig(d_model=D, d_ff=24, n_layers=L),
-                norm=NormConfig(kind="rmsnorm", eps=1e-6, bias=False), max_positions=8,
-                tie_embeddings=True, output_bias=False)
-    return ModelConfig(**{**base, **changes})
-
-
-def test_new_options_round_trip_and_old_configs_read_as_before():
-    cfg = _hf_style_config()
-    assert ModelConfig.from_json(cfg.to_json()) == cfg
-    old = get_preset("tiny-switchhead")
-    assert not {"norm", "max_positions", "tie_embeddings", "output_bias"} & set(old.to_dict())
-    assert json.loads(old.to_json()) == json.loads(ModelConfig.from_json(old.to_json()).to_json())
-    with pytest.raises(ValueError, match="tied output layer has no bias"):
-        _hf_style_config(output_bias=True)
-
-
-def test_tied_embeddings_and_learned_positions():
-    torch.manual_seed(2)
-    model = _hf_style_config().build().eval()
-    assert model.output is None and not any("output" in k for k in model.state_dict())
-    ids = torch.randint(0, 40, (2, 8))
-    h = model.embedding(ids) + model.pos_embedding.weight[:8]
-    for block in model.blocks:
-        h = block(h)[0]
-    want = model.ln_f(h) @ model.embedding.weight.t()
-    assert torch.allclose(model(ids).logits, want, atol=1e-6)
-    cache = model.new_cache()
-    steps = [model(ids[:, :3], cache=cache).logits] + [
-        model(ids[:, t:t + 1], cache=cache).logits for t in range(3, 8)]
-    assert torch.allclose(torch.cat(steps, 1), want, atol=1e-5)
-    with pytest.raises(ValueError, match="learned positions for 8 tokens"):
-        model(torch.zeros(1, 9, dtype=torch.long))
-    n = sum(p.numel() for p in model.parameters())
-    from moeify.models.cost import model_cost
-
-    cost = model_cost(_hf_style_config())
-    assert cost.params == n and cost.params_by_part["output"] == 0
-    assert cost.layers[0]["attention"] == "GQA H=4 Hk=2 d_h=4 rope"
