@@ -7,7 +7,7 @@
 Supported: GPT-2 (``GPT2LMHeadModel``) and the Llama family (``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``). The conversion preserves the function: the moeify
 model computes the same logits as the transformers model for any batch within the context
-(float32 weights; tests/test_interop_hf.py holds both families to 1e-4, padded batches too):
+(float32 weights; tests/interop/test_hf.py holds both families to 1e-4, padded batches too):
 
     GPT-2  learned absolute positions, LayerNorm (eps from the config), multi-head attention
            with Q/K/V and output biases (Conv1D [in, out] weights transposed, c_attn split into
