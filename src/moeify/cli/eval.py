@@ -14,7 +14,7 @@ def register(sub) -> None:
         "carried. lambada / blimp / cbt: zero-shot, every item scored on its own; their data is "
         "found under --data-dir or $MOEIFY_DATA_DIR (blimp/, lambada/, cbt/) or at --data.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
-    p.add_argument("--task", required=True, choices=TASK_NAMES)
+    p.add_argument("--task", choices=TASK_NAMES, help="one of moeify's tasks (or --harness below)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--data-dir", help="directory laid out like $MOEIFY_DATA_DIR (overrides it)")
     p.add_argument("--data", help="the task's data itself (ppl: a corpus name or path; blimp: a "
@@ -25,6 +25,9 @@ def register(sub) -> None:
                    "cbt: per group; ppl: N tokens)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    from moeify.cli import eval_harness
+
+    eval_harness.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -43,6 +46,12 @@ def run(args) -> int:
         raise ValueError(f"--limit must be a positive integer, got {args.limit}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.harness is not None:
+        from moeify.cli.eval_harness import run_harness
+
+        return run_harness(args)
+    if args.task is None:
+        raise ValueError("give --task TASK (ppl, lambada, blimp, cbt) or --harness TASK[,TASK]")
     device = pick_device(args.device, DistEnv())
     if device.type == "cpu":
         from moeify.train.distributed import configure_cpu_threads

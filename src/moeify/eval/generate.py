@@ -16,7 +16,7 @@ models and T otherwise).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -72,8 +72,12 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_k: int | No
 def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int = 100,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, window: int | None = None,
-             stop_ids: Sequence[int] = ()) -> list[int]:
-    """The new token ids (not the prompt) sampled after ``prompt_ids``."""
+             stop_ids: Sequence[int] = (),
+             should_stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """The new token ids (not the prompt) sampled after ``prompt_ids``.
+
+    Generation ends after a token in ``stop_ids`` or once ``should_stop(new_ids)`` is true
+    (checked after every token; stop strings are tested on the decoded text this way)."""
     check_sampling_args(max_new_tokens, temperature, top_k, top_p)
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token (one character for byte "
@@ -105,7 +109,7 @@ def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_token
             tok = int(next_B[0])
             new.append(tok)
             tokens.append(tok)
-            if tok in stop or len(new) == max_new_tokens:
+            if tok in stop or len(new) == max_new_tokens or (should_stop and should_stop(new)):
                 break
             if window is not None and cached + 1 > window:
                 cache, logits_BV, cached = prefill(tokens[-(window // 2):])

@@ -1,0 +1,120 @@
+"""``moeify eval --harness TASK[,TASK]``: lm-evaluation-harness tasks on a run, offline.
+
+The tasks come from moeify's bundled local definitions (moeify/interop/harness_tasks: LAMBADA
+and BLiMP read from $MOEIFY_DATA_DIR) and from the user's ``--harness-include`` directories;
+lm-eval's own task registry is not consulted, since its tasks fetch their data from the hub.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+HF_OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+# Bootstrap resamples for the stderr of non-mean metrics (LAMBADA perplexity); lm-eval's CLI
+# uses 100000, which costs more than scoring a small model.
+BOOTSTRAP_ITERS = 1000
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--harness", metavar="TASK[,TASK]",
+                   help="run lm-evaluation-harness tasks instead of --task (needs moeify[harness]): "
+                   "moeify_lambada, moeify_blimp (the group), moeify_blimp_<paradigm>, or tasks "
+                   "defined in --harness-include directories; offline, data from --data-dir or "
+                   "$MOEIFY_DATA_DIR; --limit is per task (per paradigm for BLiMP)")
+    p.add_argument("--harness-include", metavar="DIR", action="append", default=[],
+                   help="a directory of lm-eval task YAML files to add (repeatable)")
+    p.add_argument("--harness-out", metavar="FILE", help="where to write the harness results "
+                   "JSON (default RUN/harness/<checkpoint>-<tasks>.json)")
+
+
+def go_offline() -> None:
+    """Keep the Hugging Face libraries under lm-eval off the network: the variables they read at
+    import, and the flags of those already imported."""
+    os.environ.update(HF_OFFLINE)
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap would fork workers
+    for module, flags in (("datasets.config", ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")),
+                          ("huggingface_hub.constants", ("HF_HUB_OFFLINE",))):
+        mod = sys.modules.get(module)
+        for flag in flags:
+            if mod is not None and hasattr(mod, flag):
+                setattr(mod, flag, True)
+
+
+def parse_tasks(spec: str) -> list[str]:
+    tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--harness needs at least one task name, e.g. --harness moeify_lambada")
+    return tasks
+
+
+def check_tasks(tasks: list[str], known: list[str]) -> None:
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        local = [t for t in known if not t.startswith("moeify_blimp_")]
+        raise ValueError(f"unknown harness task {', '.join(unknown)}: known tasks are "
+                         f"{', '.join(local)} and moeify_blimp_<paradigm>; add your own with "
+                         "--harness-include DIR")
+
+
+def default_out(run_dir, checkpoint: str, tasks: list[str], limit: int | None):
+    from pathlib import Path
+
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(tasks))[:120]
+    return Path(run_dir) / "harness" / f"{checkpoint}-{name}{f'-limit{limit}' if limit else ''}.json"
+
+
+def run_harness(args) -> int:
+    import json
+    import logging
+    from pathlib import Path
+
+    if args.task is not None or args.data is not None:
+        raise ValueError("--harness replaces --task and --data: the task configs name their "
+                         "files (point them at your data with --data-dir or $MOEIFY_DATA_DIR)")
+    tasks = parse_tasks(args.harness)
+    if args.data_dir is not None:
+        os.environ["MOEIFY_DATA_DIR"] = str(Path(args.data_dir).expanduser())
+    go_offline()
+    from moeify.interop.harness import MoeifyLM, local_task_manager
+
+    task_manager = local_task_manager(args.harness_include)
+    check_tasks(tasks, task_manager.all_tasks)
+
+    import lm_eval
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from moeify.data.cache import write_bytes_atomic
+    from moeify.train.distributed import DistEnv, configure_cpu_threads, pick_device
+    from moeify.train.rundir import load_trained
+    from moeify.train.trainer import resolve_amp
+
+    device = pick_device(args.device, DistEnv())
+    if device.type == "cpu":
+        configure_cpu_threads()
+    tm = load_trained(args.run, device)
+    lm = MoeifyLM.from_model(tm.model, tm.tokenizer, device=device, batch_size=args.batch_size,
+                             amp_dtype=resolve_amp("auto", device)[0])
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # one warning per task otherwise
+    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager,
+                                  limit=args.limit, log_samples=False,
+                                  bootstrap_iters=BOOTSTRAP_ITERS)
+    out = {"run": str(tm.run_dir), "checkpoint": tm.checkpoint.path.name,
+           "step": tm.checkpoint.step, "harness": tasks, "limit": args.limit,
+           "lm_eval": lm_eval.__version__,
+           **{k: res.get(k, {}) for k in ("results", "groups", "group_subtasks", "n-samples",
+                                           "versions", "higher_is_better")}}
+    path = Path(args.harness_out) if args.harness_out else default_out(
+        tm.run_dir, tm.checkpoint.path.name, tasks, args.limit)
+    text = json.dumps(out, indent=2, default=handle_non_serializable)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(path, (text + "\n").encode())
+    if args.json:
+        print(text)
+        return 0
+    print(make_table(res))
+    if res.get("groups"):
+        print(make_table(res, "groups"))
+    print(f"wrote {path}")
+    return 0
