@@ -7,6 +7,7 @@ lm-eval's own task registry is not consulted, since its tasks fetch their data f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -97,9 +98,10 @@ def run_harness(args) -> int:
     lm = MoeifyLM.from_model(tm.model, tm.tokenizer, device=device, batch_size=args.batch_size,
                              amp_dtype=resolve_amp("auto", device)[0])
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # one warning per task otherwise
-    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager,
-                                  limit=args.limit, log_samples=False,
-                                  bootstrap_iters=BOOTSTRAP_ITERS)
+    with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress: stdout is ours
+        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager,
+                                      limit=args.limit, log_samples=False,
+                                      bootstrap_iters=BOOTSTRAP_ITERS)
     out = {"run": str(tm.run_dir), "checkpoint": tm.checkpoint.path.name,
            "step": tm.checkpoint.step, "harness": tasks, "limit": args.limit,
            "lm_eval": lm_eval.__version__,
