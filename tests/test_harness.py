@@ -184,32 +184,58 @@ def test_unknown_task_is_a_one_line_error_and_writes_nothing(harness, run_dir, c
     assert "--harness-include" in err and not (run_dir / "harness").exists()
 
 
-def test_a_users_local_task_through_harness_include(harness, run_dir, tmp_path, capsys):
-    """The README's recipe: dataset_path json, data_files an absolute path."""
-    data = tmp_path / "pairs.jsonl"
+def test_a_users_local_tasks_through_harness_include(harness, run_dir, tmp_path, monkeypatch,
+                                                     capsys):
+    """The README's two recipes: datasets' json builder on an absolute path, and local_json on a
+    path under $MOEIFY_DATA_DIR."""
+    (tmp_path / "mine").mkdir()
     pairs = [("the cat sees a tree.", "the cat see a tree."),
-             ("the girls helped themselves.", "the girls helped himself.")]
-    data.write_text("".join(json.dumps({"good": g, "bad": b}) + "\n" for g, b in pairs))
+             ("the girls helped themselves.", "the girls helped himself."),
+             ("a dog likes the ball.", "a dog like the ball.")]
+    for name, chosen in (("pairs.jsonl", pairs[:2]), ("mine/more.jsonl", pairs)):
+        (tmp_path / name).write_text("".join(json.dumps({"good": g, "bad": b}) + "\n"
+                                             for g, b in chosen))
+    body = ("test_split: test\noutput_type: multiple_choice\ndoc_to_text: ''\n"
+            "target_delimiter: ''\ndoc_to_choice: '{{[good, bad]}}'\ndoc_to_target: 0\n"
+            "metric_list:\n  - metric: acc\n")
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "my_pairs.yaml").write_text(
         "task: my_pairs\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: ''\n"
-        "target_delimiter: ''\ndoc_to_choice: '{{[good, bad]}}'\ndoc_to_target: 0\n"
-        "metric_list:\n  - metric: acc\n")
+        f"    test: {tmp_path / 'pairs.jsonl'}\n" + body)
+    (tasks / "utils.py").write_text("from moeify.interop.harness_data import local_json\n")
+    (tasks / "my_more.yaml").write_text(
+        "task: my_more\ncustom_dataset: !function utils.local_json\ndataset_kwargs:\n"
+        "  data_files:\n    test: mine/more.jsonl\n" + body)
+    # and a bundled task on a data directory of the user's: a BLiMP paradigm file with a pair
+    # whose sentences are identical (the release has 7): a tie is not a success for either
+    (tmp_path / "blimp").mkdir()
+    (tmp_path / "blimp" / "wh_island.jsonl").write_text("".join(
+        json.dumps({"sentence_good": g, "sentence_bad": b, "UID": "wh_island"}) + "\n"
+        for g, b in [*pairs, (pairs[0][0], pairs[0][0])]))
+    monkeypatch.setenv("MOEIFY_DATA_DIR", str(tmp_path / "elsewhere"))
     out = tmp_path / "res.json"
-    assert main(["eval", "--run", str(run_dir), "--harness", "my_pairs", "--harness-include",
-                 str(tasks), "--harness-out", str(out), "--device", "cpu"]) == 0
+    assert main(["eval", "--run", str(run_dir), "--harness", "my_pairs,my_more,"
+                 "moeify_blimp_wh_island", "--harness-include", str(tasks), "--harness-out",
+                 str(out), "--data-dir", str(tmp_path), "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
-    assert "my_pairs" in printed and res["n-samples"]["my_pairs"]["effective"] == 2
+    assert "my_pairs" in printed and "my_more" in printed
+    assert main(["eval", "--run", str(run_dir), "--task", "blimp", "--data",
+                 str(tmp_path / "blimp"), "--json"]) == 0
+    blimp = json.loads(capsys.readouterr().out)
+    assert res["results"]["moeify_blimp_wh_island"]["acc,none"] == blimp["accuracy"]
     from moeify.train.rundir import load_trained
 
-    model = load_trained(run_dir).model
-    enc = load_trained(run_dir).tokenizer.encode
-    expect = sum(by_hand(model, enc(g)[:1], enc(g)[1:], None)[0] >
-                 by_hand(model, enc(b)[:1], enc(b)[1:], None)[0] for g, b in pairs) / 2
-    assert res["results"]["my_pairs"]["acc,none"] == expect
+    tm = load_trained(run_dir)
+    enc = tm.tokenizer.encode
+    right = [by_hand(tm.model, enc(g)[:1], enc(g)[1:], None)[0] >
+             by_hand(tm.model, enc(b)[:1], enc(b)[1:], None)[0] for g, b in pairs]
+    assert res["n-samples"]["my_pairs"]["effective"] == 2
+    assert res["results"]["my_pairs"]["acc,none"] == sum(right[:2]) / 2
+    assert res["n-samples"]["my_more"]["effective"] == 3
+    assert res["results"]["my_more"]["acc,none"] == pytest.approx(sum(right) / 3)
+    assert blimp["accuracy"] == pytest.approx(sum(right) / 4)
 
 
 def test_the_bundled_blimp_group_lists_every_paradigm(harness, shared_data_dir):

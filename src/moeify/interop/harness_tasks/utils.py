@@ -1,51 +1,5 @@
-"""Helpers that the bundled task configs name with ``!function utils.NAME``.
+"""The helpers the task configs of this directory name with ``!function utils.NAME``
+(lm-eval looks for utils.py beside the YAML files)."""
 
-``local_json`` is the configs' ``custom_dataset``: datasets' json builder on the files that
-``dataset_kwargs.data_files`` names, relative paths resolved under $MOEIFY_DATA_DIR (the layout
-of moeify.eval.paths), so the task definitions ship with moeify and the data stays where the
-user keeps it. Nothing is downloaded.
-"""
-
-from __future__ import annotations
-
-from pathlib import Path
-
-from moeify.errors import MoeifyError
-from moeify.eval.lambada import split_passage
-from moeify.eval.paths import DATA_DIR_ENV, data_dir
-
-
-def resolve_data_files(data_files: str | dict[str, str]) -> dict[str, str]:
-    """{split: absolute path}; a bare string is the test split."""
-    files = data_files if isinstance(data_files, dict) else {"test": data_files}
-    root = data_dir()
-    out = {}
-    for split, name in files.items():
-        p = Path(name).expanduser()
-        if not p.is_absolute():
-            if root is None:
-                raise MoeifyError(f"harness task data {name} is read from ${DATA_DIR_ENV}, which "
-                                  f"is not set: set it (or pass --data-dir) to the directory "
-                                  f"holding {Path(name).parts[0]}/")
-            p = root / p
-        if not p.is_file():
-            raise MoeifyError(f"harness task data not found: {p} (set ${DATA_DIR_ENV} or "
-                              "--data-dir to the directory laid out like moeify's data directory)")
-        out[split] = str(p)
-    return out
-
-
-def local_json(data_files: str | dict[str, str] = "", **_metadata):
-    import datasets
-
-    return datasets.load_dataset("json", data_files=resolve_data_files(data_files))
-
-
-# LAMBADA: the passage split exactly as `moeify eval --task lambada` splits it (the context, and
-# the last word with the whitespace before it).
-def lambada_context(doc: dict) -> str:
-    return split_passage(doc["text"])[0]
-
-
-def lambada_target(doc: dict) -> str:
-    return split_passage(doc["text"])[1]
+from moeify.interop.harness_data import (blimp_strict, lambada_context,  # noqa: F401
+                                         lambada_target, local_json)
