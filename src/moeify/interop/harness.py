@@ -89,6 +89,7 @@ class MoeifyLM(LM):
 
     def __init__(self, run: str | None = None, batch_size: int | str = 8, device: str = "cpu",
                  amp: str = "fp32", max_batch_size: Any = None) -> None:
+        # max_batch_size: lm-eval passes it to every model type; batches here are batch_size
         super().__init__()
         from moeify.eval.rundir import load_run_model
 
@@ -183,7 +184,8 @@ class MoeifyLM(LM):
                      max_gen_toks: int = 256, do_sample: bool = False,
                      temperature: float | None = None, top_k: int | None = None,
                      top_p: float | None = None, **_ignored: Any) -> str:
-        """The continuation of ``context``, cut before the first ``until`` string."""
+        """The continuation of ``context``, cut before the first ``until`` string. Generation
+        kwargs other than these are ignored."""
         stops = [until] if isinstance(until, str) else [s for s in (until or []) if s]
         prompt = self.tokenizer.encode(context)
         if not prompt:
