@@ -20,10 +20,11 @@ BOOTSTRAP_ITERS = 1000
 
 def add_arguments(p) -> None:
     p.add_argument("--harness", metavar="TASK[,TASK]",
-                   help="run lm-evaluation-harness tasks instead of --task (needs moeify[harness]): "
-                   "moeify_lambada, moeify_blimp (the group), moeify_blimp_<paradigm>, or tasks "
-                   "defined in --harness-include directories; offline, data from --data-dir or "
-                   "$MOEIFY_DATA_DIR; --limit is per task (per paradigm for BLiMP)")
+                   help="run lm-evaluation-harness tasks instead of --task (needs "
+                   "moeify[harness]): moeify_lambada, moeify_blimp (the group), "
+                   "moeify_blimp_<paradigm>, or tasks defined in --harness-include directories; "
+                   "offline, data from --data-dir or $MOEIFY_DATA_DIR; --limit is per task (per "
+                   "paradigm for BLiMP)")
     p.add_argument("--harness-include", metavar="DIR", action="append", default=[],
                    help="a directory of lm-eval task YAML files to add (repeatable)")
     p.add_argument("--harness-out", metavar="FILE", help="where to write the harness results "
@@ -63,7 +64,8 @@ def default_out(run_dir, checkpoint: str, tasks: list[str], limit: int | None):
     from pathlib import Path
 
     name = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(tasks))[:120]
-    return Path(run_dir) / "harness" / f"{checkpoint}-{name}{f'-limit{limit}' if limit else ''}.json"
+    suffix = f"-limit{limit}" if limit else ""
+    return Path(run_dir) / "harness" / f"{checkpoint}-{name}{suffix}.json"
 
 
 def run_harness(args) -> int:

@@ -100,7 +100,8 @@ class MoeifyLM(LM):
         try:
             dev = torch.device(device)
         except RuntimeError:
-            raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+            raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)"
+                             ) from None
         loaded = load_run_model(run, dev)
         self._setup(loaded.model, loaded.tokenizer, dev, AMP_DTYPES[amp],
                     _positive_int("batch_size", batch_size))
