@@ -191,6 +191,11 @@ def test_unknown_task_is_a_one_line_error_and_writes_nothing(harness, run_dir, c
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown harness task no_such_task" in err
     assert "--harness-include" in err and not (run_dir / "harness").exists()
+    for args in (["--harness", "moeify_lambada", "--task", "lambada"], [],
+                 ["--task", "blimp", "--harness-out", str(run_dir / "harness" / "x.json")]):
+        assert main(["eval", "--run", str(run_dir), *args]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert not (run_dir / "harness").exists()
 
 
 def test_a_users_local_tasks_through_harness_include(harness, run_dir, tmp_path, monkeypatch,

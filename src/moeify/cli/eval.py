@@ -52,6 +52,8 @@ def run(args) -> int:
         return run_harness(args)
     if args.task is None:
         raise ValueError("give --task TASK (ppl, lambada, blimp, cbt) or --harness TASK[,TASK]")
+    if args.harness_include or args.harness_out:
+        raise ValueError("--harness-include and --harness-out go with --harness TASK[,TASK]")
     device = pick_device(args.device, DistEnv())
     if device.type == "cpu":
         from moeify.train.distributed import configure_cpu_threads
