@@ -1,5 +1,6 @@
 """The run-directory layout and its read-only access, shared by training (moeify.train.rundir,
-which writes runs) and analysis (moeify.analysis.rundir, which never imports train).
+which writes runs), analysis (moeify.analysis.rundir) and interop (moeify.interop), which never
+import train; ``load_run_model`` loads a run's latest checkpoint with its tokenizer.
 
     RUN/config.json                      the resolved TrainConfig
     RUN/model.json                       the resolved ModelConfig (vocabulary = the tokenizer's)
@@ -12,8 +13,11 @@ which writes runs) and analysis (moeify.analysis.rundir, which never imports tra
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig
@@ -46,3 +50,54 @@ def read_train_config_dict(run_dir: str | Path) -> dict[str, Any]:
     """config.json as a plain dict ({} when the run has none)."""
     path = Path(run_dir) / CONFIG_FILE
     return read_json(path, "training configuration") if path.is_file() else {}
+
+
+def check_run_dir(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MoeifyError(f"run directory {run_dir} does not exist")
+    return run_dir
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    root = check_run_dir(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        ckpt = root / pointer.read_text().strip()
+        if (ckpt / "model.safetensors").is_file():
+            return ckpt
+    steps = sorted(p for p in root.glob("step-*") if (p / "model.safetensors").is_file()) \
+        if root.is_dir() else []
+    if not steps:
+        raise MoeifyError(f"{run_dir} has no checkpoint yet (checkpoints/step-*/"
+                          "model.safetensors); train it first")
+    return steps[-1]
+
+
+@dataclass
+class RunModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    config: ModelConfig
+    checkpoint: Path
+
+
+def load_run_model(run_dir: str | Path, device: str | torch.device = "cpu") -> RunModel:
+    """The run's model from its latest checkpoint, in eval mode, with its tokenizer."""
+    from safetensors.torch import load_file
+
+    from moeify.data.tokenizers import load_tokenizer
+
+    config = read_model_config(check_run_dir(run_dir))
+    tokenizer = load_tokenizer(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    try:
+        state = load_file(str(ckpt / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise MoeifyError(f"{ckpt / 'model.safetensors'} is corrupt ({e})") from None
+    model = config.build()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MoeifyError(f"{ckpt} does not fit the run's model.json (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    return RunModel(model.to(device).eval(), tokenizer, config, ckpt)

@@ -38,6 +38,7 @@ def run(args) -> int:
     import torch
 
     from moeify.eval.adapters import stateless_logits_fn
+    from moeify.eval.scoring import zero_shot_context
     from moeify.train.distributed import DistEnv, pick_device
     from moeify.train.rundir import load_trained
     from moeify.train.trainer import resolve_amp
@@ -69,9 +70,7 @@ def run(args) -> int:
         raise FileNotFoundError(f"{args.task} data not found at {data_path}")
 
     tm = load_trained(args.run, device)
-    mc = tm.model_config
-    # Without memory, an XL model was trained to attend over its chunk plus one chunk of memory.
-    max_len = mc.context_length * (2 if mc.xl_memory else 1)
+    max_len = zero_shot_context(tm.model_config)  # the rule the harness adapter shares
     logits_fn = stateless_logits_fn(tm.model, device, amp_dtype)
     result: dict = {"run": str(tm.run_dir), "checkpoint": tm.checkpoint.path.name,
                     "step": tm.checkpoint.step, "task": args.task}

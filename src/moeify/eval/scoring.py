@@ -44,6 +44,12 @@ class ContinuationScore:
         return float(self.logprobs.mean())
 
 
+def zero_shot_context(model_config) -> int:
+    """The longest input a zero-shot item may have: without memory, an XL model was trained to
+    attend over its chunk plus one chunk of memory, so it gets twice its context length."""
+    return model_config.context_length * (2 if model_config.xl_memory else 1)
+
+
 def upcast(logits: torch.Tensor) -> torch.Tensor:
     """Half-precision logits are scored in float32; float32/float64 ones as they are (a float64
     copy of [B, T, V] logits would cost gigabytes for a 50k vocabulary)."""

@@ -38,7 +38,8 @@ import torch
 
 from moeify.errors import MoeifyError
 from moeify.eval.generate import generate
-from moeify.eval.scoring import score_continuations, stateless_logits_fn, zero_shot_context
+from moeify.eval.adapters import stateless_logits_fn
+from moeify.eval.scoring import score_continuations, zero_shot_context
 
 try:
     import lm_eval.models  # noqa: F401  (registers lm-eval's own model names before ours)
@@ -91,7 +92,7 @@ class MoeifyLM(LM):
                  amp: str = "fp32", max_batch_size: Any = None) -> None:
         # max_batch_size: lm-eval passes it to every model type; batches here are batch_size
         super().__init__()
-        from moeify.eval.rundir import load_run_model
+        from moeify.rundir import load_run_model
 
         if run is None:
             raise ValueError("the moeify model type needs model_args run=RUN_DIR")
