@@ -65,9 +65,12 @@ class SigmaMoEConfig:
     dropout: float = 0.0
     n_layers: int = 1
     expert_impl: str = "auto"
+    bias: bool = False
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_experts", "expert_size", "n_layers")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"SigmaMoEConfig.bias must be True or False, got {self.bias!r}")
         if not 1 <= self.k <= self.n_experts:
             raise ValueError(f"SigmaMoEConfig.k must lie in [1, n_experts={self.n_experts}], "
                              f"got {self.k}; lower k or add experts")
@@ -92,6 +95,9 @@ class SigmaMoE(nn.Module):
         self.w_sel_ED = nn.Parameter(torch.empty(E, D))
         self.keys_EDG = nn.Parameter(torch.empty(E, D, G))
         self.values_EGD = nn.Parameter(torch.empty(E, G, D))
+        if config.bias:
+            self.bias_EG = nn.Parameter(torch.zeros(E, G))
+            self.bias_D = nn.Parameter(torch.zeros(D))
         self.drop = nn.Dropout(config.dropout)
         register_usage(self, "usage", (E,))
         self.reset_parameters()
@@ -106,6 +112,9 @@ class SigmaMoE(nn.Module):
         nn.init.normal_(self.w_sel_ED, std=s / c.d_model ** 0.5)
         nn.init.normal_(self.values_EGD, std=s / (c.n_experts * c.expert_size) ** 0.5)
         renorm_rows_(self.w_sel_ED)
+        if c.bias:
+            self.bias_EG.zero_()
+            self.bias_D.zero_()
 
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
@@ -136,10 +145,14 @@ class SigmaMoE(nn.Module):
         impl = resolve_impl(c.expert_impl, x_MD, self.keys_EDG)
         plan = make_plan(idx_MK, c.n_experts) if impl in ("segment", "grouped") else None
         h_MKG = expert_matmul(x_MD, idx_MK, self.keys_EDG, impl=impl, plan=plan)
+        if c.bias:
+            h_MKG = h_MKG + self.bias_EG[idx_MK].to(h_MKG.dtype)
         h_NG = self.drop(F.relu(h_MKG)).reshape(M * K, c.expert_size)
         y_ND = expert_matmul(h_NG, idx_MK.reshape(M * K, 1), self.values_EGD,
                              gates_MK.reshape(M * K, 1), impl=impl, plan=plan)
         y_BTD = y_ND.view(M, K, D).sum(1).view(B, T, D)
+        if c.bias:
+            y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
 
         aux = Aux()
         if c.entropy_coef != 0:

@@ -72,6 +72,10 @@ class SwitchFFConfig:
     expert_dropout: dropout on the experts' hidden activations (the Switch paper's "expert
                     dropout": 0.4 inside the experts when fine-tuning; 0 for pre-training).
     noop_experts:   Z no-op experts among the router's choices (integrated MoDE).
+    bias:           a hidden bias per expert ``bias_EF`` [E, F] and one output bias ``bias_D``
+                    [D] added to every token, ungated, also to dropped ones (zero-initialised).
+                    T5-style Switch has none; a dense MLP with biases needs them to be copied
+                    exactly into its experts (moeify.models.upcycle).
     The initialisation is the Switch paper's 0.1x scale, std sqrt(0.1 / fan_in), which does not
     depend on the model depth."""
 
@@ -87,9 +91,12 @@ class SwitchFFConfig:
     expert_dropout: float = 0.0
     noop_experts: int = 0
     expert_impl: str = "auto"
+    bias: bool = False
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"SwitchFFConfig.bias must be True or False, got {self.bias!r}")
         if self.noop_experts < 0:
             raise ValueError(f"SwitchFFConfig.noop_experts must be >= 0, got {self.noop_experts}")
         choices = self.n_experts + self.noop_experts
@@ -123,6 +130,9 @@ class SwitchFeedForward(nn.Module):
         self.w_router_RD = nn.Parameter(torch.empty(R, D))
         self.w_in_EDF = nn.Parameter(torch.empty(E, D, Fh))
         self.w_out_EFD = nn.Parameter(torch.empty(E, Fh, D))
+        if config.bias:
+            self.bias_EF = nn.Parameter(torch.zeros(E, Fh))
+            self.bias_D = nn.Parameter(torch.zeros(D))
         self.drop = nn.Dropout(config.expert_dropout)
         register_usage(self, "usage", (R,))
         register_usage(self, "dropped", ())
@@ -135,6 +145,9 @@ class SwitchFeedForward(nn.Module):
         trunc_normal_(self.w_router_RD, (0.1 / c.d_model) ** 0.5)
         trunc_normal_(self.w_in_EDF, (0.1 / c.d_model) ** 0.5)
         trunc_normal_(self.w_out_EFD, (0.1 / c.d_ff) ** 0.5)
+        if c.bias:
+            self.bias_EF.zero_()
+            self.bias_D.zero_()
 
     def capacity(self, num_rows: int) -> int | None:
         """Pairs each expert may take out of ``num_rows`` tokens (None: dropless)."""
@@ -171,6 +184,8 @@ class SwitchFeedForward(nn.Module):
 
         y_ND = self._experts(x_MD, idx_MK, gates_MK, keep_MK, N if cap is None else min(N, E * cap))
         y_BTD = y_ND.view(M, K, D).sum(1).view(B, T, D)
+        if c.bias:
+            y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
 
         aux = Aux()
         if c.balance_coef != 0:
@@ -216,7 +231,10 @@ class SwitchFeedForward(nn.Module):
         impl = resolve_impl(c.expert_impl, x_PD, self.w_in_EDF)
         plan = make_plan(ids_P1, c.n_experts) if impl in ("segment", "grouped") else None
         h_P1F = expert_matmul(x_PD, ids_P1, self.w_in_EDF, impl=impl, plan=plan)
-        h_PF = self.drop(F.relu(h_P1F.squeeze(1)))
+        h_PF = h_P1F.squeeze(1)
+        if c.bias:  # rows past the kept ones have gate 0: their bias never reaches the output
+            h_PF = h_PF + self.bias_EF[ids_P1.squeeze(1)].to(h_PF.dtype)
+        h_PF = self.drop(F.relu(h_PF))
         y_PD = expert_matmul(h_PF, ids_P1, self.w_out_EFD, gates_P1, impl=impl, plan=plan)
         if P == N:
             return y_PD
