@@ -26,6 +26,7 @@ from moeify.models.config import known_fields
 from moeify.train.overrides import (  # noqa: F401  (re-exported: the override API)
     RUN_MODEL_PRESET,
     apply_model_overrides,
+    base_config_of,
     base_model_config,
     resolve_model_config,
 )
@@ -51,6 +52,9 @@ class TrainConfig:
     and 3.23 at 5e-3.
 
     preset / model_overrides: the model (``moeify presets``); overrides are "key=value" strings.
+    model:            a whole ModelConfig as a dict (ModelConfig.to_dict), used instead of the
+                      preset's: models that are not presets (``moeify upcycle`` writes one);
+                      ``preset`` is then only a name.
     data:             corpus name or local path (moeify.data.corpora).
     tokenizer:        "auto" = bytes for byte-level corpora (enwik8 convention: the byte values
                       occurring in the train split), SentencePiece BPE otherwise (paper §3).
@@ -77,6 +81,7 @@ class TrainConfig:
 
     preset: str = "tiny-switchhead"
     model_overrides: tuple[str, ...] = ()
+    model: dict[str, Any] | None = None
     data: str = "wiki-excerpt"
     tokenizer: str = "auto"
     vocab_size: int = 8000
@@ -133,6 +138,9 @@ class TrainConfig:
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got "
                              f"{self.tokenizer!r}")
+        if self.model is not None and not isinstance(self.model, dict):
+            raise ValueError(f"model must be a ModelConfig dict or none, got "
+                             f"{type(self.model).__name__}")
         for o in self.model_overrides:
             if not isinstance(o, str) or "=" not in o:
                 raise ValueError(f"model_overrides holds 'key=value' strings, got {o!r}")
@@ -169,12 +177,13 @@ class TrainConfig:
                 raise ValueError(f"--set {item}: unknown setting {key!r}; train settings are "
                                  f"{', '.join(f.name for f in dataclasses.fields(TrainConfig))}"
                                  ", model settings start with model. (e.g. model.d_model=64)")
-            if key == "model_overrides":
-                raise ValueError("set model fields with model.<field>=value, not model_overrides")
+            if key in ("model_overrides", "model"):
+                raise ValueError(f"set model fields with model.<field>=value, not {key}")
             changes[key] = parse_value(value, hints[key], what=f"--set {item}")
         out = dataclasses.replace(self, **changes, model_overrides=tuple(model_ovr))
-        if len(model_ovr) > len(self.model_overrides) and out.preset != RUN_MODEL_PRESET:
-            apply_model_overrides(base_model_config(out.preset), model_ovr)  # fail early
+        if len(model_ovr) > len(self.model_overrides) and (
+                out.model is not None or out.preset != RUN_MODEL_PRESET):
+            apply_model_overrides(base_config_of(out), model_ovr)  # fail early
         return out
 
 
@@ -206,7 +215,8 @@ def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
                             weights_only: bool = False) -> None:
     """Raise if ``requested`` changes something a resumed run cannot change. From a checkpoint
     that holds only weights (an imported model: nothing trained yet) only the model is fixed."""
-    if saved.preset != requested.preset or saved.model_overrides != requested.model_overrides:
+    if (saved.preset != requested.preset or saved.model_overrides != requested.model_overrides
+            or saved.model != requested.model):
         raise ValueError(f"the checkpoint is from another preset: the run was trained as "
                          f"{saved.preset!r} {list(saved.model_overrides) or ''} but "
                          f"{requested.preset!r} {list(requested.model_overrides) or ''} was "

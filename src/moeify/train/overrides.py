@@ -36,6 +36,14 @@ def base_model_config(preset: str, run_dir=None) -> ModelConfig:
     return get_preset(preset)
 
 
+def base_config_of(cfg: "TrainConfig", run_dir=None) -> ModelConfig:
+    """The run's model before overrides: ``cfg.model`` when given (a converted model written
+    whole into the training config), else the preset's (``run_dir`` for RUN_MODEL_PRESET)."""
+    if cfg.model is not None:
+        return ModelConfig.from_dict(cfg.model)
+    return base_model_config(cfg.preset, run_dir)
+
+
 def _hint_from_value(value: Any) -> Any:
     if isinstance(value, bool):
         return bool
@@ -106,7 +114,7 @@ def resolve_model_config(cfg: "TrainConfig", vocab_size: int | None = None,
                          run_dir=None) -> ModelConfig:
     """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary
     (``run_dir``: the run being resumed, whose model.json the preset "run-model" names)."""
-    model = apply_model_overrides(base_model_config(cfg.preset, run_dir), cfg.model_overrides)
+    model = apply_model_overrides(base_config_of(cfg, run_dir), cfg.model_overrides)
     if vocab_size is not None and vocab_size != model.vocab_size:
         model = dataclasses.replace(model, vocab_size=vocab_size)
     return model

@@ -111,8 +111,11 @@ class Trainer:
     """Set up a run (fresh or resumed) in ``run_dir``; ``fit()`` trains it."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = False,
-                 quiet: bool = False, stream: TextIO | None = None) -> None:
+                 quiet: bool = False, stream: TextIO | None = None, tokenizer=None) -> None:
+        """``tokenizer``: use this one in a fresh run instead of building one from the corpus
+        (a run that continues another model's training keeps that model's tokenizer)."""
         self.cfg = cfg
+        self._given_tokenizer = tokenizer
         self.run_dir = Path(run_dir)
         self.stream = stream if stream is not None else sys.stderr
         device_type = "cuda" if cfg.device.startswith("cuda") or (
@@ -225,6 +228,8 @@ class Trainer:
         corpus = self._rank0_first(lambda: load_corpus(self.cfg.data))
         if resume:
             return corpus, load_tokenizer(self.run_dir)
+        if self._given_tokenizer is not None:
+            return corpus, self._given_tokenizer
         kind = self.cfg.tokenizer
         if kind == "auto":
             kind = "byte" if corpus.byte_level else "sentencepiece"
@@ -451,5 +456,34 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = 
     trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream)
     try:
         return trainer.fit(stop_after)
+    finally:
+        trainer.close()
+
+
+def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.Module,
+                         tokenizer, *, validate: bool = True, quiet: bool = True,
+                         stream: TextIO | None = None) -> dict[str, float] | None:
+    """A new run whose step-0 checkpoint holds ``model``'s weights (``cfg`` must resolve to its
+    ModelConfig, e.g. through ``cfg.model``), with the training state of a fresh run: new
+    optimizer and schedule, the data at its start, the RNG as a fresh run seeds it. So
+    ``train(cfg, run_dir, resume=True)`` trains exactly as a fresh run that started from these
+    weights would. With ``validate`` the validation loss at step 0 is measured and recorded in
+    metrics.jsonl (and returned)."""
+    trainer = Trainer(cfg, run_dir, quiet=quiet, stream=stream, tokenizer=tokenizer)
+    try:
+        if model_config_dict(trainer.model_cfg) != model_config_dict(model.config):
+            raise MoeifyError("the training configuration does not describe this model; pass "
+                              "TrainConfig(model=model.config.to_dict(), ...)")
+        trainer.model.load_state_dict(model.state_dict(), strict=True)
+        valid = None
+        if validate and trainer.env.is_main:
+            sink = MetricsSink(trainer.run_dir, tensorboard=False)
+            try:
+                valid = trainer._log_validation(sink, Progress(cfg.steps, 0, stream=trainer.stream,
+                                                               enabled=not trainer.quiet))
+            finally:
+                sink.close()
+        trainer.save_checkpoint()
+        return valid
     finally:
         trainer.close()
