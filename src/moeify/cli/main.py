@@ -41,8 +41,8 @@ def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
 
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "eval", "generate", "plot",
-            "compare", "import", "export"]
+COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "upcycle", "eval", "generate",
+            "plot", "compare", "import", "export"]
 # Subcommands whose module cannot carry their name (``import`` is a Python keyword).
 MODULES = {"import": "import_"}
 

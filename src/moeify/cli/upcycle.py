@@ -1,0 +1,119 @@
+"""``moeify upcycle``: turn a trained dense run into a Mixture-of-Experts run that continues
+training from its weights (moeify.models.upcycle)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "upcycle", help="convert a trained dense run into an MoE run (SwitchHead, MoA, sigma-MoE, "
+        "Switch, Mixture-of-Depths) that `train --resume` continues",
+        description="Convert the latest checkpoint of a dense run into a Mixture-of-Experts "
+        "model and write it as a new run directory: the resolved configs, the source's "
+        "tokenizer, and a step-0 checkpoint with a fresh optimizer. `moeify train --resume OUT "
+        "--steps M` trains it; count, eval and generate accept it. The source run is only read.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="conversions (options key=value, comma-separated; defaults in brackets):\n"
+               "  --attention switchhead:E=,k=[E],experts=[vo],router_scale=[0.1],seed=[0]\n"
+               "  --attention moa:k=,kv_head=[0],router_scale=[0.1]\n"
+               "  --ff sigma-moe:E=,k=[E],split=[cluster]|contiguous,router=[keys]|random,"
+               "router_scale=[0.1],entropy_coef=[1e-4]\n"
+               "  --ff switch:E=,k=[1],noise=[0],reinit=[0],router_scale=[0.01],"
+               "dropless=[true],capacity_factor=[1.25]\n"
+               "  --depth mod:blocks=[1,3,...],capacity=[0.125],router_scale=[0.1]\n"
+               "exact (same logits as the dense model): sigma-moe with k=E,router_scale=0; switch "
+               "with router_scale=0; mod with capacity=1,router_scale=0\n"
+               "examples:\n"
+               "  moeify upcycle --run runs/dense --out runs/sh --attention switchhead:E=4,k=2\n"
+               "  moeify upcycle --run runs/dense --out runs/all --attention switchhead:E=4,k=2 "
+               "--ff sigma-moe:E=8,k=2\n"
+               "  moeify train --resume runs/all --steps 600")
+    p.add_argument("--run", required=True, help="the dense source run (or one of its "
+                   "checkpoints)")
+    p.add_argument("--out", required=True, help="the new run directory (must not exist yet, "
+                   "or be empty)")
+    p.add_argument("--attention", help="attention conversion (switchhead:..., moa:...)")
+    p.add_argument("--ff", help="feedforward conversion (sigma-moe:..., switch:...)")
+    p.add_argument("--depth", help="depth conversion (mod:...)")
+    p.add_argument("--steps", type=int, help="the new run's total steps (default: the source "
+                   "run's)")
+    p.add_argument("--data", help="corpus of the new run (default: the source run's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a training setting of the new run (lr=1e-3, ...); repeatable")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip measuring the validation loss right after the conversion")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from moeify.errors import MoeifyError
+    from moeify.models.cost import model_cost
+    from moeify.models.upcycle import is_exact, upcycle
+    from moeify.train.checkpoint import resolve_checkpoint, run_dir_of
+    from moeify.train.config import TrainConfig
+    from moeify.train.distributed import configure_cpu_threads
+    from moeify.train.rundir import load_trained
+    from moeify.train.trainer import start_run_from_model
+
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+    if args.attention is None and args.ff is None and args.depth is None:
+        raise ValueError("name at least one conversion: --attention, --ff or --depth")
+    src_dir = run_dir_of(resolve_checkpoint(args.run))
+    out = Path(args.out)
+    if out.resolve() == src_dir.resolve():
+        raise MoeifyError("--out is the source run; the source is never modified, choose a new "
+                          "directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeifyError(f"--out {out} already exists and is not empty; choose a new directory")
+    configure_cpu_threads()
+    src = load_trained(args.run, "cpu")
+    model = upcycle(src.model, attention=args.attention, feedforward=args.ff, depth=args.depth)
+    if src.train_config is None and args.data is None:
+        raise MoeifyError(f"{src_dir} has no training configuration; give --data for the new "
+                          "run's corpus")
+    base = src.train_config or TrainConfig()
+    explicit = {k: v for k, v in (("steps", args.steps), ("data", args.data)) if v is not None}
+    cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
+                              model=model.config.to_dict(), **explicit
+                              ).with_overrides(args.overrides)
+    valid = start_run_from_model(cfg, out, model, src.tokenizer,
+                                 validate=not args.no_validate)
+    summary = _summary(args, src, model, valid, out, is_exact(args.attention, args.ff,
+                                                               args.depth), model_cost)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"upcycled {src_dir} (step {src.checkpoint.step}) -> {out} (step 0)")
+    for name in ("attention", "feedforward", "depth"):
+        if summary["conversions"][name]:
+            print(f"  {name}: {summary['conversions'][name]}")
+    print(f"  function at conversion: {'exact' if summary['exact'] else 'approximate'}")
+    print(f"  parameters {summary['params_dense']:,} -> {summary['params']:,}")
+    if valid is not None:
+        name = "bpc" if "bpc" in valid else "ppl"
+        dense = summary.get("dense_valid")
+        was = f"dense {dense[name]:.4f} at step {dense['step']}, " if dense else ""
+        print(f"  validation {name}: {was}upcycled {valid[name]:.4f}")
+    print(f"continue with: moeify train --resume {out} --steps N")
+    return 0
+
+
+def _summary(args, src, model, valid, out, exact, model_cost) -> dict:
+    from moeify.train.metrics import read_metrics
+
+    dense = [r for r in read_metrics(src.run_dir)
+             if r.get("kind") == "valid" and r.get("step") == src.checkpoint.step]
+    return {"source": str(src.run_dir), "source_step": src.checkpoint.step, "out": str(out),
+            "conversions": {"attention": args.attention, "feedforward": args.ff,
+                            "depth": args.depth},
+            "exact": exact, "params_dense": model_cost(src.model_config).params,
+            "params": model_cost(model.config).params, "valid": valid,
+            "dense_valid": dense[-1] if dense else None}

@@ -1,0 +1,443 @@
+"""Upcycling a trained dense model (moeify.models.upcycle, moeify upcycle): the conversions that
+claim to preserve the function reproduce the dense logits; the others stay within a stated loss
+bound of the dense model and far below a random initialisation; the result's cost equals the
+cost formulas; an upcycled run trains on with `train --resume`, exactly; bad input is a one-line
+error and never touches the source run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeify.cli.main import main
+from moeify.layers.attention import DenseAttention
+from moeify.layers.depth import MixtureOfDepths
+from moeify.layers.moa import MoAAttention
+from moeify.layers.sigma_moe import SigmaMoE, SigmaMoEConfig
+from moeify.layers.switch_ff import SwitchFeedForward, SwitchFFConfig
+from moeify.layers.switchhead import SwitchHeadAttention
+from moeify.models.cost import count_module_parameters, model_cost, moa_cost, switchhead_cost
+from moeify.models.upcycle import Spec, parse_spec, upcycle
+from moeify.models.upcycle.feedforward import balanced_clusters
+from moeify.train.config import TrainConfig
+from moeify.train.rundir import load_trained
+from moeify.train.trainer import train
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# d = 32, 2 layers, 4 heads of 8, d_ff 64, T = 32: trains in a few seconds.
+TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=32",
+        "model.feedforward.d_ff=64", "model.attention.d_head=8", "model.attention.n_heads=4")
+ROPE = ("model.xl_memory=false", "model.attention.pos=rope")
+
+
+def write_corpus(path: Path, n: int, seed: int) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child"]
+    verb = ["sees", "likes", "finds", "wants", "hears", "follows"]
+    obj = ["the ball", "a red apple", "the small house", "her friend", "the river", "a book"]
+    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}."
+                              for _ in range(n)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny dense models trained 60 steps on a small corpus (XL memory, and RoPE without
+    memory for depth routing), and a held-out batch of the same language."""
+    tmp = tmp_path_factory.mktemp("upcycle")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEIFY_CACHE_DIR", str(tmp / "cache"))
+    corpus = write_corpus(tmp / "corpus.txt", 1500, 0)
+    held = write_corpus(tmp / "held.txt", 200, 1).read_text()
+    out = {"tmp": tmp, "corpus": corpus}
+    for name, extra in (("xl", ()), ("rope", ROPE)):
+        cfg = TrainConfig(preset="tiny-dense", data=str(corpus), tokenizer="byte256", steps=60,
+                          batch_size=8, warmup_steps=0, lr=3e-3, eval_every=0, eval_tokens=512,
+                          eval_batch_size=4, checkpoint_every=0, model_overrides=TINY + extra)
+        train(cfg, tmp / name, quiet=True)
+        tm = load_trained(tmp / name)
+        out[name] = tm.model
+        out["batch"] = torch.tensor(tm.tokenizer.encode(held)[:8 * 33]).view(8, 33)
+    yield out
+    mp.undo()
+
+
+def loss_of(model, batch) -> float:
+    model.eval()
+    with torch.no_grad():
+        return model(batch[:, :-1], batch[:, 1:]).loss.item()
+
+
+def logits_of(model, batch) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(batch[:, :-1]).logits
+
+
+# ------------------------------------------------------------------------- exact conversions
+
+EXACT = [
+    ("xl", {"feedforward": "sigma-moe:E=4,router_scale=0"}),
+    ("xl", {"feedforward": "sigma-moe:E=8,k=8,split=contiguous,router_scale=0"}),
+    ("xl", {"feedforward": "switch:E=4,router_scale=0"}),
+    ("xl", {"feedforward": "switch:E=3,k=2,router_scale=0,dropless=true"}),
+    ("rope", {"depth": "mod:capacity=1,router_scale=0,blocks=0,1"}),
+    ("rope", {"feedforward": "sigma-moe:E=2,router_scale=0", "depth": "mod:capacity=1,"
+              "router_scale=0"}),
+]
+
+
+@pytest.mark.parametrize("kind,conversions", EXACT)
+def test_exact_conversions_reproduce_the_dense_logits(runs, kind, conversions):
+    dense, batch = runs[kind], runs["batch"]
+    up = upcycle(dense, **conversions)
+    diff = (logits_of(up, batch) - logits_of(dense, batch)).abs().max().item()
+    assert diff < 1e-5, f"{conversions}: max |logit difference| {diff:.2e}"
+    assert up.config != dense.config  # it really is another model
+
+
+def test_the_dense_ff_biases_matter_for_exactness(runs):
+    """The trained MLP's biases are far from 0: dropping them would not be exact."""
+    ff = runs["xl"].blocks[0].feedforward
+    assert ff.w1.bias.abs().max() > 1e-2 and ff.w2.bias.abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------- approximate ones
+
+# (kind, conversions, bound on loss - dense loss in nats). Measured on this fixture (dense loss
+# about 2.0, random init about 6.0): switchhead 0.45-0.9, moa 0.5-0.6, sigma-moe k<E 0.3-0.4,
+# switch with its default small router < 0.01, noise 0.1 about 0.03, drop-upcycling r=0.5
+# about 1.0, MoD capacity 0.5 about 0.4.
+APPROX = [
+    ("xl", {"attention": "switchhead:E=2"}, 1.0),
+    ("xl", {"attention": "switchhead:E=4,k=2"}, 1.2),
+    ("rope", {"attention": "switchhead:E=2,k=1"}, 1.2),
+    ("xl", {"attention": "moa:k=4"}, 1.0),
+    ("rope", {"attention": "moa:k=2"}, 1.0),
+    ("xl", {"feedforward": "sigma-moe:E=4,k=2"}, 0.6),
+    ("xl", {"feedforward": "switch:E=4"}, 0.01),
+    ("xl", {"feedforward": "switch:E=4,noise=0.1"}, 0.1),
+    ("xl", {"feedforward": "switch:E=4,reinit=0.5"}, 1.5),
+    ("rope", {"depth": "mod:capacity=0.5"}, 0.8),
+    ("xl", {"attention": "switchhead:E=4,k=2", "feedforward": "sigma-moe:E=4,k=2"}, 1.5),
+]
+
+
+@pytest.mark.parametrize("kind,conversions,bound", APPROX)
+def test_approximate_conversions_start_near_dense_and_far_below_random(runs, kind, conversions,
+                                                                       bound):
+    dense, batch = runs[kind], runs["batch"]
+    up = upcycle(dense, **conversions)
+    torch.manual_seed(0)
+    fresh = up.config.build()  # the same MoE model, randomly initialised
+    l_dense, l_up, l_rand = loss_of(dense, batch), loss_of(up, batch), loss_of(fresh, batch)
+    assert l_up - l_dense < bound, f"{conversions}: {l_up:.3f} vs dense {l_dense:.3f}"
+    assert l_up < l_rand - 2.5, f"{conversions}: {l_up:.3f} vs random init {l_rand:.3f}"
+
+
+def test_router_from_the_keys_beats_a_random_router(runs):
+    """sigma-MoE k < E: clustering the units and routing by their mean key keep more of the
+    dense function than contiguous slices with a random router."""
+    dense, batch = runs["xl"], runs["batch"]
+    ours = loss_of(upcycle(dense, feedforward="sigma-moe:E=4,k=2"), batch)
+    naive = loss_of(upcycle(dense, feedforward="sigma-moe:E=4,k=2,split=contiguous,"
+                                               "router=random"), batch)
+    assert ours < naive
+
+
+def test_switchhead_keeps_the_representative_heads_attention(runs):
+    """Kept head h attends exactly as dense head h·E (RoPE: nothing is lost in Q / K)."""
+    dense = runs["rope"]
+    up = upcycle(dense, attention="switchhead:E=2,k=1")
+    x = torch.randn(2, 10, 32)
+    p_dense = dense.blocks[0].attention.inspect(x)["probs_BHTS"]
+    p_up = up.blocks[0].attention.inspect(x)["probs_BHTS"]
+    torch.testing.assert_close(p_up, p_dense[:, ::2], atol=1e-6, rtol=1e-5)
+
+
+def test_moa_keeps_the_shared_head_exactly(runs):
+    """The least-squares fit leaves head kv_head's own projections as they are (the fit of a
+    head to itself is the identity), with W_O times the gate compensation E."""
+    from moeify.models.upcycle import to_moa
+
+    dense = runs["rope"].blocks[0].attention
+    moa = to_moa(dense, k=2, kv_head=2)
+    C = dense.config.d_head
+    cols = slice(2 * C, 3 * C)
+    torch.testing.assert_close(moa.w_q[2], dense.w_q[:, cols], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(moa.w_k, dense.w_k[:, cols])
+    torch.testing.assert_close(moa.w_v, dense.w_v[:, cols])
+    torch.testing.assert_close(moa.w_o[2], 4 * dense.w_o[cols], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(moa.w_q[0], dense.w_q[:, :C], atol=1e-3)  # the others are fitted
+
+
+# ------------------------------------------------------------------------- cost
+
+def test_params_and_attention_macs_equal_the_cost_formulas(runs):
+    dense = runs["xl"]
+    up = upcycle(dense, attention="switchhead:E=2,k=1", feedforward="sigma-moe:E=4,k=2")
+    cost = model_cost(up.config)
+    assert cost.params == count_module_parameters(up)
+    # 2 kept heads of d_h 8, 2 experts, k 1, V and O experts, T 32, XL: C = 2 (spec §6).
+    want = switchhead_cost(d_model=32, n_heads=2, d_head=8, n_experts=2, k=1, T=32, C=2,
+                           experts=("v", "o"), xl=True)
+    assert [r["macs"] for r in cost.layers] == [want.macs] * 2
+    # sigma-MoE with biases: E·D·G keys + E·G·D values + E·D router + E·G + D biases.
+    ff = cost.params_by_part["feedforward"]
+    assert ff == 2 * (4 * 32 * 16 * 2 + 4 * 32 + 4 * 16 + 32)
+    moa = upcycle(dense, attention="moa:k=2")
+    assert model_cost(moa.config).params == count_module_parameters(moa)
+    assert model_cost(moa.config).layers[0]["macs"] == moa_cost(
+        d_model=32, n_heads=2, d_head=8, n_experts=4, T=32, C=2, xl=True).macs
+    mod = upcycle(runs["rope"], depth="mod:capacity=0.5")
+    assert model_cost(mod.config).params == count_module_parameters(mod)
+    assert [r["tokens"] for r in model_cost(mod.config).layers] == [32, 16]
+
+
+# ------------------------------------------------------------------------- layers and helpers
+
+@pytest.mark.parametrize("cls,cfg", [
+    (SigmaMoE, SigmaMoEConfig(d_model=8, n_experts=3, expert_size=4, k=2, bias=True)),
+    (SwitchFeedForward, SwitchFFConfig(d_model=8, d_ff=6, n_experts=3, k=2, bias=True,
+                                       dropless=True)),
+])
+def test_expert_feedforward_biases_against_a_naive_loop(cls, cfg):
+    torch.manual_seed(0)
+    layer = cls(cfg).double()
+    names = {"SigmaMoE": ("keys_EDG", "values_EGD", "w_sel_ED", "bias_EG"),
+             "SwitchFeedForward": ("w_in_EDF", "w_out_EFD", "w_router_RD", "bias_EF")}[cls.__name__]
+    w_in, w_out, w_r, b_in = (getattr(layer, n) for n in names)
+    with torch.no_grad():
+        b_in.normal_()
+        layer.bias_D.normal_()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x)
+    ref = torch.zeros_like(x)
+    logits = x @ w_r.t()
+    scores = torch.sigmoid(logits) if cls is SigmaMoE else torch.softmax(logits, -1)
+    top = scores.topk(cfg.k, -1).indices
+    for b in range(2):
+        for t in range(5):
+            out = layer.bias_D.clone()
+            for e in top[b, t].tolist():
+                h = torch.relu(x[b, t] @ w_in[e] + b_in[e])
+                out = out + scores[b, t, e] * (h @ w_out[e])
+            ref[b, t] = out
+    torch.testing.assert_close(y, ref)
+    gy = torch.randn_like(y)
+    g = torch.autograd.grad(y, (x, b_in, layer.bias_D), gy)
+    g_ref = torch.autograd.grad(ref, (x, b_in, layer.bias_D), gy)
+    for a, r in zip(g, g_ref):  # the router scores are float32 (ops/routing.py)
+        torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
+
+
+def test_balanced_clusters_is_a_permutation_of_equal_groups():
+    w = torch.randn(24, 5)
+    perm = balanced_clusters(w, 4, torch.Generator().manual_seed(0))
+    assert sorted(perm.tolist()) == list(range(24))
+    # rows aligned with one direction end up together
+    w2 = torch.cat([torch.randn(6, 5) * 0.01 + torch.eye(5)[i] * 3 for i in range(4)])
+    groups = balanced_clusters(w2, 4, torch.Generator().manual_seed(1)).view(4, 6)
+    assert all(len(set((g // 6).tolist())) == 1 for g in groups)
+
+
+def test_parse_spec():
+    assert parse_spec("sigma-moe:E=8,k=2", "--ff") == Spec("sigma-moe", {"E": 8, "k": 2})
+    assert parse_spec("mod:blocks=1,3,capacity=0.5", "--depth") == Spec(
+        "mod", {"blocks": [1, 3], "capacity": 0.5})
+    assert parse_spec("switch:E=4,dropless=false", "--ff").options["dropless"] is False
+    assert parse_spec("MoA", "--attention") == Spec("moa", {})
+    for bad in ("sigma-moe:,=3", "switch:E=4,E=5", "moa:3", ""):
+        with pytest.raises(ValueError):
+            parse_spec(bad, "--x")
+
+
+@pytest.mark.parametrize("kind,conversions,message", [
+    ("xl", {"attention": "switchhead:E=3"}, "divide"),
+    ("xl", {"feedforward": "sigma-moe:E=5"}, "d_ff=64"),
+    ("xl", {"feedforward": "sigma-moe:E=4,bogus=1"}, "unknown option"),
+    ("xl", {"attention": "switchhead"}, "give E"),
+    ("xl", {"attention": "switchhead:E=2,experts=qv"}, "experts must be"),
+    ("xl", {"attention": "moa:k=9"}, "k must lie"),
+    ("xl", {"feedforward": "dense-moe:E=4"}, "unknown conversion"),
+    ("xl", {"depth": "mod:capacity=0.5"}, "XL memory"),
+    ("rope", {"depth": "mod:blocks=7"}, "blocks must be"),
+    ("xl", {}, "at least one"),
+])
+def test_bad_conversions_are_clear_errors(runs, kind, conversions, message):
+    with pytest.raises(ValueError, match=message):
+        upcycle(runs[kind], **conversions)
+
+
+def test_an_moe_model_is_refused_as_the_source(runs):
+    up = upcycle(runs["xl"], feedforward="switch:E=2")
+    with pytest.raises(ValueError, match="not a dense model"):
+        upcycle(up, attention="switchhead:E=2")
+
+
+def test_the_source_model_is_left_unchanged(runs):
+    dense = runs["xl"]
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    up = upcycle(dense, attention="switchhead:E=2", feedforward="switch:E=2,noise=0.5")
+    with torch.no_grad():
+        for p in up.parameters():
+            p.add_(1.0)
+    for k, v in dense.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# ------------------------------------------------------------------------- the CLI and runs
+
+def tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cli_run(runs):
+    """A tiny RoPE dense run trained through the CLI, for the CLI tests."""
+    tmp = runs["tmp"]
+    run = tmp / "cli-dense"
+    assert main(["train", "--preset", "tiny-dense", "--data", str(runs["corpus"]), "--steps",
+                 "8", "--out", str(run), "--quiet", "--set", "tokenizer=byte256",
+                 "--set", "batch_size=4", "--set", "warmup_steps=0", "--set", "lr=3e-3",
+                 "--set", "eval_tokens=512", "--set", "eval_batch_size=2",
+                 *[a for o in TINY + ROPE for a in ("--set", o)]]) == 0
+    return run
+
+
+def test_upcycled_run_is_a_normal_run(runs, cli_run, capsys):
+    out = runs["tmp"] / "cli-up"
+    before = tree_hash(cli_run)
+    assert main(["upcycle", "--run", str(cli_run), "--out", str(out),
+                 "--attention", "switchhead:E=2,k=1", "--ff", "sigma-moe:E=4,k=2",
+                 "--depth", "mod:capacity=0.5", "--steps", "6", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert tree_hash(cli_run) == before
+    assert summary["source_step"] == 8 and summary["exact"] is False
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000000"
+    assert (out / "tokenizer.json").read_text() == (cli_run / "tokenizer.json").read_text()
+    ckpt = torch.load(out / "checkpoints" / "step-00000000" / "state.pt", weights_only=True)
+    assert ckpt["step"] == 0 and ckpt["optimizer"]["state"] == {}  # fresh optimizer
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["kind"] == "valid" and records[0]["step"] == 0
+    assert records[0]["loss"] == pytest.approx(summary["valid"]["loss"])
+
+    tm = load_trained(out)
+    assert isinstance(tm.model.blocks[1], MixtureOfDepths)
+    assert isinstance(tm.model.blocks[0].attention, SwitchHeadAttention)
+    assert isinstance(tm.model.blocks[0].feedforward, SigmaMoE)
+
+    assert main(["count", "--config", str(out / "model.json"), "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)
+    assert counted["params"] == count_module_parameters(tm.model) == summary["params"]
+    assert main(["eval", "--run", str(out), "--task", "ppl", "--split", "valid", "--limit",
+                 "256", "--batch-size", "2", "--json"]) == 0
+    assert math.isfinite(json.loads(capsys.readouterr().out)["loss"])
+    assert main(["generate", "--run", str(out), "--prompt", "the cat", "--max-new-tokens", "8",
+                 "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+
+
+def test_train_resume_of_an_upcycled_run_learns_and_is_exact(runs, cli_run, capsys):
+    tmp = runs["tmp"]
+    conv = ["--attention", "switchhead:E=2", "--ff", "switch:E=2,dropless=false"]
+    for name in ("straight", "split"):
+        assert main(["upcycle", "--run", str(cli_run), "--out", str(tmp / name), "--steps", "12",
+                     "--set", "eval_every=0", "--set", "log_every=1",
+                     "--set", "checkpoint_every=5", *conv]) == 0
+    assert main(["train", "--resume", str(tmp / "straight"), "--quiet"]) == 0
+    from moeify.train.rundir import read_train_config
+
+    # interrupted after step 5 (same schedule: steps stays 12), then resumed
+    train(read_train_config(tmp / "split"), tmp / "split", resume=True, stop_after=5, quiet=True)
+    assert (tmp / "split" / "checkpoints" / "latest").read_text().strip() == "step-00000005"
+    assert main(["train", "--resume", str(tmp / "split"), "--quiet"]) == 0
+    capsys.readouterr()
+
+    def metrics(name):
+        return [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+
+    straight, split = metrics("straight"), metrics("split")
+    valid = [r["loss"] for r in straight if r["kind"] == "valid"]
+    assert valid[-1] < valid[0]  # step 0 (right after conversion) -> step 12
+    train_losses = lambda rs: [(r["step"], r["loss"]) for r in rs if r["kind"] == "train"]
+    assert train_losses(split) == train_losses(straight)
+    a = load_trained(tmp / "straight").model.state_dict()
+    b = load_trained(tmp / "split").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_first_step_of_an_upcycled_run_is_a_fresh_runs_first_step(runs, cli_run):
+    """The step-0 checkpoint carries a fresh run's state: resuming it gives the losses of a run
+    that trains the same model from the same weights without any checkpoint in between."""
+    from moeify.train.config import TrainConfig as TC
+    from moeify.train.rundir import read_train_config
+    from moeify.train.trainer import Trainer
+
+    tmp = runs["tmp"]
+    out = tmp / "first"
+    assert main(["upcycle", "--run", str(cli_run), "--out", str(out), "--steps", "3",
+                 "--no-validate", "--set", "log_every=1", "--ff", "sigma-moe:E=4,k=2"]) == 0
+    start = load_trained(out).model.state_dict()
+    assert main(["train", "--resume", str(out), "--quiet"]) == 0
+    resumed = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
+               if json.loads(x)["kind"] == "train"]
+    cfg = read_train_config(out)
+    fresh = Trainer(TC.from_dict(cfg.to_dict()), tmp / "fresh", quiet=True,
+                    tokenizer=load_trained(cli_run).tokenizer)
+    try:
+        fresh.model.load_state_dict(start)
+        losses = [fresh.train_step()["loss"] for _ in range(3)]
+    finally:
+        fresh.close()
+    assert len(resumed) == 3 and resumed == pytest.approx(losses, rel=0, abs=0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--attention", "switchhead:E=3"], "E=3 does not divide"),
+    (["--ff", "sigma-moe:E=4,colour=red"], "unknown option"),
+    (["--ff", "sigma-moe:E=5"], "does not split"),
+    (["--depth", "mod:capacity=2"], "capacity"),
+    ([], "at least one conversion"),
+])
+def test_cli_bad_input_exits_2_with_one_line_and_leaves_the_source(runs, cli_run, capsys, args,
+                                                                   message):
+    before = tree_hash(cli_run)
+    out = runs["tmp"] / "bad-out"
+    assert main(["upcycle", "--run", str(cli_run), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert tree_hash(cli_run) == before
+    assert not (out / "checkpoints").exists()
+
+
+def test_cli_refuses_an_moe_run_and_an_occupied_out(runs, cli_run, capsys):
+    tmp = runs["tmp"]
+    moe = tmp / "moe-source"
+    assert main(["upcycle", "--run", str(cli_run), "--out", str(moe), "--no-validate",
+                 "--ff", "switch:E=2"]) == 0
+    capsys.readouterr()
+    before = tree_hash(moe)
+    assert main(["upcycle", "--run", str(moe), "--out", str(tmp / "moe2"), "--attention",
+                 "switchhead:E=2"]) == 2
+    assert "not a dense model" in capsys.readouterr().err
+    assert tree_hash(moe) == before
+    assert main(["upcycle", "--run", str(cli_run), "--out", str(moe), "--ff",
+                 "switch:E=2"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["upcycle", "--run", str(cli_run), "--out", str(cli_run), "--ff",
+                 "switch:E=2"]) == 2
+    assert "source" in capsys.readouterr().err
