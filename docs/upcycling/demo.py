@@ -1,0 +1,162 @@
+"""Upcycling demonstration: a dense model trained N steps, upcycled to SwitchHead and to
+SwitchAll (SwitchHead + sigma-MoE), trained M more steps; beside it the dense model trained the
+same M more steps (fresh optimizer and schedule, like the upcycled runs) and both MoE models
+trained from scratch for N + M steps.
+
+    MOEIFY_DATA_DIR=/path/to/data python docs/upcycling/demo.py all       # everything, in order
+    python docs/upcycling/demo.py dense upcycled      # the dense chain only
+    python docs/upcycling/demo.py scratch             # the from-scratch runs only
+    python docs/upcycling/demo.py report              # table (results.md, results.json), plot
+
+The stages print the moeify commands they run. Every run is one process with one thread under
+nice -n 10. Runs go to $RUNS (default runs/upcycling); a finished run is not trained again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+N = int(os.environ.get("DEMO_N", 300))
+M = int(os.environ.get("DEMO_M", 300))
+RUNS = Path(os.environ.get("RUNS", "runs/upcycling"))
+HERE = Path(__file__).resolve().parent
+PRESET = "repro-dense"
+ATTENTION = "switchhead:E=4,k=2"
+FF = "sigma-moe:E=8,k=2"
+# Validation during training for the curves (16k tokens every 100 steps); the table's numbers
+# come from one evaluation of every final checkpoint on the same 65,536 validation tokens.
+EVAL = ["--set", "eval_every=100", "--set", "eval_tokens=16384"]
+TRAIN = [*EVAL, "--quiet"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+RUN_NAMES = {
+    "dense": f"dense-{N}",
+    "dense+": f"dense-{N}+{M}",
+    "switchhead-up": f"switchhead-upcycled-{N}+{M}",
+    "switchall-up": f"switchall-upcycled-{N}+{M}",
+    "switchhead-scratch": f"switchhead-scratch-{N + M}",
+    "switchall-scratch": f"switchall-scratch-{N + M}",
+}
+
+
+def run_dir(key: str) -> Path:
+    return RUNS / RUN_NAMES[key]
+
+
+def moeify(*args: str, timing: str | None = None) -> None:
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "moeify.cli.main", *args]
+    print("$ moeify " + " ".join(shlex.quote(a) for a in args), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=ENV)
+    if timing is not None:  # wall time of the training command, for the table
+        _record_time(timing, time.perf_counter() - t0)
+
+
+def _record_time(key: str, seconds: float) -> None:
+    path = RUNS / "timing.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[key] = data.get(key, 0.0) + seconds
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def finished(key: str, steps: int) -> bool:
+    latest = run_dir(key) / "checkpoints" / "latest"
+    return latest.is_file() and latest.read_text().strip() == f"step-{steps:08d}"
+
+
+def stage_dense() -> None:
+    if not finished("dense", N):
+        moeify("train", "--preset", PRESET, "--steps", str(N), "--out", str(run_dir("dense")),
+               *TRAIN, timing="dense")
+
+
+def _upcycle(key: str, *conversion: str) -> None:
+    if not (run_dir(key) / "checkpoints").is_dir():
+        moeify("upcycle", "--run", str(run_dir("dense")), "--out", str(run_dir(key)),
+               "--steps", str(M), *EVAL, *conversion)
+    if not finished(key, M):
+        moeify("train", "--resume", str(run_dir(key)), *TRAIN, timing=key)
+
+
+def _continue_dense() -> None:
+    """The dense model trained M more steps from a step-0 checkpoint of its weights, with the
+    upcycled runs' recipe (fresh AdamW, warm-up and cosine over M)."""
+    import dataclasses
+
+    from moeify.train.rundir import load_trained
+    from moeify.train.trainer import start_run_from_model
+
+    out = run_dir("dense+")
+    if not (out / "checkpoints").is_dir():
+        print(f"# start {out} from the weights of {run_dir('dense')} (fresh optimizer)")
+        src = load_trained(run_dir("dense"))
+        cfg = dataclasses.replace(src.train_config, steps=M, model=src.model_config.to_dict(),
+                                  model_overrides=(), eval_every=100, eval_tokens=16384)
+        start_run_from_model(cfg, out, src.model, src.tokenizer)
+    if not finished("dense+", M):
+        moeify("train", "--resume", str(out), *TRAIN, timing="dense+")
+
+
+def stage_upcycled() -> None:
+    _upcycle("switchhead-up", "--attention", ATTENTION)
+    _upcycle("switchall-up", "--attention", ATTENTION, "--ff", FF)
+    _continue_dense()
+
+
+def _architecture(**conversions: str) -> dict:
+    """The upcycled models' ModelConfig (the same architecture, trained from scratch)."""
+    from moeify.models.presets import get_preset
+    from moeify.models.upcycle import upcycle
+
+    return upcycle(get_preset(PRESET).build(), **conversions).config.to_dict()
+
+
+def stage_scratch() -> None:
+    from moeify.train.config import TrainConfig
+
+    for key, conv in (("switchhead-scratch", {"attention": ATTENTION}),
+                      ("switchall-scratch", {"attention": ATTENTION, "feedforward": FF})):
+        if finished(key, N + M):
+            continue
+        model = _architecture(**conv)
+        cfg = TrainConfig(preset=key, model=model, steps=N + M, eval_every=100,
+                          eval_tokens=16384)
+        code = ("import json,sys; from moeify.train.config import TrainConfig; "
+                "from moeify.train.trainer import train; "
+                "train(TrainConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], "
+                "resume=bool(int(sys.argv[3])), quiet=True)")
+        resume = (run_dir(key) / "checkpoints").is_dir()
+        print(f"# train {key} from scratch: TrainConfig(model=<upcycled architecture>, "
+              f"steps={N + M})", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(["nice", "-n", "10", sys.executable, "-c", code, json.dumps(cfg.to_dict()),
+                        str(run_dir(key)), str(int(resume))], check=True, env=ENV)
+        _record_time(key, time.perf_counter() - t0)
+
+
+def main(argv: list[str]) -> int:
+    stages = argv or ["all"]
+    RUNS.mkdir(parents=True, exist_ok=True)
+    for s in stages:
+        if s in ("dense", "all"):
+            stage_dense()
+        if s in ("upcycled", "all"):
+            stage_upcycled()
+        if s in ("scratch", "all"):
+            stage_scratch()
+        if s in ("report", "all"):
+            from report import report  # docs/upcycling/report.py
+
+            report(RUNS, RUN_NAMES, N, M, HERE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main(sys.argv[1:]))
