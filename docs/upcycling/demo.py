@@ -70,10 +70,18 @@ def finished(key: str, steps: int) -> bool:
     return latest.is_file() and latest.read_text().strip() == f"step-{steps:08d}"
 
 
+def evaluate(key: str) -> None:
+    """The table's bpc of a finished run, computed now so that the report need not wait."""
+    from report import eval_bpc
+
+    print(f"# {RUN_NAMES[key]}: validation bpc {eval_bpc(run_dir(key)):.4f}", flush=True)
+
+
 def stage_dense() -> None:
     if not finished("dense", N):
         moeify("train", "--preset", PRESET, "--steps", str(N), "--out", str(run_dir("dense")),
                *TRAIN, timing="dense")
+    evaluate("dense")
 
 
 def _upcycle(key: str, *conversion: str) -> None:
@@ -82,6 +90,7 @@ def _upcycle(key: str, *conversion: str) -> None:
                "--steps", str(M), *EVAL, *conversion)
     if not finished(key, M):
         moeify("train", "--resume", str(run_dir(key)), *TRAIN, timing=key)
+    evaluate(key)
 
 
 def _continue_dense() -> None:
@@ -101,6 +110,7 @@ def _continue_dense() -> None:
         start_run_from_model(cfg, out, src.model, src.tokenizer)
     if not finished("dense+", M):
         moeify("train", "--resume", str(out), *TRAIN, timing="dense+")
+    evaluate("dense+")
 
 
 def stage_upcycled() -> None:
@@ -123,6 +133,7 @@ def stage_scratch() -> None:
     for key, conv in (("switchhead-scratch", {"attention": ATTENTION}),
                       ("switchall-scratch", {"attention": ATTENTION, "feedforward": FF})):
         if finished(key, N + M):
+            evaluate(key)
             continue
         model = _architecture(**conv)
         cfg = TrainConfig(preset=key, model=model, steps=N + M, eval_every=100,
@@ -138,6 +149,7 @@ def stage_scratch() -> None:
         subprocess.run(["nice", "-n", "10", sys.executable, "-c", code, json.dumps(cfg.to_dict()),
                         str(run_dir(key)), str(int(resume))], check=True, env=ENV)
         _record_time(key, time.perf_counter() - t0)
+        evaluate(key)
 
 
 def main(argv: list[str]) -> int:
