@@ -5,6 +5,8 @@ trained from scratch for N + M steps.
 
     MOEIFY_DATA_DIR=/path/to/data python docs/upcycling/demo.py all       # everything, in order
     python docs/upcycling/demo.py dense upcycled      # the dense chain only
+    python docs/upcycling/demo.py dense+              # one of its runs (also switchhead-up,
+                                                      # switchall-up), e.g. in parallel
     python docs/upcycling/demo.py scratch             # the from-scratch runs only
     python docs/upcycling/demo.py report              # table (results.md, results.json), plot
 
@@ -19,7 +21,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 N = int(os.environ.get("DEMO_N", 300))
@@ -49,20 +50,10 @@ def run_dir(key: str) -> Path:
     return RUNS / RUN_NAMES[key]
 
 
-def moeify(*args: str, timing: str | None = None) -> None:
+def moeify(*args: str) -> None:
     cmd = ["nice", "-n", "10", sys.executable, "-m", "moeify.cli.main", *args]
     print("$ moeify " + " ".join(shlex.quote(a) for a in args), flush=True)
-    t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=ENV)
-    if timing is not None:  # wall time of the training command, for the table
-        _record_time(timing, time.perf_counter() - t0)
-
-
-def _record_time(key: str, seconds: float) -> None:
-    path = RUNS / "timing.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[key] = data.get(key, 0.0) + seconds
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def finished(key: str, steps: int) -> bool:
@@ -80,7 +71,7 @@ def evaluate(key: str) -> None:
 def stage_dense() -> None:
     if not finished("dense", N):
         moeify("train", "--preset", PRESET, "--steps", str(N), "--out", str(run_dir("dense")),
-               *TRAIN, timing="dense")
+               *TRAIN)
     evaluate("dense")
 
 
@@ -89,7 +80,7 @@ def _upcycle(key: str, *conversion: str) -> None:
         moeify("upcycle", "--run", str(run_dir("dense")), "--out", str(run_dir(key)),
                "--steps", str(M), *EVAL, *conversion)
     if not finished(key, M):
-        moeify("train", "--resume", str(run_dir(key)), *TRAIN, timing=key)
+        moeify("train", "--resume", str(run_dir(key)), *TRAIN)
     evaluate(key)
 
 
@@ -109,7 +100,7 @@ def _continue_dense() -> None:
                                   model_overrides=(), eval_every=100, eval_tokens=16384)
         start_run_from_model(cfg, out, src.model, src.tokenizer)
     if not finished("dense+", M):
-        moeify("train", "--resume", str(out), *TRAIN, timing="dense+")
+        moeify("train", "--resume", str(out), *TRAIN)
     evaluate("dense+")
 
 
@@ -145,10 +136,8 @@ def stage_scratch() -> None:
         resume = (run_dir(key) / "checkpoints").is_dir()
         print(f"# train {key} from scratch: TrainConfig(model=<upcycled architecture>, "
               f"steps={N + M})", flush=True)
-        t0 = time.perf_counter()
         subprocess.run(["nice", "-n", "10", sys.executable, "-c", code, json.dumps(cfg.to_dict()),
                         str(run_dir(key)), str(int(resume))], check=True, env=ENV)
-        _record_time(key, time.perf_counter() - t0)
         evaluate(key)
 
 
@@ -160,6 +149,12 @@ def main(argv: list[str]) -> int:
             stage_dense()
         if s in ("upcycled", "all"):
             stage_upcycled()
+        if s == "switchhead-up":
+            _upcycle("switchhead-up", "--attention", ATTENTION)
+        if s == "switchall-up":
+            _upcycle("switchall-up", "--attention", ATTENTION, "--ff", FF)
+        if s == "dense+":
+            _continue_dense()
         if s in ("scratch", "all"):
             stage_scratch()
         if s in ("report", "all"):

@@ -2,8 +2,10 @@
 
 Validation bpc: every run's final checkpoint on the same first 65,536 tokens of the validation
 split (``moeify eval --task ppl``). Attention MACs: per layer and sequence, moeify.models.cost
-(``moeify count``). Training time: wall time of the run's training commands on a shared 2-core
-machine, one thread each (noisy: other jobs ran beside them). Peak memory: tensor memory of a
+(``moeify count``). Training time: the time spent in training steps (validation and checkpoints
+excluded), summed from metrics.jsonl's tokens / tokens_per_s, on a shared 2-core machine, one
+thread each (noisy: other jobs ran beside them); an upcycled or continued model includes the
+dense model's N steps. Peak memory: tensor memory of a
 training step at the runs' batch (16 x 128), weights, gradients and AdamW state included, in a
 fresh process (moeify.bench.memory, the `moeify bench step` measurement).
 """
@@ -65,23 +67,41 @@ def _peak_mib(model_json: str) -> float:
     return ph["step 2"]["peak"]
 
 
+def train_seconds(run: Path) -> float:
+    from moeify.train.metrics import read_metrics
+
+    total, seen = 0.0, 0
+    for r in sorted((r for r in read_metrics(run) if r["kind"] == "train"),
+                    key=lambda r: r["step"]):
+        total += (r["tokens"] - seen) / r["tokens_per_s"]
+        seen = r["tokens"]
+    return total
+
+
 def _valid_curve(run: Path, offset: int) -> list[tuple[int, float]]:
     from moeify.train.metrics import read_metrics
 
     return [(r["step"] + offset, r["bpc"]) for r in read_metrics(run) if r["kind"] == "valid"]
 
 
+def is_finished(run: Path) -> bool:
+    from moeify.train.rundir import read_train_config
+
+    latest = run / "checkpoints" / "latest"
+    return latest.is_file() and latest.read_text().strip() == \
+        f"step-{read_train_config(run).steps:08d}"
+
+
 def report(runs: Path, names: dict[str, str], N: int, M: int, here: Path) -> None:
     from moeify.models.cost import format_count, model_cost
     from moeify.train.rundir import read_model_config
 
-    timing = json.loads((runs / "timing.json").read_text()) if (runs / "timing.json").is_file() \
-        else {}
     peaks: dict[str, float] = {}
     rows = []
     for key, label, timed in ROWS:
         run = runs / names[key]
-        if not (run / "checkpoints").is_dir():
+        if not is_finished(run):
+            print(f"{run} is not finished: left out of the table")
             continue
         cfg = read_model_config(run)
         cost = model_cost(cfg)
@@ -93,7 +113,7 @@ def report(runs: Path, names: dict[str, str], N: int, M: int, here: Path) -> Non
             "run": names[key], "model": label, "bpc": eval_bpc(run),
             "bpc_at_conversion": first[0][1] if first and key.endswith("-up") else None,
             "attention_macs": cost.layers[0]["macs"], "params": cost.params,
-            "train_s": sum(timing.get(t, float("nan")) for t in timed),
+            "train_s": sum(train_seconds(runs / names[t]) for t in timed),
             "peak_mib": peaks[js]})
     base = rows[0]["attention_macs"] if rows else 1
     (here / "results.json").write_text(json.dumps({"N": N, "M": M, "eval_tokens": EVAL_TOKENS,

@@ -74,11 +74,13 @@ def balanced_clusters(w_FD: torch.Tensor, n_clusters: int, gen: torch.Generator,
     for _ in range(iters):
         sim_FE = x_FD @ cent_ED.t()
         order = sim_FE.flatten().argsort(descending=True).tolist()
-        assign, room = [-1] * F_, [G] * n_clusters
-        for pair in order:  # not a hot path: F · E pairs, once per conversion
+        assign, room, left = [-1] * F_, [G] * n_clusters, F_
+        for pair in order:  # not a hot path: at most F · E pairs, once per conversion
             unit, e = divmod(pair, n_clusters)
             if assign[unit] < 0 and room[e]:
-                assign[unit], room[e] = e, room[e] - 1
+                assign[unit], room[e], left = e, room[e] - 1, left - 1
+                if not left:
+                    break
         assign_F = torch.tensor(assign)
         cent_ED = F.normalize(torch.zeros_like(cent_ED).index_add_(0, assign_F, x_FD), dim=-1)
     return torch.argsort(assign_F, stable=True)
