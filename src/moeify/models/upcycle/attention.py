@@ -65,9 +65,9 @@ def _dense(attn, kind: str) -> tuple:
          for p in ("q", "k", "v")}  # [H, D, C]
     w["o"] = head_view(attn.w_o.detach().float(), H, C, rows=True)  # [H, C, D]
     if c.pos == "xl":
-        w["pos"] = head_view(attn.w_pos.detach().float(), H, C, rows=False)
+        w["pos"] = head_view(attn.core.w_pos.detach().float(), H, C, rows=False)
         # SwitchHead / MoA use the fixed 1/sqrt(C): q' = q · scale · sqrt(C) keeps the logits.
-        w["q"] = w["q"] * (attn.scale.detach().float() * math.sqrt(C))
+        w["q"] = w["q"] * (attn.core.scale.detach().float() * math.sqrt(C))
     return c, w
 
 
@@ -111,7 +111,7 @@ def to_switchhead(attn: DenseAttention, *, n_experts: int, k: int | None = None,
         out.w_o.copy_((2.0 / E) * w["o"] if "o" in names
                       else w["o"][rep].reshape(-1, c.d_model) / E)
         if c.pos == "xl":
-            out.w_pos.copy_(_cat_heads(w["pos"][rep]))
+            out.core.w_pos.copy_(_cat_heads(w["pos"][rep]))
         for name, p in out.named_parameters(recurse=False):
             if name.startswith("w_sel"):
                 p.copy_(renorm_rows_(small_router(tuple(p.shape), s / c.d_model ** 0.5,
@@ -144,7 +144,7 @@ def to_moa(attn: DenseAttention, *, k: int, kv_head: int = 0, router_scale: floa
         # Softmax gates start at 1/E each (router near 0): E cancels them.
         out.w_o.copy_(o_ECD * E)
         if c.pos == "xl":
-            out.w_pos.copy_(w["pos"][kv_head])
+            out.core.w_pos.copy_(w["pos"][kv_head])
         out.w_router.copy_(small_router((E, c.d_model),
                                         init_scale(c.n_layers) / c.d_model ** 0.5,
                                         router_scale, gen))
