@@ -118,7 +118,8 @@ def report(runs: Path, names: dict[str, str], N: int, M: int, here: Path) -> Non
     base = rows[0]["attention_macs"] if rows else 1
     (here / "results.json").write_text(json.dumps({"N": N, "M": M, "eval_tokens": EVAL_TOKENS,
                                                     "rows": rows}, indent=2) + "\n")
-    lines = [f"N = {N}, M = {M}; validation bpc on {EVAL_TOKENS:,} tokens of wiki-excerpt/valid",
+    lines = [f"N = {N}, M = {M}; validation bpc on {EVAL_TOKENS:,} tokens of wiki-excerpt/valid "
+             "(right after upcycling: the run's step-0 validation, on its first 16,384)",
              "", "| model | valid bpc | bpc right after upcycling | attention MACs / layer "
              "| params | training time | peak memory |", "|---|---|---|---|---|---|---|"]
     for r in rows:
