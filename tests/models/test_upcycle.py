@@ -283,6 +283,22 @@ def test_an_moe_model_is_refused_as_the_source(runs):
         upcycle(up, attention="switchhead:E=2")
 
 
+def test_dense_components_the_conversions_do_not_take_are_named(runs):
+    """An imported checkpoint's GELU MLP cannot become ReLU experts; its attention still can."""
+    import dataclasses
+
+    from moeify.layers.mlp import MLPConfig
+
+    cfg = runs["xl"].config
+    gelu = dataclasses.replace(cfg, feedforward=(MLPConfig(d_model=32, d_ff=64, n_layers=2),))
+    model = gelu.build()
+    with pytest.raises(ValueError, match=r"cannot convert layer 0 feedforward \(MLPConfig\)"):
+        upcycle(model, feedforward="sigma-moe:E=4")
+    up = upcycle(model, attention="switchhead:E=2")
+    assert isinstance(up.blocks[0].attention, SwitchHeadAttention)
+    assert type(up.blocks[0].feedforward) is type(model.blocks[0].feedforward)
+
+
 def test_the_source_model_is_left_unchanged(runs):
     dense = runs["xl"]
     before = {k: v.clone() for k, v in dense.state_dict().items()}

@@ -61,15 +61,25 @@ DEPTH = {
 }
 
 
-def check_dense(config: ModelConfig) -> None:
-    """Refuse a model that already has experts or depth routing: upcycling starts from a dense
-    one."""
-    for name, dense in (("attention", DenseAttentionConfig), ("feedforward", DenseFFConfig)):
+MOE_CONFIGS = ("SwitchHeadConfig", "MoAConfig", "SigmaMoEConfig", "SwitchFFConfig")
+
+
+def check_dense(config: ModelConfig, *, attention: bool = True, feedforward: bool = True) -> None:
+    """Refuse a model that already has experts or depth routing (upcycling starts from a dense
+    one), and a layer to convert that is not of the kind the conversions take: the papers'
+    multi-head attention (DenseAttentionConfig) and ReLU MLP (DenseFFConfig). The dense
+    components of imported checkpoints (grouped-query attention, GELU or gated MLPs) are not
+    converted; they may stay as they are beside a converted part."""
+    for name, dense, convert in (("attention", DenseAttentionConfig, attention),
+                                 ("feedforward", DenseFFConfig, feedforward)):
         for i, cfg in enumerate(getattr(config, f"{name}_layers")()):
-            if not isinstance(cfg, dense):
-                raise ValueError(f"the source is not a dense model: layer {i} {name} is "
-                                 f"{type(cfg).__name__}; upcycle a model with "
-                                 f"{dense.__name__} everywhere")
+            kind = type(cfg).__name__
+            if kind in MOE_CONFIGS:
+                raise ValueError(f"the source is not a dense model: layer {i} {name} is {kind}; "
+                                 "upcycle a dense model")
+            if convert and not isinstance(cfg, dense):
+                raise ValueError(f"cannot convert layer {i} {name} ({kind}): the {name} "
+                                 f"conversions take {dense.__name__} layers only")
     if any(d is not None for d in config.depth):
         raise ValueError("the source is not a dense model: it already has Mixture-of-Depths "
                          "blocks; upcycle a model without depth routing")
@@ -129,7 +139,7 @@ def upcycle_layers(model: nn.Module, *, attention: Any = None, feedforward: Any 
                    depth: Any = None) -> tuple[ModelConfig, list[nn.Module]]:
     """The converted ModelConfig and its blocks (sharing no tensor with ``model``)."""
     cfg: ModelConfig = model.config
-    check_dense(cfg)
+    check_dense(cfg, attention=attention is not None, feedforward=feedforward is not None)
     att = _resolve(attention, ATTENTION, "attention")
     ff = _resolve(feedforward, FEEDFORWARD, "feedforward")
     dep = _resolve(depth, DEPTH, "depth")
