@@ -105,3 +105,13 @@ def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=Non
     logits = logits_BHTS.masked_fill(~allowed[:, None], -1e30)
     nonempty = allowed.any(-1)[:, None, :, None].to(v_BHSC.dtype)
     return (torch.softmax(logits, -1) @ v_BHSC) * nonempty
+
+
+def ref_expert_mlp(x, idx, w1, w2, gates):
+    """The expert MLP's definition (sigma-MoE, Switch), one (row, expert) pair at a time:
+    y[m] = Σ_k gates[m, k] · ReLU(x[m] @ w1[e]) @ w2[e] with e = idx[m, k]."""
+    M, K = idx.shape
+    rows = [sum(gates[m, k].to(x.dtype) * (torch.relu(x[m] @ w1[int(idx[m, k])])
+                                           @ w2[int(idx[m, k])]) for k in range(K))
+            for m in range(M)]
+    return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])

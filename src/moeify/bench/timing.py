@@ -83,3 +83,16 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 def emit(result: dict, table: str, as_json: bool) -> None:
     print(json.dumps(result, indent=2) if as_json else table)
+
+
+def expert_impls_run(fn: Callable[[], object]) -> list[str]:
+    """The expert-matmul implementations one call of ``fn`` really ran, sorted: read from the
+    profiler ranges that ``moeify.ops.expert_matmul`` names after the implementation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moeify.ops.expert_matmul import TRACE_PREFIX
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.name[len(TRACE_PREFIX):] for e in prof.events()
+                   if e.name.startswith(TRACE_PREFIX)})

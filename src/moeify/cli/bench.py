@@ -55,16 +55,41 @@ def register(sub) -> None:
     _common(st, warmup=1)
     st.set_defaults(func=run_step)
 
+    ff = bsub.add_parser(
+        "ff", help="feedforward MoEs vs a dense MLP and Hugging Face's Mixtral MoE block",
+        description="sigma-MoE, Switch (dropless and with capacity 1.25), a dense MLP with the "
+        "same active multiply-adds and, when transformers is installed, Hugging Face's Mixtral "
+        "sparse MoE block with each of its experts implementations (SwiGLU experts of "
+        "intermediate size 2G/3: equal multiply-adds), side by side at the same shapes, forward "
+        "and forward+backward.")
+    ff.add_argument("--tokens", type=int, default=4096)
+    ff.add_argument("--d-model", type=int, default=512)
+    ff.add_argument("--experts", type=int, default=8)
+    ff.add_argument("-k", type=int, default=2, help="experts per token")
+    ff.add_argument("--expert-size", type=int, default=384,
+                    help="hidden units per sigma-MoE / Switch expert (G)")
+    ff.add_argument("--impl", action="append", metavar="IMPL",
+                    help="moeify expert-matmul implementation(s) to time (repeatable; default "
+                    "auto)")
+    ff.add_argument("--hf-impl", action="append", metavar="IMPL",
+                    help="only these Hugging Face experts implementations (repeatable; default "
+                    "all installed)")
+    ff.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows")
+    _common(ff, memory=False, device=False)
+    ff.set_defaults(func=run_ff)
 
-def _common(p, warmup: int = 2) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
-    p.add_argument("--device", default="cpu")
+
+def _common(p, warmup: int = 2, memory: bool = True, device: bool = True) -> None:
+    if device:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
+        p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=warmup)
-    p.add_argument("--no-memory", action="store_true",
-                   help="skip the peak-memory measurements (one fresh process per case)")
+    if memory:
+        p.add_argument("--no-memory", action="store_true",
+                       help="skip the peak-memory measurements (one fresh process per case)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -124,5 +149,18 @@ def run_expert_matmul(args) -> int:
     res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F,
                               dtype=getattr(torch, args.dtype), device=args.device,
                               impls=args.impl, repeats=args.repeats)
+    emit(res, table(res), args.json)
+    return 0
+
+
+def run_ff(args) -> int:
+    _quiet_openmp()  # before anything imports torch
+    from moeify.bench.ff import bench_ff, table
+    from moeify.bench.timing import emit
+
+    _setup_threads(args)
+    res = bench_ff(tokens=args.tokens, d_model=args.d_model, n_experts=args.experts, k=args.k,
+                   expert_size=args.expert_size, impls=args.impl or ["auto"], hf=not args.no_hf,
+                   hf_impls=args.hf_impl, warmup=args.warmup, repeats=args.repeats)
     emit(res, table(res), args.json)
     return 0

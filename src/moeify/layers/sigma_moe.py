@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.common import (
@@ -38,7 +37,8 @@ from moeify.layers.common import (
 )
 from moeify.layers.ff_common import routing_stats
 from moeify.ops.aux_losses import batch_entropy_loss
-from moeify.ops.expert_matmul import expert_matmul, make_plan, resolve_impl
+from moeify.ops.expert_matmul import make_plan
+from moeify.ops.expert_mlp import expert_mlp
 from moeify.ops.routing import router_logits, sigmoid_topk
 
 
@@ -98,7 +98,6 @@ class SigmaMoE(nn.Module):
         if config.bias:
             self.bias_EG = nn.Parameter(torch.zeros(E, G))
             self.bias_D = nn.Parameter(torch.zeros(D))
-        self.drop = nn.Dropout(config.dropout)
         register_usage(self, "usage", (E,))
         self.reset_parameters()
 
@@ -140,17 +139,13 @@ class SigmaMoE(nn.Module):
         logits_ME, gates_MK, idx_MK = self.route(x_MD)
         M, K = idx_MK.shape
 
-        # One sort of the routed pairs serves both expert matmuls: the second views the same
-        # flattened pairs as M·K rows of one expert each.
-        impl = resolve_impl(c.expert_impl, x_MD, self.keys_EDG)
-        plan = make_plan(idx_MK, c.n_experts) if impl in ("segment", "grouped") else None
-        h_MKG = expert_matmul(x_MD, idx_MK, self.keys_EDG, impl=impl, plan=plan)
-        if c.bias:
-            h_MKG = h_MKG + self.bias_EG[idx_MK].to(h_MKG.dtype)
-        h_NG = self.drop(F.relu(h_MKG)).reshape(M * K, c.expert_size)
-        y_ND = expert_matmul(h_NG, idx_MK.reshape(M * K, 1), self.values_EGD,
-                             gates_MK.reshape(M * K, 1), impl=impl, plan=plan)
-        y_BTD = y_ND.view(M, K, D).sum(1).view(B, T, D)
+        # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's
+        # choose_impl decides "auto", and the hidden units stay in expert order between them.
+        y_MD = expert_mlp(x_MD, idx_MK, self.keys_EDG, self.values_EGD, gates_MK,
+                          impl=c.expert_impl, plan=make_plan(idx_MK, c.n_experts),
+                          dropout=c.dropout, training=self.training,
+                          bias_EG=self.bias_EG if c.bias else None)
+        y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.common import (
@@ -60,7 +59,8 @@ from moeify.layers.common import (
 )
 from moeify.layers.ff_common import routing_stats
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
-from moeify.ops.expert_matmul import expert_matmul, make_plan, resolve_impl
+from moeify.ops.expert_matmul import make_plan
+from moeify.ops.expert_mlp import expert_mlp
 from moeify.ops.routing import capacity_mask, expert_capacity, router_logits, softmax_topk
 
 
@@ -133,7 +133,6 @@ class SwitchFeedForward(nn.Module):
         if config.bias:
             self.bias_EF = nn.Parameter(torch.zeros(E, Fh))
             self.bias_D = nn.Parameter(torch.zeros(D))
-        self.drop = nn.Dropout(config.expert_dropout)
         register_usage(self, "usage", (R,))
         register_usage(self, "dropped", ())
         self.reset_parameters()
@@ -182,8 +181,8 @@ class SwitchFeedForward(nn.Module):
         else:
             keep_MK = capacity_mask(idx_MK, R, cap, valid_M=valid_M) & real_MK
 
-        y_ND = self._experts(x_MD, idx_MK, gates_MK, keep_MK, N if cap is None else min(N, E * cap))
-        y_BTD = y_ND.view(M, K, D).sum(1).view(B, T, D)
+        y_MD = self._experts(x_MD, idx_MK, gates_MK, keep_MK, N if cap is None else min(N, E * cap))
+        y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
 
@@ -211,35 +210,36 @@ class SwitchFeedForward(nn.Module):
         return y_BTD, aux
 
     def _experts(self, x_MD, idx_MK, gates_MK, keep_MK, P: int) -> torch.Tensor:
-        """Expert outputs per routed pair, [N, D], zero for pairs not kept. The kept pairs are
-        packed into P rows (a stable sort puts them first, in pair order); rows past the kept ones
-        go to expert 0 with gate 0."""
+        """Expert outputs summed per token, [M, D]; pairs not kept contribute zero. With a
+        capacity (P < N) the kept pairs are packed into P rows (a stable sort puts them first, in
+        pair order); rows past the kept ones go to expert 0 with gate 0. Dropless (P = N), every
+        pair is routed where it is, a dropped (no-op) one to expert 0 with gate 0."""
         c = self.config
         M, K = idx_MK.shape
         N = M * K
         keep_N = keep_MK.reshape(-1)
-        if P < N:
-            sort_N = torch.argsort((~keep_N).to(torch.uint8), stable=True)
-            pairs_P = sort_N[:P]
-        else:
-            sort_N = pairs_P = torch.arange(N, device=x_MD.device)
+        if P == N:
+            ids_MK = torch.where(keep_MK, idx_MK, 0)
+            return self._mlp(x_MD, ids_MK, torch.where(keep_MK, gates_MK, 0.0))
+        sort_N = torch.argsort((~keep_N).to(torch.uint8), stable=True)
+        pairs_P = sort_N[:P]
         keep_P = keep_N[pairs_P]
         ids_P1 = torch.where(keep_P, idx_MK.reshape(-1)[pairs_P], 0)[:, None]
         gates_P1 = torch.where(keep_P, gates_MK.reshape(-1)[pairs_P], 0.0)[:, None]
         x_PD = x_MD.index_select(0, torch.div(pairs_P, K, rounding_mode="floor"))
-
-        impl = resolve_impl(c.expert_impl, x_PD, self.w_in_EDF)
-        plan = make_plan(ids_P1, c.n_experts) if impl in ("segment", "grouped") else None
-        h_P1F = expert_matmul(x_PD, ids_P1, self.w_in_EDF, impl=impl, plan=plan)
-        h_PF = h_P1F.squeeze(1)
-        if c.bias:  # rows past the kept ones have gate 0: their bias never reaches the output
-            h_PF = h_PF + self.bias_EF[ids_P1.squeeze(1)].to(h_PF.dtype)
-        h_PF = self.drop(F.relu(h_PF))
-        y_PD = expert_matmul(h_PF, ids_P1, self.w_out_EFD, gates_P1, impl=impl, plan=plan)
-        if P == N:
-            return y_PD
+        # Rows past the kept ones have gate 0: their bias never reaches the output.
+        y_PD = self._mlp(x_PD, ids_P1, gates_P1)
         # Back to pair order by a gather (deterministic): pair n sits at packed row pos_N[n].
         pos_N = torch.empty_like(sort_N)
         pos_N[sort_N] = torch.arange(N, device=sort_N.device)
         packed_N = pos_N < P
-        return y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
+        y_ND = y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
+        return y_ND.view(M, K, -1).sum(1)
+
+    def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
+        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto".
+        c = self.config
+        return expert_mlp(x_RD, ids_RK, self.w_in_EDF, self.w_out_EFD, gates_RK,
+                          impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
+                          dropout=c.expert_dropout, training=self.training,
+                          bias_EG=self.bias_EF if c.bias else None)

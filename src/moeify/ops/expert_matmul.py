@@ -27,10 +27,12 @@ Implementations (``impl=``):
                  group_size=E)``): a row's K experts of one group are one unit, units sorted by
                  their expert set and multiplied by the set's K matrices side by side
                  (moeify.ops.set_matmul).
-    "auto"       the fastest correct one for the device and dtype (see ``resolve_impl``); on CPU
-                 expert_matmul takes "sets" where ``sets_eligible`` holds, else "padded" once it
-                 has the routing, when ``padding_pays`` (several threads; single-threaded only
-                 when the padding is nearly free).
+    "auto"       the fastest correct one for the device, dtype, shapes and routing, decided in
+                 one place for every layer (``choose_impl``); on CPU "sets" where
+                 ``sets_eligible`` holds, else "padded" when ``padding_pays`` (several threads;
+                 single-threaded only when the padding is nearly free), else "segment".
+Each call runs inside a profiler range named ``TRACE_PREFIX`` + the implementation, so that a
+benchmark can report what really ran (``moeify.bench.timing.expert_impls_run``).
 
 "segment" and "grouped" share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
@@ -48,6 +50,8 @@ from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_
 from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout, sets_eligible
 
 IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded", "sets")
+# Profiler range of every expert matmul: TRACE_PREFIX + the implementation that ran.
+TRACE_PREFIX = "moeify.expert_matmul."
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -268,44 +272,44 @@ def _combine(y_MKF, gates_MK, groups):
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve_impl(impl: str, x: torch.Tensor, w: torch.Tensor) -> str:
-    """Map "auto" to a concrete implementation; fall back from "grouped" where it cannot run."""
+def _resolve_name(impl: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """Check the name; fall back from "grouped" where grouped_mm cannot run."""
     if impl not in IMPLEMENTATIONS + ("auto",):
         raise ValueError(f"unknown expert-matmul implementation {impl!r}; "
                          f"choose one of {', '.join(IMPLEMENTATIONS + ('auto',))}")
     if impl == "grouped" and not (_HAS_GROUPED_MM and _grouped_ok(x, w)):
         return "segment"
-    if impl != "auto":
-        return impl
-    if x.device.type == "cuda":
-        # torch's grouped GEMM kernels are bf16 (Hopper+); other dtypes take the per-expert loop.
-        fast = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-        return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x, w) else "segment"
-    # CPU: grouped_mm and the per-segment loop call the same GEMM; the segment loop measured as
-    # fast or faster (moeify bench expert-matmul) and has no alignment preconditions.
-    # expert_matmul may still switch "auto" to "padded" once it has the routing.
-    return "segment"
+    return impl
 
 
-def _with_padding(kind: str, impl: str, x: torch.Tensor, plan: ExpertPlan) -> str:
-    """"auto" on CPU takes the padded layout once the routing shows that padding pays."""
-    if kind == "segment" and impl == "auto" and x.device.type == "cpu" and padding_pays(plan):
-        return "padded"
-    return kind
+def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
+                plan: ExpertPlan | None = None, *, k: int = 1, gated: bool = True) -> str:
+    """The implementation an expert matmul runs: the one place where "auto" is decided, for
+    every layer (SwitchHead, MoA, sigma-MoE, Switch), from the device, the dtype, the shapes and
+    the routing in ``plan`` (its grouping and balance). ``k``: experts per output unit (K / G);
+    ``gated``: whether the call has gates. A concrete name passes through ("grouped" falls back
+    to "segment" where grouped_mm cannot run).
+
+    "auto" on CUDA: "grouped" for bfloat16 on Hopper or newer (torch's grouped GEMM kernels),
+    else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "sets"
+    where the plan's expert groups make it pay (``sets_eligible``), else "padded" where
+    ``padding_pays`` (one parallel region instead of one per expert), else "segment"."""
+    kind = _resolve_name(impl, x_MD, w_EDF)
+    if kind != "auto":
+        return kind
+    if x_MD.device.type == "cuda":
+        fast = x_MD.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_MD.device)[0] >= 9
+        return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x_MD, w_EDF) else "segment"
+    if x_MD.device.type != "cpu" or plan is None:
+        return "segment"
+    if gated and sets_eligible(plan.num_pairs // k, plan.group_size,
+                               plan.num_experts // (plan.group_size or 1), k):
+        return "sets"
+    return "padded" if padding_pays(plan) else "segment"
 
 
 def _unit_k(idx_MK: torch.Tensor, groups: int) -> int:
     return idx_MK.shape[1] // groups
-
-
-def _with_sets(kind: str, impl: str, x: torch.Tensor, plan: ExpertPlan, k: int,
-               gated: bool) -> str:
-    """"auto" on CPU takes the set layout where it applies and pays (``sets_eligible``)."""
-    if (kind == "segment" and impl == "auto" and gated and x.device.type == "cpu"
-            and sets_eligible(plan.num_pairs // k, plan.group_size,
-                              plan.num_experts // (plan.group_size or 1), k)):
-        return "sets"
-    return kind
 
 
 def _set_layout(plan: ExpertPlan, idx_MK: torch.Tensor, k: int):
@@ -315,15 +319,11 @@ def _set_layout(plan: ExpertPlan, idx_MK: torch.Tensor, k: int):
 
 
 def chosen_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor, *,
-                group_size: int | None = None, gated: bool = True) -> str:
-    """The implementation ``expert_matmul(x_MD, idx_MK, w_EDF, gates, impl=impl,
-    plan=make_plan(idx_MK, E, group_size=group_size))`` runs (for reports)."""
-    kind = resolve_impl(impl, x_MD, w_EDF)
-    if kind in ("reference", "gather", "sets"):
-        return kind
+                group_size: int | None = None, gated: bool = True, groups: int = 1) -> str:
+    """The implementation ``expert_matmul(x_MD, idx_MK, w_EDF, gates, groups=groups, impl=impl,
+    plan=make_plan(idx_MK, E, group_size=group_size))`` runs (``choose_impl``)."""
     plan = make_plan(idx_MK, w_EDF.shape[0], group_size=group_size)
-    kind = _with_sets(kind, impl, x_MD, plan, idx_MK.shape[1], gated)
-    return kind if kind == "sets" else _with_padding(kind, impl, x_MD, plan)
+    return choose_impl(impl, x_MD, w_EDF, plan, k=_unit_k(idx_MK, groups), gated=gated)
 
 
 def _validate(x, idx, w, gates, groups, sum_rows=1, batch=None):
@@ -390,19 +390,24 @@ def expert_matmul(
 
 def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch):
     E = w_EDF.shape[0]
-    kind = resolve_impl(impl, x_MD, w_EDF)
-    if kind in ("reference", "gather"):
-        _check_ids(idx_MK, E)
-        fn = _reference if kind == "reference" else _gather
-        return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
     if plan is None:
-        plan = make_plan(idx_MK, E)
+        plan = None if impl in ("reference", "gather") else make_plan(idx_MK, E)
     elif plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
-    K = idx_MK.shape[1]
     k = _unit_k(idx_MK, groups)
-    kind = _with_sets(kind, impl, x_MD, plan, k, gates_MK is not None)
+    kind = choose_impl(impl, x_MD, w_EDF, plan, k=k, gated=gates_MK is not None)
+    # Named in profiler traces, so that reports can say which implementation really ran.
+    with torch.profiler.record_function(f"{TRACE_PREFIX}{kind}"):
+        return _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k)
+
+
+def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
+    if kind in ("reference", "gather"):
+        _check_ids(idx_MK, w_EDF.shape[0])
+        fn = _reference if kind == "reference" else _gather
+        return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
+    K = idx_MK.shape[1]
     if kind == "sets":
         if gates_MK is None or plan.group_size is None:
             raise ValueError('impl="sets" needs gates and a plan built with make_plan(..., '
@@ -415,7 +420,6 @@ def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, 
         if batch is not None:
             return y.view(batch, groups, M // batch, Fo)
         return y.view(M, groups, Fo) if groups > 1 else y
-    kind = _with_padding(kind, impl, x_MD, plan)
     if kind == "padded":
         # The row sum happens inside: the output gradient is gathered per slot from [M / R, F].
         return PaddedExpertMatmul.apply(x_MD, w_EDF, gates_MK, padded_layout(plan), K, groups,

@@ -1,0 +1,113 @@
+"""The fused expert MLP (moeify.ops.expert_mlp) against the pair-by-pair definition
+(tests/references.py), outputs and every gradient, in float64, for each layout it runs in."""
+
+import pytest
+import torch
+
+from moeify.bench.timing import expert_impls_run
+from moeify.layers.sigma_moe import SigmaMoEConfig
+from moeify.layers.switch_ff import SwitchFFConfig
+from moeify.ops.expert_matmul import choose_impl, make_plan
+from moeify.ops.expert_mlp import expert_mlp
+from moeify.ops.padded_matmul import padded_layout
+from references import ref_expert_mlp
+
+f64 = torch.float64
+
+
+def routed(M, K, E, D, G, *, skew=False, seed=0, dtype=f64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=g, dtype=dtype).requires_grad_()
+    w1 = torch.randn(E, D, G, generator=g, dtype=dtype).requires_grad_()
+    w2 = torch.randn(E, G, D, generator=g, dtype=dtype).requires_grad_()
+    scores = torch.rand(M, E, generator=g)
+    if skew:  # expert 0 takes most rows: the blocked padded layout
+        scores[:, 0] += 2 * (torch.rand(M, generator=g) < 0.8)
+    idx = scores.topk(K, -1).indices
+    gates = torch.rand(M, K, generator=g).requires_grad_()
+    return x, idx, w1, w2, gates
+
+
+def grads(y, inputs, g):
+    return torch.autograd.grad(y, inputs, g)
+
+
+@pytest.mark.parametrize("impl", ["segment", "grouped", "padded", "auto", "reference", "gather"])
+@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("K", [1, 2])
+def test_matches_definition_with_every_gradient(impl, skew, K):
+    x, idx, w1, w2, gates = routed(40, K, 4, 6, 5, skew=skew)
+    plan = make_plan(idx, 4)
+    y = expert_mlp(x, idx, w1, w2, gates, impl=impl, plan=plan)
+    ref = ref_expert_mlp(x, idx, w1, w2, gates)
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(ref)
+    inputs = (x, w1, w2, gates)
+    for a, b in zip(grads(y, inputs, g), grads(ref, inputs, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    if impl == "padded":  # both padded layouts are exercised
+        assert (padded_layout(plan).block_expert is not None) == skew
+
+
+def test_float32_grouped_matches_definition():
+    x, idx, w1, w2, gates = routed(64, 2, 4, 16, 8, dtype=torch.float32)
+    y = expert_mlp(x, idx, w1, w2, gates, impl="grouped")
+    ref = ref_expert_mlp(x, idx, w1, w2, gates)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    g = torch.randn_like(ref)
+    for a, b in zip(grads(y, (x, w1, w2, gates), g), grads(ref, (x, w1, w2, gates), g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_broadcast_gradient_and_empty_batch():
+    x, idx, w1, w2, gates = routed(9, 2, 3, 4, 4)
+    expert_mlp(x, idx, w1, w2, gates, impl="padded").sum().backward()  # stride-0 gradient
+    ref_x = x.grad.clone()
+    x.grad = None
+    ref_expert_mlp(x, idx, w1, w2, gates).sum().backward()
+    torch.testing.assert_close(ref_x, x.grad)
+    y = expert_mlp(x[:0], idx[:0], w1, w2, gates[:0])
+    assert y.shape == (0, 4)
+
+
+def test_dropout_takes_the_composite_path_only_in_training():
+    x, idx, w1, w2, gates = routed(30, 2, 3, 4, 6)
+    ref = ref_expert_mlp(x, idx, w1, w2, gates)
+    torch.testing.assert_close(expert_mlp(x, idx, w1, w2, gates, dropout=0.5), ref)
+    torch.manual_seed(0)
+    y = expert_mlp(x, idx, w1, w2, gates, dropout=0.5, training=True)
+    assert not torch.allclose(y, ref)
+
+
+def test_validation():
+    x, idx, w1, w2, gates = routed(6, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="w2 must be"):
+        expert_mlp(x, idx, w1, w1, gates)
+    with pytest.raises(ValueError, match="gates"):
+        expert_mlp(x, idx, w1, w2, gates[:, :1])
+    with pytest.raises(ValueError, match="plan was built"):
+        expert_mlp(x, idx, w1, w2, gates, impl="segment", plan=make_plan(idx[:3], 3))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layers_run_what_choose_impl_decides(threads):
+    # One decision for every layer: the feedforwards run the implementation choose_impl names.
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(2, 64, 16)
+        for cfg in (SigmaMoEConfig(d_model=16, n_experts=4, expert_size=8, k=2),
+                    SwitchFFConfig(d_model=16, d_ff=8, n_experts=4, k=2, dropless=True)):
+            layer = cfg.build()
+            ran = expert_impls_run(lambda: layer(x))
+            _, gates, idx = (layer.route(x.view(-1, 16)) if hasattr(layer, "route")
+                             else (None, None, None))
+            if idx is None:  # Switch: the same top-k the layer takes
+                idx = torch.softmax(x.view(-1, 16) @ layer.w_router_RD.T, -1).topk(2, -1).indices
+            w = next(p for p in layer.parameters() if p.dim() == 3)
+            want = choose_impl("auto", x.view(-1, 16), w, make_plan(idx, 4), k=2)
+            assert ran == [want]
+            assert want == ("padded" if threads > 1 else want)
+    finally:
+        torch.set_num_threads(n)
