@@ -155,3 +155,31 @@ def test_cache_basics():
         c.append(k[:, :1], k[:, :1], torch.arange(4).expand(2, 4))
     c.reset()
     assert c.length == 0
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_appends_equal_concatenation_and_earlier_views_stay(grad):
+    # Under no_grad the cache writes into buffers with spare room; with gradients it
+    # concatenates. Either way it holds exactly the concatenation of what was appended.
+    g = torch.Generator().manual_seed(0)
+    c = KVCache()
+    ks, ps, seen = [], [], []
+    with torch.set_grad_enabled(grad):
+        for step in range(7):
+            n = 3 if step == 0 else 1
+            k = torch.randn(2, 3, n, 4, generator=g, requires_grad=grad)
+            p = torch.full((2, n), step, dtype=torch.int32)
+            keys, vals, pos, valid = c.append(k, 2 * k, p)
+            ks.append(k)
+            ps.append(p)
+            seen.append((keys, keys.detach().clone()))
+        want = torch.cat(ks, 2)
+        assert c.length == want.shape[2] == 9
+        torch.testing.assert_close(c.keys, want)
+        torch.testing.assert_close(c.values, 2 * want)
+        assert torch.equal(c.positions, torch.cat(ps, 1).long()) and c.valid.all()
+    for view, copy in seen:  # nothing handed out earlier was overwritten
+        assert torch.equal(view, copy)
+    if grad:
+        c.keys.sum().backward()
+        assert all(torch.equal(k.grad, torch.ones_like(k)) for k in ks)

@@ -78,6 +78,25 @@ def register(sub) -> None:
     _common(ff, memory=False, device=False)
     ff.set_defaults(func=run_ff)
 
+    ge = bsub.add_parser(
+        "generate", help="prefill and per-token decode throughput and KV-cache size",
+        description="Full models decoding through their KV cache, side by side: prefill "
+        "tokens/s (in chunks of the model's context length), per-token decode tokens/s and the "
+        "cache's bytes, at each context and batch size, with ratios to the dense preset of the "
+        "same size. The full grid (4 contexts x 2 batches x 5 presets) takes long on a small "
+        "machine: pick a subset with --context / --batch / --preset.")
+    ge.add_argument("--preset", action="append", metavar="NAME",
+                    help="preset to include (repeatable; default: the WT103 47M dense, "
+                    "SwitchHead and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
+    ge.add_argument("--context", action="append", type=int, metavar="C",
+                    help="tokens in the cache when decoding starts (repeatable; default 512, "
+                    "1024, 2048, 4096)")
+    ge.add_argument("--batch", action="append", type=int, metavar="B",
+                    help="sequences decoded together (repeatable; default 1 and 8)")
+    ge.add_argument("--tokens", type=int, default=8, help="timed decode steps per cell")
+    _common(ge, memory=False, device=False)
+    ge.set_defaults(func=run_generate)
+
 
 def _common(p, warmup: int = 2, memory: bool = True, device: bool = True) -> None:
     if device:
@@ -162,5 +181,25 @@ def run_ff(args) -> int:
     res = bench_ff(tokens=args.tokens, d_model=args.d_model, n_experts=args.experts, k=args.k,
                    expert_size=args.expert_size, impls=args.impl or ["auto"], hf=not args.no_hf,
                    hf_impls=args.hf_impl, warmup=args.warmup, repeats=args.repeats)
+    emit(res, table(res), args.json)
+    return 0
+
+
+def run_generate(args) -> int:
+    _quiet_openmp()  # before anything imports torch
+    from moeify.bench.generate import (
+        DEFAULT_BATCHES,
+        DEFAULT_CONTEXTS,
+        DEFAULT_GENERATE_PRESETS,
+        bench_generate,
+        table,
+    )
+    from moeify.bench.timing import emit
+
+    _setup_threads(args)
+    res = bench_generate(args.preset or DEFAULT_GENERATE_PRESETS,
+                         contexts=args.context or DEFAULT_CONTEXTS,
+                         batches=args.batch or DEFAULT_BATCHES, tokens=args.tokens,
+                         warmup=args.warmup)
     emit(res, table(res), args.json)
     return 0

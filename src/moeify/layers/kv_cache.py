@@ -19,18 +19,45 @@ import torch
 
 
 class KVCache:
-    """Keys, values, positions and key validity of every source token seen so far."""
+    """Keys, values, positions and key validity of every source token seen so far.
+
+    Under no_grad (decoding) the entries live in buffers with spare room at the end, grown
+    geometrically, so appending a token writes only that token: concatenating instead copies
+    the whole cache of every layer at every step, which at a few thousand tokens costs more
+    than the attention reading it. With gradients enabled, appends concatenate (a buffer
+    written in place would invalidate what autograd saved)."""
+
+    GROWTH = 2.0  # a full buffer is reallocated with this factor times the tokens it must hold
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [B, Hk, S, C]
-        self.values: torch.Tensor | None = None  # [B, Hk, S, C]
-        self.positions: torch.Tensor | None = None  # int64 [B, S]
-        self.valid: torch.Tensor | None = None  # bool [B, S]
+        self._bufs: tuple[torch.Tensor, ...] | None = None  # keys, values, positions, valid
+        self._len = 0
+
+    def _view(self, i: int) -> torch.Tensor | None:
+        if self._bufs is None:
+            return None
+        return self._bufs[i].narrow(self._bufs[i].dim() - 1 - (i < 2), 0, self._len)
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # [B, Hk, S, C]
+        return self._view(0)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # [B, Hk, S, C]
+        return self._view(1)
+
+    @property
+    def positions(self) -> torch.Tensor | None:  # int64 [B, S]
+        return self._view(2)
+
+    @property
+    def valid(self) -> torch.Tensor | None:  # bool [B, S]
+        return self._view(3)
 
     @property
     def length(self) -> int:
-        """Cached source tokens (a Python int from the shape: no host sync)."""
-        return 0 if self.keys is None else self.keys.shape[-2]
+        """Cached source tokens (a Python int: no host sync)."""
+        return self._len
 
     def __len__(self) -> int:
         return self.length
@@ -52,21 +79,39 @@ class KVCache:
                              f"got {tuple(positions_BS.shape)}")
         if valid_BS is None:
             valid_BS = torch.ones(B, S_new, dtype=torch.bool, device=keys_BHSC.device)
-        positions_BS = positions_BS.to(torch.int64)
-        if self.keys is None:
-            self.keys, self.values = keys_BHSC, values_BHSC
-            self.positions, self.valid = positions_BS, valid_BS.bool()
-        else:
-            if self.keys.shape[0] != B or self.keys.shape[1] != keys_BHSC.shape[1]:
-                raise ValueError(f"the cache holds batch {self.keys.shape[0]} with "
-                                 f"{self.keys.shape[1]} heads, got batch {B} with "
-                                 f"{keys_BHSC.shape[1]} heads; use one cache per layer and "
-                                 f"sequence batch (new_cache())")
-            self.keys = torch.cat([self.keys, keys_BHSC], -2)
-            self.values = torch.cat([self.values, values_BHSC], -2)
-            self.positions = torch.cat([self.positions, positions_BS], -1)
-            self.valid = torch.cat([self.valid, valid_BS.bool()], -1)
+        new = (keys_BHSC, values_BHSC, positions_BS.to(torch.int64), valid_BS.bool())
+        if self._bufs is not None:
+            k = self._bufs[0]
+            if k.shape[0] != B or k.shape[1] != keys_BHSC.shape[1]:
+                raise ValueError(f"the cache holds batch {k.shape[0]} with {k.shape[1]} heads, "
+                                 f"got batch {B} with {keys_BHSC.shape[1]} heads; use one cache "
+                                 f"per layer and sequence batch (new_cache())")
+        if self._bufs is None:  # kept as given; the first growth copies it into a buffer
+            self._bufs, self._len = new, S_new
+            return self.keys, self.values, self.positions, self.valid
+        if torch.is_grad_enabled():
+            old = [self._view(i) for i in range(4)]
+            self._bufs = tuple(
+                torch.cat([o, n], o.dim() - 1 - (i < 2)) for i, (o, n) in enumerate(zip(old, new)))
+            self._len += S_new
+            return self.keys, self.values, self.positions, self.valid
+        need = self._len + S_new
+        if self._bufs[0].shape[2] < need:
+            cap = int(need * self.GROWTH)
+            bufs = []
+            for i, n in enumerate(new):
+                shape = (*n.shape[:2], cap, n.shape[3]) if i < 2 else (B, cap)
+                buf = n.new_empty(shape)
+                self._view_of(buf, i).copy_(self._view(i))
+                bufs.append(buf)
+            self._bufs = tuple(bufs)
+        for i, n in enumerate(new):
+            self._bufs[i].narrow(n.dim() - 1 - (i < 2), self._len, S_new).copy_(n)
+        self._len = need
         return self.keys, self.values, self.positions, self.valid
 
+    def _view_of(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        return buf.narrow(buf.dim() - 1 - (i < 2), 0, self._len)
+
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.valid = None
+        self._bufs, self._len = None, 0
