@@ -150,3 +150,19 @@ def test_default_positions():
     pq, pk = default_positions(2, 3, 5, 4, "cpu")
     assert pk.tolist() == [[4, 5, 6, 7, 8]] * 2
     assert pq.tolist() == [[6, 7, 8]] * 2
+
+
+def test_xl_key_factor_table_gives_the_direct_values():
+    # The table of key factors (decoding) must return exactly what the direct computation does,
+    # for every width sharing a number of frequencies and beyond the table's first size.
+    from moeify.ops.positional import _key_factors, sinusoid_inv_freq
+
+    for D in (7, 8, 412):
+        inv = sinusoid_inv_freq(D)
+        for dt in (torch.float32, torch.float64):
+            pos = torch.tensor([[0, 5, 1023, 1024, 3000], [7, 7, 2, 40000, 1]])
+            got = _key_factors(pos, D, inv, dt)
+            ang = pos.to(torch.float64)[..., None] * inv
+            want = torch.cat([ang.cos(), ang.sin()], -1).to(dt)
+            assert torch.equal(got, want)
+            assert torch.equal(_key_factors(pos[:, :3], D, inv, dt), want[:, :3])

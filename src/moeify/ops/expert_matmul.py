@@ -52,6 +52,8 @@ from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout,
 IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded", "sets")
 # Profiler range of every expert matmul: TRACE_PREFIX + the implementation that ran.
 TRACE_PREFIX = "moeify.expert_matmul."
+# "auto" gathers the weights per pair for at most this many pairs (and no more than E).
+GATHER_MAX_PAIRS = 64
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -291,7 +293,9 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     to "segment" where grouped_mm cannot run).
 
     "auto" on CUDA: "grouped" for bfloat16 on Hopper or newer (torch's grouped GEMM kernels),
-    else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "sets"
+    else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "gather"
+    for at most as many pairs as there are experts (decoding: copying each pair's matrix reads
+    no more than the batched paths read anyway, and no sort or layout is built), then "sets"
     where the plan's expert groups make it pay (``sets_eligible``), else "padded" where
     ``padding_pays`` (one parallel region instead of one per expert), else "segment"."""
     kind = _resolve_name(impl, x_MD, w_EDF)
@@ -302,6 +306,8 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
         return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x_MD, w_EDF) else "segment"
     if x_MD.device.type != "cpu" or plan is None:
         return "segment"
+    if plan.num_pairs <= min(plan.num_experts, GATHER_MAX_PAIRS):
+        return "gather"
     if gated and sets_eligible(plan.num_pairs // k, plan.group_size,
                                plan.num_experts // (plan.group_size or 1), k):
         return "sets"

@@ -170,8 +170,37 @@ def xl_logits_at(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, pos_q_BT: torch
     ang_k = _positions_2d(pos_k_BS).to(torch.float64)[..., None] * inv_F
     sin_q, cos_q = ang_q.sin().to(dt)[:, None], ang_q.cos().to(dt)[:, None]
     q_fac = torch.cat([a * sin_q + b * cos_q, b * sin_q - a * cos_q], -1)
-    k_fac = torch.cat([ang_k.cos(), ang_k.sin()], -1).to(dt)[:, None]
+    k_fac = _key_factors(_positions_2d(pos_k_BS), D, inv_F, dt)[:, None]
     return q_fac @ k_fac.transpose(-1, -2)
+
+
+# Integer key positions below this take their factors from a table (``_key_factors``).
+KEY_TABLE_MAX = 1 << 15
+_key_tables: dict = {}  # (D, device, dtype) -> [n, 2F] factors of positions 0 .. n - 1
+# (a cache of constants: the same table whoever asks)
+
+
+def _key_factors(pos_BS: torch.Tensor, D: int, inv_F: torch.Tensor, dt) -> torch.Tensor:
+    """[B, S, 2F]: [cos(p ω) ; sin(p ω)] of every key position, in ``dt`` (angles in float64).
+    Decoding asks for the same positions at every step and layer, and the trigonometry costs
+    more than the attention: on CPU, integer positions in [0, KEY_TABLE_MAX) are looked up in a
+    table of exactly these values (computed the same way, so the results are identical), grown
+    by doubling; anything else is computed directly (no host sync on accelerators)."""
+    def direct(p):
+        ang = p.to(torch.float64)[..., None] * inv_F
+        return torch.cat([ang.cos(), ang.sin()], -1).to(dt)
+
+    if pos_BS.device.type != "cpu" or pos_BS.is_floating_point() or pos_BS.numel() == 0:
+        return direct(pos_BS)
+    lo, hi = int(pos_BS.min()), int(pos_BS.max())
+    if lo < 0 or hi >= KEY_TABLE_MAX:
+        return direct(pos_BS)
+    key = (D, pos_BS.device, dt)
+    table = _key_tables.get(key)
+    if table is None or table.shape[0] <= hi:
+        n = max(1024, 1 << hi.bit_length())
+        table = _key_tables[key] = direct(torch.arange(n, device=pos_BS.device))
+    return table.index_select(0, pos_BS.reshape(-1)).view(*pos_BS.shape, -1)
 
 
 def default_positions(B: int, T: int, S_new: int, past: int,
