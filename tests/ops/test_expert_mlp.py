@@ -111,3 +111,18 @@ def test_layers_run_what_choose_impl_decides(threads):
             assert want == ("padded" if threads > 1 else want)
     finally:
         torch.set_num_threads(n)
+
+
+def test_auto_gathers_for_tiny_routings_only():
+    # Decoding routes a handful of pairs: "auto" copies their matrices instead of sorting.
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = torch.zeros(10, 4, 3)
+        few = torch.tensor([[1, 2], [3, 9]])  # 4 pairs <= 10 experts
+        assert choose_impl("auto", torch.zeros(2, 4), w, make_plan(few, 10)) == "gather"
+        many = torch.arange(24).remainder(10).view(12, 2)
+        assert choose_impl("auto", torch.zeros(12, 4), w, make_plan(many, 10)) == "padded"
+        assert choose_impl("segment", torch.zeros(2, 4), w, make_plan(few, 10)) == "segment"
+    finally:
+        torch.set_num_threads(n)

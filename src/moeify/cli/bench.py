@@ -94,17 +94,19 @@ def register(sub) -> None:
     ge.add_argument("--batch", action="append", type=int, metavar="B",
                     help="sequences decoded together (repeatable; default 1 and 8)")
     ge.add_argument("--tokens", type=int, default=8, help="timed decode steps per cell")
-    _common(ge, memory=False, device=False)
+    _common(ge, memory=False, device=False, repeats=False)
     ge.set_defaults(func=run_generate)
 
 
-def _common(p, warmup: int = 2, memory: bool = True, device: bool = True) -> None:
+def _common(p, warmup: int = 2, memory: bool = True, device: bool = True,
+            repeats: bool = True) -> None:
     if device:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                        help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
         p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--repeats", type=int, default=5)
+    if repeats:
+        p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=warmup)
     if memory:
         p.add_argument("--no-memory", action="store_true",

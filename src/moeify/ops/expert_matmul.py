@@ -302,7 +302,8 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     if kind != "auto":
         return kind
     if x_MD.device.type == "cuda":
-        fast = x_MD.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_MD.device)[0] >= 9
+        fast = (x_MD.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x_MD.device)[0] >= 9)
         return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x_MD, w_EDF) else "segment"
     if x_MD.device.type != "cpu" or plan is None:
         return "segment"
