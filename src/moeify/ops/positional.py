@@ -167,7 +167,6 @@ def xl_logits_at(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, pos_q_BT: torch
         b = F.pad(b, (0, 1))
     inv_F = sinusoid_inv_freq(D, qp_BHTC.device)
     ang_q = _positions_2d(pos_q_BT).to(torch.float64)[..., None] * inv_F
-    ang_k = _positions_2d(pos_k_BS).to(torch.float64)[..., None] * inv_F
     sin_q, cos_q = ang_q.sin().to(dt)[:, None], ang_q.cos().to(dt)[:, None]
     q_fac = torch.cat([a * sin_q + b * cos_q, b * sin_q - a * cos_q], -1)
     k_fac = _key_factors(_positions_2d(pos_k_BS), D, inv_F, dt)[:, None]
