@@ -83,3 +83,14 @@ def test_cli_bench_ff_and_generate(capsys):
     assert "tiny-dense" in capsys.readouterr().out
     assert main(["bench", "generate", "--preset", "tiny-dense", "--context", "0"]) == 2
     assert "contexts" in capsys.readouterr().err
+
+
+def test_cpu_times_are_reported_beside_wall_times():
+    from moeify.bench.timing import interleaved_median_times
+
+    cpu = {}
+    wall = interleaved_median_times({"a": lambda: sum(range(20000))}, warmup=0, repeats=3,
+                                    cpu_times=cpu)
+    assert set(cpu) == {"a"} and cpu["a"] > 0 and wall["a"] > 0
+    res = bench_ff(**SMALL, hf=False)
+    assert all(r["fwd+bwd cpu ms"] > 0 for r in res["rows"]) and res["rows"][0]["cpu x dense"] == 1

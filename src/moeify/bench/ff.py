@@ -13,7 +13,9 @@ d_ff = K·G. Every router is D·E. The "expert MACs" column states what each cas
 Every case runs in training mode on the same input [1, M, D] with the same fixed output
 gradient; "fwd" runs under ``torch.no_grad``, "fwd+bwd" is a training call whose backward also
 takes moeify's auxiliary losses (Mixtral's block has none: its balance loss is computed by the
-model). Times are medians of interleaved repeats (``interleaved_median_times``). The "impl"
+model). Times are medians of interleaved repeats (``interleaved_median_times``), wall time and,
+for forward+backward, also the process's CPU time (on a machine shared by more jobs than cores,
+wall time favours code with fewer parallel regions, which waits less for a core). The "impl"
 column names the expert-matmul implementations that really ran (read from a profiled call,
 ``expert_impls_run``), or the Hugging Face experts implementation.
 """
@@ -172,16 +174,18 @@ def bench_ff(*, tokens: int = 4096, d_model: int = 512, n_experts: int = 8, k: i
         fns[(label, "fwd")], fns[(label, "fwd+bwd")] = fwd, fwd_bwd
         ran[label] = ("+".join(expert_impls_run(fwd_bwd)) or "-") if ours else \
             label.removeprefix(HF_PREFIX)
-    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats)
-    return _result(cases, times, ran, skipped, dict(tokens=M, d_model=D, experts=E, k=K,
+    cpu: dict = {}
+    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, cpu_times=cpu)
+    return _result(cases, times, cpu, ran, skipped, dict(tokens=M, d_model=D, experts=E, k=K,
                                                     expert_size=G, hf_intermediate=I),
                    warmup, repeats, available)
 
 
-def _result(cases, times, ran, skipped, shape, warmup, repeats, available) -> dict:
+def _result(cases, times, cpu, ran, skipped, shape, warmup, repeats, available) -> dict:
     labels = [c[0] for c in cases if c[0] in ran]
     hf = [lb for lb in labels if lb.startswith(HF_PREFIX)]
     best = {ph: min((times[(lb, ph)] for lb in hf), default=None) for ph in ("fwd", "fwd+bwd")}
+    best_cpu = min((cpu[(lb, "fwd+bwd")] for lb in hf), default=None)
     rows = []
     for label, _, macs, _ in cases:
         if label not in ran:
@@ -192,6 +196,10 @@ def _result(cases, times, ran, skipped, shape, warmup, repeats, available) -> di
             row[f"{ph} ms"] = t * 1e3
             row[f"{ph} x dense"] = t / times[(DENSE, ph)]
             row[f"{ph} x HF best"] = None if best[ph] is None else t / best[ph]
+        c = cpu[(label, "fwd+bwd")]
+        row["fwd+bwd cpu ms"] = c * 1e3
+        row["cpu x dense"] = c / cpu[(DENSE, "fwd+bwd")]
+        row["cpu x HF best"] = None if best_cpu is None else c / best_cpu
         rows.append(row)
     return {"bench": "ff", "device": "cpu", "dtype": "float32",
             "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
@@ -200,7 +208,8 @@ def _result(cases, times, ran, skipped, shape, warmup, repeats, available) -> di
 
 
 COLUMNS = ["case", "impl", "expert MACs", "fwd ms", "fwd x dense", "fwd x HF best",
-           "fwd+bwd ms", "fwd+bwd x dense", "fwd+bwd x HF best"]
+           "fwd+bwd ms", "fwd+bwd x dense", "fwd+bwd x HF best", "fwd+bwd cpu ms", "cpu x dense",
+           "cpu x HF best"]
 
 
 def table(result: dict) -> str:
@@ -210,7 +219,7 @@ def table(result: dict) -> str:
     head = (f"feedforward MoEs, {s['tokens']} tokens, d={s['d_model']}, E={s['experts']}, "
             f"k={s['k']}, G={s['expert_size']}, {hf}; float32 on cpu ({result['threads']} "
             f"threads, OpenMP {result['omp_wait_policy']}), median of {result['repeats']}; "
-            "expert MACs per token; x = time ratio")
+            "expert MACs per token; x = time ratio; cpu: this process's CPU time per fwd+bwd call")
     out = head + "\n" + format_table(result["rows"], COLUMNS)
     for label, why in result["skipped"].items():
         out += f"\nskipped {label}: {why}"

@@ -48,21 +48,29 @@ def median_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
 
 
 def interleaved_median_times(fns: dict[str, Callable[[], object]], *, warmup: int = 2,
-                             repeats: int = 7, device=None) -> dict[str, float]:
+                             repeats: int = 7, device=None,
+                             cpu_times: dict | None = None) -> dict[str, float]:
     """Median times of several functions measured side by side: every repeat runs each function
-    once in turn, so a noisy neighbour slows all of them alike and the ratios stay meaningful."""
+    once in turn, so a noisy neighbour slows all of them alike and the ratios stay meaningful.
+    ``cpu_times``: a dict to fill with the median CPU time of this process per call (all its
+    threads), which on an oversubscribed machine does not count the time spent waiting for a
+    core, unlike the wall time (work with fewer parallel regions waits less there)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     with _no_gc():
         for _ in range(repeats):
             for name, fn in fns.items():
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fn()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    if cpu_times is not None:
+        cpu_times.update({name: statistics.median(ts) for name, ts in cpu.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
