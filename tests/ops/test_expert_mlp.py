@@ -126,3 +126,17 @@ def test_auto_gathers_for_tiny_routings_only():
         assert choose_impl("segment", torch.zeros(2, 4), w, make_plan(few, 10)) == "segment"
     finally:
         torch.set_num_threads(n)
+
+
+def test_hidden_biases_match_the_definition():
+    x, idx, w1, w2, gates = routed(20, 2, 3, 4, 5)
+    b1 = torch.randn(3, 5, dtype=f64, requires_grad=True)
+    y = expert_mlp(x, idx, w1, w2, gates, bias_EG=b1)
+    M, K = idx.shape
+    ref = torch.stack([sum(gates[m, k].to(f64) * (torch.relu(x[m] @ w1[idx[m, k]] + b1[idx[m, k]])
+                                                  @ w2[idx[m, k]]) for k in range(K))
+                       for m in range(M)])
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(ref)
+    for a, b in zip(grads(y, (x, w1, w2, gates, b1), g), grads(ref, (x, w1, w2, gates, b1), g)):
+        torch.testing.assert_close(a, b)
