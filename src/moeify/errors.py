@@ -4,3 +4,50 @@
 class MoeifyError(Exception):
     """A problem the user can fix (bad config, missing file, corrupt checkpoint, ...).
     The message says what is wrong and what to do."""
+
+
+_OS_ADVICE = {
+    "ENOSPC": "the disk is full: free some space (or write somewhere else) and try again",
+    "EDQUOT": "the disk quota is exhausted: free some space (or write somewhere else)",
+    "EROFS": "the file system is read-only: choose a writable location",
+    "EACCES": "permission denied: check its permissions or choose another location",
+    "EPERM": "the operation is not permitted: check its permissions or choose another location",
+    "EISDIR": "it is a directory: give a file path instead",
+    "ENOTDIR": "a part of the path is a file, not a directory: check the path",
+    "EEXIST": "it already exists and is in the way: choose another path or remove it",
+    "ENOENT": "it does not exist: check the path",
+    "ENAMETOOLONG": "the name is too long: choose a shorter path",
+    "EMFILE": "too many open files: raise the limit (ulimit -n) and try again",
+    "EIO": "an input/output error: the disk may be failing; check it and try again",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an operating-system error: the path, what went wrong, what to do."""
+    import errno as _errno
+
+    name = _errno.errorcode.get(e.errno or -1, "")
+    what = _OS_ADVICE.get(name) or (e.strerror or str(e) or type(e).__name__).lower()
+    paths = [p for p in (getattr(e, "filename", None), getattr(e, "filename2", None))
+             if p is not None]
+    where = " -> ".join(str(p) for p in paths)
+    if not where:
+        return str(e) if e.errno is None else f"{e.strerror or e} ({what})"
+    return f"{where}: {what}"
+
+
+def decode_error(path, e: UnicodeDecodeError) -> "MoeifyError":
+    """The error for a file that is not UTF-8 text, naming the file and the offset."""
+    return MoeifyError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); it may be "
+                       "corrupt or binary: restore it or give the right file")
+
+
+def read_utf8(path) -> str:
+    """A file's text; a file that is not UTF-8 is a MoeifyError naming it."""
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise decode_error(path, e) from None

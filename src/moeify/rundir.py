@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 from moeify.models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -33,7 +33,7 @@ def read_json(path: Path, what: str) -> Any:
         raise MoeifyError(f"{path.parent} is not a moeify run directory: {path.name} ({what}) "
                           "is missing; give the directory a `moeify train --out DIR` wrote")
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_utf8(path))
     except (OSError, ValueError) as e:
         raise MoeifyError(f"{path} is corrupt ({e}); it holds the run's {what}") from None
 

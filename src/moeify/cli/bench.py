@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from moeify.cli.argtypes import nonnegative_int, positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: speed and memory, printed as a table or JSON",
@@ -22,7 +24,7 @@ def register(sub) -> None:
     em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     em.add_argument("--device", default="cpu")
     em.add_argument("--impl", action="append", help="only these implementations (repeatable)")
-    em.add_argument("--repeats", type=int, default=7)
+    em.add_argument("--repeats", type=positive_int, default=7)
     em.add_argument("--json", action="store_true", help="print JSON instead of a table")
     em.set_defaults(func=run_expert_matmul)
 
@@ -62,11 +64,11 @@ def register(sub) -> None:
         "sparse MoE block with each of its experts implementations (SwiGLU experts of "
         "intermediate size 2G/3: equal multiply-adds), side by side at the same shapes, forward "
         "and forward+backward.")
-    ff.add_argument("--tokens", type=int, default=4096)
-    ff.add_argument("--d-model", type=int, default=512)
-    ff.add_argument("--experts", type=int, default=8)
-    ff.add_argument("-k", type=int, default=2, help="experts per token")
-    ff.add_argument("--expert-size", type=int, default=384,
+    ff.add_argument("--tokens", type=positive_int, default=4096)
+    ff.add_argument("--d-model", type=positive_int, default=512)
+    ff.add_argument("--experts", type=positive_int, default=8)
+    ff.add_argument("-k", type=positive_int, default=2, help="experts per token")
+    ff.add_argument("--expert-size", type=positive_int, default=384,
                     help="hidden units per sigma-MoE / Switch expert (G)")
     ff.add_argument("--impl", action="append", metavar="IMPL",
                     help="moeify expert-matmul implementation(s) to time (repeatable; default "
@@ -88,12 +90,12 @@ def register(sub) -> None:
     ge.add_argument("--preset", action="append", metavar="NAME",
                     help="preset to include (repeatable; default: the WT103 47M dense, "
                     "SwitchHead and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
-    ge.add_argument("--context", action="append", type=int, metavar="C",
+    ge.add_argument("--context", action="append", type=positive_int, metavar="C",
                     help="tokens in the cache when decoding starts (repeatable; default 512, "
                     "1024, 2048, 4096)")
-    ge.add_argument("--batch", action="append", type=int, metavar="B",
+    ge.add_argument("--batch", action="append", type=positive_int, metavar="B",
                     help="sequences decoded together (repeatable; default 1 and 8)")
-    ge.add_argument("--tokens", type=int, default=8, help="timed decode steps per cell")
+    ge.add_argument("--tokens", type=positive_int, default=8, help="timed decode steps per cell")
     _common(ge, memory=False, device=False, repeats=False)
     ge.set_defaults(func=run_generate)
 
@@ -106,8 +108,8 @@ def _common(p, warmup: int = 2, memory: bool = True, device: bool = True,
         p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     if repeats:
-        p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=warmup)
+        p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--warmup", type=nonnegative_int, default=warmup)
     if memory:
         p.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory measurements (one fresh process per case)")

@@ -19,6 +19,9 @@ def register(sub) -> None:
 
 
 def load_config(args):
+    from pathlib import Path
+
+    from moeify.errors import read_utf8
     from moeify.models.config import ModelConfig
     from moeify.models.presets import get_preset
 
@@ -28,8 +31,13 @@ def load_config(args):
         from moeify.rundir import read_model_config
 
         return args.run, read_model_config(args.run)
-    with open(args.config) as f:
-        return args.config, ModelConfig.from_json(f.read())
+    if Path(args.config).is_dir():
+        raise ValueError(f"--config {args.config} is a directory: for a run directory use "
+                         f"--run {args.config}; --config takes a ModelConfig JSON file")
+    try:
+        return args.config, ModelConfig.from_json(read_utf8(args.config))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{args.config} is not a ModelConfig JSON file ({e})") from None
 
 
 def run(args) -> int:

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
+    from moeify.cli.argtypes import positive_int
+
     p = sub.add_parser("demo", help="show the expert-matmul primitive on random data (seconds)",
                        description="Route random rows to experts with sigmoid top-k, run every "
                        "expert-matmul implementation and compare it with the dense reference.")
-    p.add_argument("--rows", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--rows", type=positive_int, default=2048)
+    p.add_argument("--experts", type=positive_int, default=8)
+    p.add_argument("--k", type=positive_int, default=2)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import torch
 
+    if args.k > args.experts:
+        raise ValueError(f"--k {args.k} is larger than --experts {args.experts}: each row "
+                         "picks k of the experts")
     from moeify.ops import expert_matmul, sigmoid_topk
     from moeify.ops.expert_matmul import IMPLEMENTATIONS, make_plan
 

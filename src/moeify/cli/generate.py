@@ -11,7 +11,8 @@ def register(sub) -> None:
         "temperature 0 is greedy decoding.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to sample (at most 10000); the text is printed as it comes")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -23,7 +24,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from moeify.eval.generate import check_sampling_args, generate
+    from moeify.eval.generate import check_sampling_args, iter_generate
     from moeify.train.distributed import DistEnv, pick_device
     from moeify.train.rundir import load_trained
 
@@ -42,8 +43,29 @@ def run(args) -> int:
     mc = tm.model_config
     # The span the model was trained to attend over: its chunk, plus one chunk of XL memory.
     window = mc.context_length * (2 if mc.xl_memory else 1)
-    new = generate(tm.model, ids, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, window=window)
-    sys.stdout.write(args.prompt + tm.tokenizer.decode(new) + "\n")
+    tokens = iter_generate(tm.model, ids, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed, window=window)
+    stream_text(args.prompt, tokens, tm.tokenizer.decode, sys.stdout)
     return 0
+
+
+def stream_text(prompt: str, tokens, decode, out) -> None:
+    """Write the prompt, then the continuation as it is sampled. The text is decoded from all
+    new tokens each time and only its settled part is written: a character split over several
+    tokens (a multi-byte UTF-8 sequence) appears once complete."""
+    out.write(prompt)
+    out.flush()
+    new: list[int] = []
+    shown = ""
+    for tok in tokens:
+        new.append(tok)
+        text = decode(new)
+        settled = text.rstrip("\ufffd")
+        if len(settled) > len(shown) and settled.startswith(shown):
+            out.write(settled[len(shown):])
+            out.flush()
+            shown = settled
+    text = decode(new)
+    out.write((text[len(shown):] if text.startswith(shown) else "") + "\n")
+    out.flush()

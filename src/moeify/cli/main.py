@@ -59,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(e: BaseException) -> str:
+    """The one line the CLI prints for an error the user can act on (MOEIFY_DEBUG=1: traceback).
+    OS errors name the path and what to do; other messages are joined onto one line."""
+    from moeify.errors import MoeifyError, describe_os_error
+
+    if isinstance(e, OSError) and not isinstance(e, MoeifyError):
+        text = describe_os_error(e)
+    else:
+        text = str(e)
+    return " ".join(text.split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     _reexec_with_malloc_tuning(argv)
     args = build_parser().parse_args(argv)
@@ -66,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (MoeifyError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (MoeifyError, ValueError, OSError) as e:
         if os.environ.get("MOEIFY_DEBUG"):
             raise
-        print(f"moeify {args.command}: error: {e}", file=sys.stderr)
+        print(f"moeify {args.command}: error: {error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"moeify {args.command}: interrupted", file=sys.stderr)

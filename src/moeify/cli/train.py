@@ -93,6 +93,8 @@ def run(args) -> int:
                    quiet=args.quiet)
     from moeify.train.progress import format_duration, format_rate
 
+    if result.interrupted:
+        return result.exit_code
     if result.rank != 0:
         return 0
     v = result.valid

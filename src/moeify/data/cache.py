@@ -33,7 +33,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 _CHUNK = 1 << 20
 
@@ -67,6 +67,13 @@ def progress(message: str) -> None:
 
 # ----------------------------------------------------------------------------- atomic writes
 
+def default_file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the process umask (0644 under umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside ``path``; on success it replaces ``path`` in one step, on an
@@ -75,6 +82,7 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(fd, default_file_mode())  # mkstemp makes 0600; keep what open() would make
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
@@ -96,7 +104,7 @@ def read_jsonl(path: str | Path) -> list[Any]:
     """The records of a JSON-lines file written one line at a time (metrics.jsonl): a line that
     does not parse, such as a last line torn by a crash, is skipped."""
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in read_utf8(path).splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:

@@ -34,7 +34,7 @@ from moeify.data.recipe import (  # noqa: F401  (re-exported: the corpus API)
     split_by_fraction,
     write_splits,
 )
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 def _local_or_url(source: str, dest_name: str, **kw) -> Path:
     p = Path(source).expanduser()
@@ -254,7 +254,7 @@ def load_corpus(spec: str = "wiki-excerpt", *, source: str | None = None,
         shutil.rmtree(root)
     if not _complete(root, meta_path):
         _prepare_into(root, recipe, source, key)
-    meta = json.loads(meta_path.read_text())
+    meta = json.loads(read_utf8(meta_path))
     return Corpus(name=meta["name"], key=key, root=root, byte_level=bool(meta["byte_level"]))
 
 
@@ -262,7 +262,7 @@ def _complete(root: Path, meta_path: Path) -> bool:
     if not meta_path.is_file():
         return False
     try:
-        sizes = json.loads(meta_path.read_text())["sizes"]
+        sizes = json.loads(read_utf8(meta_path))["sizes"]
         return all((root / f"{s}.txt").stat().st_size == sizes[s] for s in SPLITS)
     except (OSError, KeyError, ValueError):
         return False

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from moeify.errors import read_utf8
 from moeify.data.corpora import Recipe, register_corpus, write_splits
 
 OPERATORS = ("MAX", "MIN", "MED", "SM")
@@ -209,12 +210,11 @@ def load_examples(corpus_or_path, split: str = "valid", *,
     path = Path(corpus_or_path) if isinstance(corpus_or_path, (str, Path)) \
         else corpus_or_path.path(split)
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                out.append(parse_line(line))
-                if limit is not None and len(out) >= limit:
-                    break
+    for line in read_utf8(path).splitlines():
+        if line.strip():
+            out.append(parse_line(line))
+            if limit is not None and len(out) >= limit:
+                break
     return out
 
 

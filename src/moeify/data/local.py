@@ -86,7 +86,24 @@ class _LocalRecipe(Recipe):
 
 
 def _read(path: Path) -> bytes:
-    return cache.read_maybe_compressed(path.read_bytes(), path.name.lower())
+    data = cache.read_maybe_compressed(path.read_bytes(), path.name.lower())
+    check_text(data, path)
+    return data
+
+
+def check_text(data: bytes, path: Path) -> None:
+    """Refuse what is not text (NUL bytes or invalid UTF-8), naming the file and the offset:
+    training on an image or an archive by mistake would otherwise go unnoticed."""
+    nul = data.find(b"\0")
+    if nul < 0:
+        try:
+            data.decode("utf-8")
+            return
+        except UnicodeDecodeError as e:
+            nul = e.start
+    raise MoeifyError(f"{path} is not a text file (binary data at byte {nul}: not UTF-8 text); "
+                      "--data takes text files (UTF-8), a directory of them, or JSON-lines "
+                      "shards; remove it or point --data at the text")
 
 
 @dataclass(frozen=True)
@@ -169,7 +186,7 @@ class JsonShards(_LocalRecipe):
                         continue
                     try:
                         record = json.loads(line)
-                    except json.JSONDecodeError as e:
+                    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError
                         raise MoeifyError(f"{p}:{lineno}: not a JSON line ({e}); shards must hold "
                                           "one JSON object per line") from e
                     if not isinstance(record, dict) or self.text_field not in record:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from moeify.data import cache
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 _CHUNK_BYTES = 1 << 20
 
@@ -60,7 +60,7 @@ def tokenize_split(corpus, tokenizer, split: str) -> np.ndarray:
     path, meta_path = out_dir / f"{split}.bin", out_dir / f"{split}.json"
     dtype = token_dtype(tokenizer.vocab_size)
     if path.is_file() and meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(read_utf8(meta_path))
         size_ok = path.stat().st_size == meta["tokens"] * dtype.itemsize
         if meta.get("dtype") == dtype.name and size_ok:
             return _memmap(path, dtype)

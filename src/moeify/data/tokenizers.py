@@ -28,7 +28,7 @@ from moeify.data import cache
 from moeify.data.gpt2_bpe import GPT2Tokenizer
 from moeify.data.tokenizer_base import META as _META
 from moeify.data.tokenizer_base import Tokenizer
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 TOKENIZER_KINDS = ("byte", "byte256", "sentencepiece", "gpt2")
 
@@ -191,7 +191,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         raise MoeifyError(f"no {_META} in {directory}: it is not a moeify run directory, or the "
                           "run was written before its tokenizer was saved")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(read_utf8(meta_path))
         kind = meta["kind"]
     except (ValueError, KeyError) as e:
         raise MoeifyError(f"{meta_path} is corrupt ({e}); restore it from the run's source") from e

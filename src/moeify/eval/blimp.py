@@ -15,7 +15,7 @@ from typing import Sequence
 
 from moeify.eval import paths
 from moeify.eval.scoring import LogitsFn, score_continuations
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 
 @dataclass(frozen=True)
@@ -38,21 +38,20 @@ def load_blimp(path: str | Path | None = None, *,
     pairs: list[BlimpPair] = []
     for f in files:
         n = 0
-        with open(f, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                    pairs.append(BlimpPair(good=r["sentence_good"], bad=r["sentence_bad"],
-                                           paradigm=r.get("UID", f.stem),
-                                           field=r.get("field", "unknown")))
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise MoeifyError(f"{f}:{lineno}: not a BLiMP record with sentence_good and "
-                                      f"sentence_bad ({e!r})") from e
-                n += 1
-                if limit_per_paradigm is not None and n >= limit_per_paradigm:
-                    break
+        for lineno, line in enumerate(read_utf8(f).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                pairs.append(BlimpPair(good=r["sentence_good"], bad=r["sentence_bad"],
+                                       paradigm=r.get("UID", f.stem),
+                                       field=r.get("field", "unknown")))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise MoeifyError(f"{f}:{lineno}: not a BLiMP record with sentence_good and "
+                                  f"sentence_bad ({e!r})") from e
+            n += 1
+            if limit_per_paradigm is not None and n >= limit_per_paradigm:
+                break
     return pairs
 
 
@@ -71,7 +70,8 @@ def blimp_accuracy(logits_fn: LogitsFn, tokenizer, pairs: Sequence[BlimpPair], *
     """``accuracy`` (mean over paradigms), ``paradigms`` {uid: acc}, ``fields`` {field: mean of
     its paradigms}, ``pairs`` (count). ``logits_fn`` must be stateless."""
     if not pairs:
-        raise ValueError("blimp_accuracy needs at least one pair")
+        raise ValueError("BLiMP scoring needs at least one sentence pair; the BLiMP files (or "
+                         "--limit) give none")
     sentences = [p.good for p in pairs] + [p.bad for p in pairs]
     scores = score_continuations(logits_fn, sentence_items(tokenizer, sentences),
                                  batch_size=batch_size, max_len=max_len)

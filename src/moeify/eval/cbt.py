@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 from moeify.eval import paths
 from moeify.eval.scoring import LogitsFn, score_continuations
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 CBT_GROUPS = ("CN", "NE", "P", "V")
 BLANK = "XXXXX"
@@ -91,7 +91,7 @@ def load_cbt(path: str | Path | None = None, *, groups: Sequence[str] = CBT_GROU
         if not f.is_file():
             raise MoeifyError(f"CBT file {f} not found: the directory must hold "
                               f"cbtest_{{{','.join(CBT_GROUPS)}}}_test_2500ex.txt")
-        out[g] = parse_cbt(f.read_text(encoding="utf-8"), source=str(f))[:limit]
+        out[g] = parse_cbt(read_utf8(f), source=str(f))[:limit]
     return out
 
 
@@ -118,7 +118,7 @@ def cbt_accuracy(logits_fn: LogitsFn, tokenizer, examples: Mapping[str, Sequence
                  batch_size: int = 16, max_len: int | None = None) -> dict:
     """``accuracy`` (mean over the groups given), ``groups`` {group: acc}, ``n`` examples."""
     if not examples:
-        raise ValueError("cbt_accuracy needs at least one group of examples, e.g. load_cbt()")
+        raise ValueError("CBT scoring needs at least one group of examples; the CBT files hold none")
     groups = {}
     n_total = 0
     for g, exs in examples.items():

@@ -16,7 +16,7 @@ models and T otherwise).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -56,10 +56,16 @@ def sample_next(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_k: int
         logits_BV.device)
 
 
+# One call's limit: more is almost always a typo (and would run for hours on a CPU); streaming
+# re-decodes the continuation per token, which stays cheap up to this length.
+MAX_NEW_TOKENS = 10_000
+
+
 def check_sampling_args(max_new_tokens: int, temperature: float, top_k: int | None,
                         top_p: float | None) -> None:
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if max_new_tokens < 0 or max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must lie in [0, {MAX_NEW_TOKENS}], got "
+                         f"{max_new_tokens}; generate longer texts in several calls")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -68,7 +74,6 @@ def check_sampling_args(max_new_tokens: int, temperature: float, top_k: int | No
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
-@torch.no_grad()
 def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int = 100,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, window: int | None = None,
@@ -78,6 +83,24 @@ def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_token
 
     Generation ends after a token in ``stop_ids`` or once ``should_stop(new_ids)`` is true
     (checked after every token; stop strings are tested on the decoded text this way)."""
+    return list(iter_generate(model, prompt_ids, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              window=window, stop_ids=stop_ids, should_stop=should_stop))
+
+
+def iter_generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int = 100,
+                  temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None, seed: int | None = None,
+                  window: int | None = None, stop_ids: Sequence[int] = (),
+                  should_stop: Callable[[list[int]], bool] | None = None) -> Iterator[int]:
+    """``generate``, yielding each new token id as soon as it is sampled (for streaming)."""
+    with torch.no_grad():
+        yield from _sample_loop(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                                seed, window, stop_ids, should_stop)
+
+
+def _sample_loop(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, window,
+                 stop_ids, should_stop) -> Iterator[int]:
     check_sampling_args(max_new_tokens, temperature, top_k, top_p)
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token (one character for byte "
@@ -104,9 +127,13 @@ def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_token
         cache, logits_BV, cached = prefill(tokens[-(window // 2):] if too_long else tokens)
         stop = set(stop_ids)
         for _ in range(max_new_tokens):
+            if not bool(torch.isfinite(logits_BV).all()):
+                raise ValueError("the model's output is not finite (NaN or inf): its weights "
+                                 "diverged in training; use an earlier checkpoint")
             next_B = sample_next(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p,
                                  generator=generator)
             tok = int(next_B[0])
+            yield tok
             new.append(tok)
             tokens.append(tok)
             if tok in stop or len(new) == max_new_tokens or (should_stop and should_stop(new)):
@@ -117,6 +144,5 @@ def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_token
             out = model(next_B.view(1, 1), cache=cache)
             logits_BV = out.logits[:, -1]
             cached += 1
-        return new
     finally:
         model.train(was_training)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from moeify.eval import paths
 from moeify.eval.scoring import LogitsFn, score_continuations
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 
 
 def load_lambada(path: str | Path | None = None, *, limit: int | None = None) -> list[str]:
@@ -29,15 +29,14 @@ def load_lambada(path: str | Path | None = None, *, limit: int | None = None) ->
     if p.is_dir():
         p = p / "lambada_test.jsonl"
     texts: list[str] = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                texts.append(str(json.loads(line)["text"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise MoeifyError(f"{p}:{lineno}: not a LAMBADA JSON line with a 'text' field "
-                                  f"({e!r})") from e
+    for lineno, line in enumerate(read_utf8(p).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            texts.append(str(json.loads(line)["text"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise MoeifyError(f"{p}:{lineno}: not a LAMBADA JSON line with a 'text' field "
+                              f"({e!r})") from e
             if limit is not None and len(texts) >= limit:
                 break
     if not texts:
@@ -65,7 +64,7 @@ def lambada_accuracy(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], *,
     Returns ``accuracy``, ``correct``, ``n`` and, with ``return_predictions``, the predicted
     words."""
     if not texts:
-        raise ValueError("lambada_accuracy needs at least one passage (load_lambada() reads them)")
+        raise ValueError("LAMBADA scoring needs at least one passage; the LAMBADA file holds none")
     items, gold = [], []
     for text in texts:
         context, target, word = split_passage(text)

@@ -59,7 +59,7 @@ def perplexity(logits_fn: LogitsFn, tokens, *, tokenizer=None, batch_size: int =
                                  tgt_BT.flatten().to(logits_BTV.device), reduction="none")
         total_nll += nll_BT.view(B, T).cpu().double().masked_fill(~mask_BT, 0.0).sum()
     loss = float(total_nll) / n_targets
-    out = {"tokens": n_targets, "loss": loss, "ppl": math.exp(loss),
+    out = {"tokens": n_targets, "loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf,
            "bits_per_token": loss / math.log(2)}
     if n_chars is None and tokenizer is not None and getattr(tokenizer, "byte_level", False):
         n_chars = n_targets

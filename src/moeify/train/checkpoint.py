@@ -13,8 +13,14 @@ Layout inside a run directory:
 A checkpoint is written into a private temporary directory, every file fsynced, then renamed to
 its final name in one step, and only then does ``latest`` (itself replaced atomically) point at
 it. A process killed at any point therefore leaves the previous checkpoint and pointer intact;
-the half-written temporary directory is ignored and removed by the next save. Older complete
+a failed write (a full disk, a read-only file system, Ctrl-C) removes its temporary directory
+at once, and temporary entries left by killed processes (``.tmp-*-PID`` whose PID is no longer
+running) are swept by the next save; those of a live process are never touched. Older complete
 checkpoints beyond ``keep`` are deleted only after the new one is in place.
+
+A checkpoint holds only finite numbers: ``save_checkpoint`` refuses weights or optimizer state
+with a NaN or infinity (NonFiniteState) and ``load_checkpoint`` refuses to load one, so a run
+never resumes, evaluates or samples from a diverged state.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 
 import torch
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
+from moeify.train.lock import pid_alive
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -37,6 +44,10 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
+
+
+class NonFiniteState(MoeifyError):
+    """Weights or optimizer state hold a NaN or an infinity."""
 
 
 @dataclass
@@ -91,15 +102,89 @@ def sha256_file(path: Path) -> str:
 
 # ---------------------------------------------------------------------- saving
 
+class _Writer:
+    """A binary file that remembers the OSError a write raised: torch.save reports a failed
+    write of a file object as its own RuntimeError, and this is how the real cause (a full
+    disk, a read-only file system) and the file's name come back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "wb")
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = str(self.path)
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def __enter__(self) -> "_Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.file.close()  # flushing the last buffer can be what hits the full disk
+        except OSError as e:
+            if exc[0] is None:
+                raise
+            self.error = self.error or e
+
+
+def _open_for_write(path: Path) -> _Writer:
+    """Every checkpoint byte goes through here, so disk errors are OSErrors naming the file."""
+    return _Writer(path)
+
+
 def _save_model(state: dict[str, torch.Tensor], path: Path, step: int) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(path), metadata={"format": "moeify", "step": str(step)})
+    data = save(tensors, metadata={"format": "moeify", "step": str(step)})
+    with _open_for_write(path) as f:
+        f.write(data)
 
 
 def _save_state(state: dict[str, Any], path: Path) -> None:
-    torch.save(state, path)
+    with _open_for_write(path) as f:
+        try:
+            torch.save(state, f)
+        except RuntimeError:
+            if f.error is not None:
+                raise f.error from None
+            raise
+
+
+def nonfinite_tensors(obj: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in a (nested) state that hold a NaN or infinity."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            return [] if bool(torch.isfinite(obj).all()) else [prefix or "tensor"]
+        return []
+    if isinstance(obj, float):
+        return [] if obj == obj and abs(obj) != float("inf") else [prefix or "value"]
+    items = (obj.items() if isinstance(obj, dict)
+             else enumerate(obj) if isinstance(obj, (list, tuple)) else ())
+    out: list[str] = []
+    for k, v in items:
+        out += nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def check_finite(model_state: dict[str, torch.Tensor], train_state: dict[str, Any],
+                 where: str, advice: str) -> None:
+    """Raise NonFiniteState naming the first bad tensors of the weights or optimizer state."""
+    bad = nonfinite_tensors(model_state) + [
+        f"optimizer {n}" for n in nonfinite_tensors(train_state.get("optimizer", {}))]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise NonFiniteState(f"{where}: non-finite values (NaN or inf) in "
+                             f"{', '.join(bad[:3])}{more}; {advice}")
 
 
 def checkpoint_name(step: int) -> str:
@@ -109,24 +194,25 @@ def checkpoint_name(step: int) -> str:
 def save_checkpoint(run_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     train_state: dict[str, Any], *, meta: dict[str, Any] | None = None,
                     keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it; returns its directory."""
+    """Write checkpoint ``step`` atomically and point ``latest`` at it; returns its directory.
+
+    Raises NonFiniteState (nothing written) when a weight or optimizer tensor is not finite,
+    and OSError when the disk refuses the write (the temporary directory is removed, the
+    previous checkpoint and ``latest`` are untouched)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    check_finite(model_state, train_state, f"checkpoint step {step} was not written",
+                 "the weights diverged: lower the learning rate or grad_clip, or train in fp32")
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    sweep_stale(root)
     name = checkpoint_name(step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    _save_model(model_state, tmp / MODEL_FILE, step)
-    _save_state(train_state, tmp / STATE_FILE)
-    for f in (MODEL_FILE, STATE_FILE):
-        fsync_path(tmp / f)
-    record = {"format": FORMAT_VERSION, "step": step, **(meta or {}),
-              "sha256": {f: sha256_file(tmp / f) for f in (MODEL_FILE, STATE_FILE)}}
-    write_json_atomic(tmp / META_FILE, record)
-    fsync_path(tmp)
+    try:
+        _write_checkpoint_dir(tmp, step, model_state, train_state, meta)
+    except BaseException:  # a full disk, Ctrl-C, ...: leave no partial directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     final = root / name
     if final.exists():  # a checkpoint of the same step from an abandoned continuation
@@ -142,17 +228,52 @@ def save_checkpoint(run_dir: str | Path, step: int, model_state: dict[str, torch
     return final
 
 
+def _write_checkpoint_dir(tmp: Path, step: int, model_state: dict[str, torch.Tensor],
+                          train_state: dict[str, Any], meta: dict[str, Any] | None) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _save_model(model_state, tmp / MODEL_FILE, step)
+    _save_state(train_state, tmp / STATE_FILE)
+    for f in (MODEL_FILE, STATE_FILE):
+        fsync_path(tmp / f)
+    record = {"format": FORMAT_VERSION, "step": step, **(meta or {}),
+              "sha256": {f: sha256_file(tmp / f) for f in (MODEL_FILE, STATE_FILE)}}
+    write_json_atomic(tmp / META_FILE, record)
+    fsync_path(tmp)
+
+
+def _owner_pid(name: str) -> int | None:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def sweep_stale(root: Path) -> list[Path]:
+    """Remove temporary checkpoint entries (``.tmp-*-PID``, ``.old-*-PID``, ``.latest.tmp-PID``)
+    of processes that are no longer running, or of this one; returns what was removed."""
+    removed = []
+    for p in list(root.glob(".tmp-*")) + list(root.glob(".old-*")) + list(root.glob(".*.tmp-*")):
+        pid = _owner_pid(p.name)
+        if pid is None or (pid != os.getpid() and pid_alive(pid)):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
 def _prune(root: Path, keep: int, current: Path) -> None:
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    sweep_stale(root)
     # Checkpoints newer than the one just written belong to a continuation that was abandoned
     # when the run was resumed from an earlier checkpoint.
-    step = _step_of(current)
+    step = step_of(current)
     older = []
     for p in checkpoint_dirs(root.parent):
         if p == current:
             continue
-        if _step_of(p) > step:
+        if step_of(p) > step:
             shutil.rmtree(p, ignore_errors=True)
         else:
             older.append(p)
@@ -160,7 +281,26 @@ def _prune(root: Path, keep: int, current: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _step_of(path: Path) -> int:
+def set_aside(ckpt: Path) -> Path:
+    """Rename a checkpoint whose weights proved unusable to ``diverged-step-N`` (kept for
+    inspection, ignored by every reader) and point ``latest`` back at the newest remaining
+    one (or remove ``latest`` when none remains)."""
+    root = ckpt.parent
+    aside = root / f"diverged-{ckpt.name}"
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.replace(ckpt, aside)
+    remaining = checkpoint_dirs(root.parent)
+    if remaining:
+        write_bytes_atomic(root / LATEST, (remaining[-1].name + "\n").encode())
+    else:
+        (root / LATEST).unlink(missing_ok=True)
+    fsync_path(root)
+    return aside
+
+
+def step_of(path: Path) -> int:
+    """The step number of a checkpoint directory (step-00000100 -> 100)."""
     return int(path.name.split("-", 1)[1])
 
 
@@ -218,7 +358,7 @@ def run_dir_of(checkpoint: Path) -> Path:
 def read_meta(ckpt: Path) -> dict[str, Any]:
     meta_path = ckpt / META_FILE
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(read_utf8(meta_path))
         if not isinstance(meta, dict) or "step" not in meta or "sha256" not in meta:
             raise ValueError("step or sha256 missing")
     except FileNotFoundError:
@@ -267,6 +407,9 @@ def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = N
     except Exception as e:  # unpickling errors come in many types
         raise MoeifyError(f"checkpoint {ckpt} is corrupt: {STATE_FILE} cannot be read ({e})") \
             from None
+    if isinstance(train_state, dict):
+        check_finite(model_state, train_state, f"checkpoint {ckpt} cannot be used",
+                     "the run had diverged when it was written; use an earlier checkpoint")
     return Checkpoint(path=ckpt, step=int(meta["step"]), model_state=model_state,
                       train_state=train_state, meta=meta)
 

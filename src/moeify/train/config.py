@@ -121,9 +121,12 @@ class TrainConfig:
                                               or self.cosine_steps < 1):
             raise ValueError(f"cosine_steps must be a positive integer or none, got "
                              f"{self.cosine_steps!r}")
+        for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
+            check_finite_number(name, getattr(self, name))
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0
+                                           for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), e.g. betas=0.9,0.999; got "
                              f"{self.betas!r}")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -185,6 +188,19 @@ class TrainConfig:
                 out.model is not None or out.preset != RUN_MODEL_PRESET):
             apply_model_overrides(base_config_of(out), model_ovr)  # fail early
         return out
+
+
+# The largest float32: settings become float32 tensors inside the optimizer and the scheduler.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_finite_number(name: str, value: Any) -> None:
+    """A ValueError unless ``value`` is a real number a float32 tensor can hold (no nan/inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number (at most {FLOAT32_MAX:.3g} in size), "
+                         f"got {value!r}")
 
 
 def paper_recipe(preset: str, **changes: Any) -> TrainConfig:

@@ -35,16 +35,34 @@ from moeify.errors import MoeifyError
 from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
 from moeify.train.distributed import DistEnv, pick_device, setup_distributed
+from moeify.train.lock import RunLock
 from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
 from moeify.train.progress import Progress
 from moeify.train.rundir import (CONFIG_FILE, model_config_dict, read_model_config,
                                  read_train_config, write_run_files)
 from moeify.train.schedule import make_scheduler
+from moeify.train.signals import StopRequests
 from moeify.train.validate import autocast_context, evaluate_stream
 
 
 class NonFiniteLoss(MoeifyError):
     """The loss became NaN or infinite; the run stopped before updating the weights."""
+
+
+@dataclass
+class _Clock:
+    """Training time and throughput, excluding validation and checkpoint writes."""
+    tokens: int                      # tokens seen at the last mark
+    start: float = field(default_factory=time.perf_counter)
+    mark: float = field(default_factory=time.perf_counter)
+    train_s: float = 0.0
+    window: list[float] = field(default_factory=list)   # losses since the last metric record
+
+    def pause(self) -> None:
+        self.train_s += time.perf_counter() - self.mark
+
+    def resume(self, tokens: int) -> None:
+        self.mark, self.tokens = time.perf_counter(), tokens
 
 
 @dataclass
@@ -57,6 +75,8 @@ class TrainResult:
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     rank: int = 0                                              # this process (data parallel)
+    interrupted: str | None = None                             # "SIGINT"/"SIGTERM": stopped early
+    exit_code: int = 0                                         # 128 + signal number when stopped
 
 
 def resolve_amp(mode: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
@@ -121,11 +141,31 @@ class Trainer:
         device_type = "cuda" if cfg.device.startswith("cuda") or (
             cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.env: DistEnv = setup_distributed(device_type)
+        self.lock = RunLock(self.run_dir)
         try:
+            self._lock_run_dir()
             self._setup(resume, quiet)
         except BaseException:
-            self.env.close()  # a process group this run created must not outlive it
+            self.close()  # a process group or lock this run took must not outlive it
             raise
+
+    def _lock_run_dir(self) -> None:
+        """Process 0 locks the run directory (and sweeps what crashed writers left there)."""
+        error = None
+        if self.env.is_main:
+            if self.run_dir.exists() and not self.run_dir.is_dir():
+                error = (f"--out {self.run_dir} is a file, not a directory: give a new or "
+                         "existing run directory")
+            else:
+                try:
+                    self.lock.acquire()
+                    if (self.run_dir / ckpt_io.CHECKPOINTS).is_dir():
+                        ckpt_io.sweep_stale(self.run_dir / ckpt_io.CHECKPOINTS)
+                except MoeifyError as e:
+                    error = str(e)
+        error = self.env.broadcast_object(error)
+        if error is not None:
+            raise MoeifyError(error)
 
     def _setup(self, resume: bool | str | Path, quiet: bool) -> None:
         cfg = self.cfg
@@ -179,6 +219,8 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         if ckpt_dir is not None:
             self._restore(ckpt_dir)
+            if self.env.is_main:  # the file tells the settings this continuation runs with
+                ckpt_io.write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
         elif self.env.is_main:
             write_run_files(self.run_dir, cfg, self.model_cfg, self.tokenizer)
             truncate_metrics(self.run_dir, 0)  # records of an earlier attempt without checkpoints
@@ -217,9 +259,35 @@ class Trainer:
             raise MoeifyError(f"checkpoint {ckpt} belongs to run {ckpt_io.run_dir_of(ckpt)}, not "
                               f"{self.run_dir}; resume it with --out {ckpt_io.run_dir_of(ckpt)}")
         self.weights_only = bool(ckpt_io.read_meta(ckpt).get("weights_only"))
-        check_resume_compatible(read_train_config(self.run_dir), self.cfg,
+        check_resume_compatible(self._trained_config(ckpt), self.cfg,
                                 weights_only=self.weights_only)
+        step = int(ckpt_io.read_meta(ckpt)["step"])
+        if step >= self.cfg.steps:
+            raise MoeifyError(
+                f"{self.run_dir} has already trained {step} steps (checkpoint {ckpt.name}), so "
+                f"--steps {self.cfg.steps} leaves nothing to do: give --steps above {step} to "
+                "train further")
         return ckpt
+
+    def _trained_config(self, ckpt: Path) -> TrainConfig:
+        """The settings the checkpoint was trained with. config.json must still agree with them
+        (an edit there is refused, not silently ignored: the optimizer state would override it);
+        checkpoints that record no settings are compared with config.json alone."""
+        on_disk = read_train_config(self.run_dir)
+        recorded = ckpt_io.read_meta(ckpt).get("train_config")
+        if not isinstance(recorded, dict):
+            return on_disk
+        try:
+            trained = TrainConfig.from_dict(recorded)
+        except (TypeError, ValueError):
+            return on_disk
+        try:
+            check_resume_compatible(trained, on_disk)
+        except ValueError as e:
+            raise MoeifyError(
+                f"{self.run_dir / 'config.json'} was edited after checkpoint {ckpt.name} was "
+                f"written, and a resumed run cannot honour that: {e}") from None
+        return trained
 
     def _data(self, *, resume: bool):
         from moeify.data.corpora import load_corpus
@@ -288,17 +356,47 @@ class Trainer:
                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
                      "data": self.batcher.state_dict(), "rng": rngs, "memory": memory,
                      "tokens_seen": self.tokens_seen, "world_size": self.env.world_size}
-            meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg)}
+            meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg),
+                    "train_config": self.cfg.to_dict()}
             try:
                 path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
                                                state, meta=meta, keep=self.cfg.keep_checkpoints)
+            except ckpt_io.NonFiniteState as e:
+                error = f"{e}. {self._last_good()}"
             except OSError as e:
-                error = f"writing checkpoint step {self.step} in {self.run_dir} failed: {e}"
+                from moeify.errors import describe_os_error
+
+                error = (f"writing checkpoint step {self.step} failed: {describe_os_error(e)}. "
+                         f"{self._last_good()}")
         error = self.env.broadcast_object(error)
         if error is not None:
-            raise MoeifyError(error + "; the previous checkpoint is intact")
+            raise MoeifyError(error)
         self.last_checkpoint = path
         return path
+
+    def _diverged(self, what: str) -> None:
+        """Stop on a non-finite loss. A checkpoint of the weights that produced it is not good:
+        it is set aside (checkpoints/diverged-step-N) and ``latest`` moves back."""
+        aside = ""
+        last = self.last_checkpoint
+        if last is not None and ckpt_io.step_of(last) == self.step:
+            self.last_checkpoint = None
+            if self.env.is_main:
+                moved = ckpt_io.set_aside(last)
+                aside = (f" Checkpoint {last.name} holds these weights, so it was set aside as "
+                         f"{moved}.")
+                found = ckpt_io.latest_checkpoint(self.run_dir)
+                self.last_checkpoint = found
+        raise NonFiniteLoss(f"{what}. Lower the learning rate (lr={self.cfg.lr}) or grad_clip, "
+                            f"or train in fp32 (amp=fp32).{aside} "
+                            + self._last_good(resume_hint=False))
+
+    def _last_good(self, resume_hint: bool = True) -> str:
+        if self.last_checkpoint is None:
+            return "No good checkpoint has been written yet"
+        return (f"The last good checkpoint {self.last_checkpoint} is intact"
+                + (f"; continue from it with: moeify train --resume {self.run_dir}"
+                   if resume_hint else ""))
 
     # ------------------------------------------------------------------ training
 
@@ -335,12 +433,9 @@ class Trainer:
         loss, aux = (float(v) for v in losses_2.tolist())
         if not (math.isfinite(loss) and math.isfinite(aux)):
             self.optimizer.zero_grad(set_to_none=True)
-            last = (f"the last good checkpoint {self.last_checkpoint} is untouched"
-                    if self.last_checkpoint else "no checkpoint had been written yet")
-            raise NonFiniteLoss(
-                f"the training loss became {'nan' if loss != loss else loss} (aux {aux}) at step "
-                f"{self.step + 1}; the run stopped before updating the weights and {last}. Lower "
-                f"the learning rate (lr={cfg.lr}) or grad_clip, or train in fp32 (amp=fp32)")
+            self._diverged(f"the training loss became {'nan' if loss != loss else loss} (aux "
+                           f"{aux}) at step {self.step + 1}; the run stopped before updating the "
+                           "weights")
         self.scaler.unscale_(self.optimizer)
         params = self.model.parameters()
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -367,60 +462,108 @@ class Trainer:
         return "ppl", math.exp(min(loss, 50.0))
 
     def fit(self, stop_after: int | None = None) -> TrainResult:
-        """Train until ``cfg.steps`` (or, to simulate an interruption, ``stop_after``)."""
+        """Train until ``cfg.steps`` (or, to simulate an interruption, ``stop_after``).
+
+        A SIGINT or SIGTERM ends the run after the step in progress, with a checkpoint of it
+        (moeify.train.signals); ``result.interrupted`` then names the signal."""
         cfg = self.cfg
         result = TrainResult(run_dir=self.run_dir, step=self.step, rank=self.env.rank)
         sink = MetricsSink(self.run_dir, tensorboard=cfg.tensorboard) if self.env.is_main else None
         progress = Progress(cfg.steps, self.step, stream=self.stream, enabled=not self.quiet)
-        t_start = time.perf_counter()
-        t_train = 0.0
-        window_losses: list[float] = []
-        t_mark, tok_mark = time.perf_counter(), self.tokens_seen
+        clock = _Clock(self.tokens_seen)
+        stop = StopRequests(on_first=lambda name: self._say(progress,
+            f"{name} received: finishing step {self.step + 1} and writing a checkpoint "
+            "(press Ctrl-C again to stop at once)"))
         try:
             if not self.quiet:
                 progress.message(self.describe())
-            while self.step < cfg.steps and (stop_after is None or self.step < stop_after):
-                rec = self.train_step()
-                result.losses[self.step] = rec["loss"]
-                window_losses.append(rec["loss"])
-                done = self.step == cfg.steps
-                if self.step % cfg.log_every == 0 or done:
-                    now = time.perf_counter()
-                    t_train += now - t_mark
-                    tps = (self.tokens_seen - tok_mark) / max(now - t_mark, 1e-9)
-                    mean_loss = sum(window_losses) / len(window_losses)
-                    name, score = self._score_name(mean_loss)
-                    if sink is not None:
-                        record = {"kind": "train", "step": self.step, "tokens": self.tokens_seen,
-                                  "loss": mean_loss, name: score, "lr": rec["lr"],
-                                  "tokens_per_s": tps, "grad_norm": float(rec["grad_norm"]),
-                                  "aux_loss": rec["aux_loss"]}
-                        record.update({f"aux/{k}": float(v.detach()) for k, v in rec["losses"].items()})
-                        record.update({f"stats/{k}": summarise_tensor(v)
-                                       for k, v in rec["stats"].items()})
-                        sink.write(record)
-                    progress.update(self.step, {"loss": mean_loss, name: score, "lr": rec["lr"]},
-                                    tps, force=done)
-                    window_losses = []
-                    t_mark, tok_mark = time.perf_counter(), self.tokens_seen
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
-                    t_train += time.perf_counter() - t_mark
-                    if self.env.is_main:
-                        result.valid = self._log_validation(sink, progress)
-                    t_mark, tok_mark = time.perf_counter(), self.tokens_seen
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or done:
-                    t_train += time.perf_counter() - t_mark
-                    result.checkpoint = self.save_checkpoint()
-                    t_mark, tok_mark = time.perf_counter(), self.tokens_seen
+            with stop:
+                while self.step < cfg.steps and (stop_after is None or self.step < stop_after):
+                    if self._stop_agreed(stop):
+                        self._stop_on_signal(stop, result, progress)
+                        break
+                    self._one_step(result, sink, progress, clock)
         finally:
             progress.close()
             if sink is not None:
                 sink.close()
         result.step = self.step
-        result.wall_s = time.perf_counter() - t_start
+        result.wall_s = time.perf_counter() - clock.start
         n_trained = len(result.losses) * cfg.batch_size * self.T
-        result.tokens_per_s = n_trained / max(t_train, 1e-9) if t_train else 0.0
+        result.tokens_per_s = n_trained / max(clock.train_s, 1e-9) if clock.train_s else 0.0
         return result
+
+    def _one_step(self, result: TrainResult, sink: MetricsSink | None, progress: Progress,
+                  clock: "_Clock") -> None:
+        """One update, then the metrics, validation and checkpoint that fall due after it."""
+        cfg = self.cfg
+        rec = self.train_step()
+        result.losses[self.step] = rec["loss"]
+        clock.window.append(rec["loss"])
+        done = self.step == cfg.steps
+        if self.step % cfg.log_every == 0 or done:
+            self._log_train(rec, sink, progress, clock, force=done)
+        if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
+            clock.pause()
+            if self.env.is_main:
+                result.valid = self._log_validation(sink, progress)
+            valid_loss = self.env.broadcast_object(result.valid and result.valid["loss"])
+            if valid_loss is not None and not math.isfinite(valid_loss):
+                self._diverged(f"the validation loss became {valid_loss} at step {self.step}")
+            clock.resume(self.tokens_seen)
+        if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or done:
+            clock.pause()
+            result.checkpoint = self.save_checkpoint()
+            clock.resume(self.tokens_seen)
+
+    def _log_train(self, rec: dict[str, Any], sink: MetricsSink | None, progress: Progress,
+                   clock: "_Clock", force: bool) -> None:
+        now = time.perf_counter()
+        clock.train_s += now - clock.mark
+        tps = (self.tokens_seen - clock.tokens) / max(now - clock.mark, 1e-9)
+        mean_loss = sum(clock.window) / len(clock.window)
+        name, score = self._score_name(mean_loss)
+        if sink is not None:
+            record = {"kind": "train", "step": self.step, "tokens": self.tokens_seen,
+                      "loss": mean_loss, name: score, "lr": rec["lr"],
+                      "tokens_per_s": tps, "grad_norm": float(rec["grad_norm"]),
+                      "aux_loss": rec["aux_loss"]}
+            record.update({f"aux/{k}": float(v.detach()) for k, v in rec["losses"].items()})
+            record.update({f"stats/{k}": summarise_tensor(v) for k, v in rec["stats"].items()})
+            sink.write(record)
+        progress.update(self.step, {"loss": mean_loss, name: score, "lr": rec["lr"]}, tps,
+                        force=force)
+        clock.window = []
+        clock.resume(self.tokens_seen)
+
+    def _say(self, progress: Progress, text: str) -> None:
+        """A message that --quiet does not silence (on process 0)."""
+        if progress.enabled:
+            progress.message(text)
+        elif self.env.is_main:
+            print(text, file=self.stream, flush=True)
+
+    def _stop_agreed(self, stop: StopRequests) -> bool:
+        """Whether any process received a stop signal (all of them then stop at this step)."""
+        if not self.env.enabled:
+            return stop.requested is not None
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
+        return bool(self.env.all_reduce_mean_(flag).item() > 0)
+
+    def _stop_on_signal(self, stop: StopRequests, result: TrainResult,
+                        progress: Progress) -> None:
+        """Checkpoint the step just finished (unless it already is) and say how to resume.
+        A second signal while writing stops at once; the write is atomic."""
+        saved = self.last_checkpoint is not None and ckpt_io.step_of(self.last_checkpoint) == self.step
+        if self.step > 0 and not saved:
+            result.checkpoint = self.save_checkpoint()
+        result.interrupted = stop.requested or "SIGINT"
+        result.exit_code = stop.exit_code
+        where = (f"checkpoint {self.last_checkpoint} holds step {self.step}"
+                 if self.last_checkpoint else "no step had finished, nothing was saved")
+        self._say(progress, f"stopped by {result.interrupted} after step {self.step} of "
+                         f"{self.cfg.steps}: {where}; resume with: moeify train --resume "
+                         f"{self.run_dir}")
 
     def _log_validation(self, sink: MetricsSink | None, progress: Progress) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -445,6 +588,7 @@ class Trainer:
                 f"run directory {self.run_dir}")
 
     def close(self) -> None:
+        self.lock.release()
         self.env.close()
 
 
