@@ -157,7 +157,7 @@ def test_nan_loss_stops_and_leaves_the_last_checkpoint_intact(env):
     weights = {k: v.clone() for k, v in tr.model.state_dict().items()}
     with torch.no_grad():
         tr.model.output.bias[3] = float("nan")
-    with pytest.raises(NonFiniteLoss, match=r"nan.*step 3.*step-00000002 is untouched"):
+    with pytest.raises(NonFiniteLoss, match=r"nan.*step 3.*step-00000002 is intact"):
         tr.fit()
     assert [p.name for p in ck.checkpoint_dirs(tmp / "run")] == ["step-00000002"]
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
@@ -183,7 +183,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
         real_save(state, path)
 
     monkeypatch.setattr(ck, "_save_state", dies_on_second_save)
-    with pytest.raises(MoeifyError, match="step 4.*previous checkpoint is intact"):
+    with pytest.raises(MoeifyError, match="step 4.*last good checkpoint .*step-00000002 is intact"):
         train(cfg, tmp / "run", quiet=True)
     monkeypatch.undo()
     assert ck.latest_checkpoint(tmp / "run").name == "step-00000002"
