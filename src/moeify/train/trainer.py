@@ -163,6 +163,10 @@ class Trainer:
                         ckpt_io.sweep_stale(self.run_dir / ckpt_io.CHECKPOINTS)
                 except MoeifyError as e:
                     error = str(e)
+                except OSError as e:  # e.g. a read-only file system
+                    from moeify.errors import describe_os_error
+
+                    error = f"cannot use the run directory: {describe_os_error(e)}"
         error = self.env.broadcast_object(error)
         if error is not None:
             raise MoeifyError(error)
@@ -379,17 +383,25 @@ class Trainer:
         it is set aside (checkpoints/diverged-step-N) and ``latest`` moves back."""
         aside = ""
         last = self.last_checkpoint
-        if last is not None and ckpt_io.step_of(last) == self.step:
-            self.last_checkpoint = None
-            if self.env.is_main:
-                moved = ckpt_io.set_aside(last)
-                aside = (f" Checkpoint {last.name} holds these weights, so it was set aside as "
-                         f"{moved}.")
-                found = ckpt_io.latest_checkpoint(self.run_dir)
-                self.last_checkpoint = found
+        if self.env.is_main and last is not None and self._holds_current_weights(last):
+            moved = ckpt_io.set_aside(last)
+            aside = f" Checkpoint {last.name} holds these weights, so it was set aside as {moved}."
+            self.last_checkpoint = ckpt_io.latest_checkpoint(self.run_dir)
         raise NonFiniteLoss(f"{what}. Lower the learning rate (lr={self.cfg.lr}) or grad_clip, "
                             f"or train in fp32 (amp=fp32).{aside} "
                             + self._last_good(resume_hint=False))
+
+    def _holds_current_weights(self, ckpt: Path) -> bool:
+        """Whether checkpoint ``ckpt`` is of this step and holds exactly the model's weights."""
+        if ckpt_io.step_of(ckpt) != self.step:
+            return False
+        try:
+            saved = ckpt_io.load_checkpoint(ckpt).model_state
+        except MoeifyError:
+            return False
+        now = self.model.state_dict()
+        return saved.keys() == now.keys() and all(
+            torch.equal(saved[k], v.detach().cpu()) for k, v in now.items())
 
     def _last_good(self, resume_hint: bool = True) -> str:
         if self.last_checkpoint is None:
