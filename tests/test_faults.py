@@ -164,6 +164,32 @@ def test_full_disk_is_one_line_and_leaves_no_partial_directory(corpus, tmp_path,
     assert ck.latest_checkpoint(run).name == "step-00000004"
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 450 KB tmpfs (room for one tiny checkpoint, not two), where the test may mount one."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=450k", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); the full disk is also simulated "
+                    "by test_full_disk_is_one_line_and_leaves_no_partial_directory")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_really_full_disk(corpus, tmp_path, capsys, small_tmpfs):
+    run = small_tmpfs / "r"
+    assert train(corpus, run, "--set", "checkpoint_every=2", steps=4) == 2
+    msg = one_line_error(capsys)
+    assert "the disk is full" in msg and "step-00000002 is intact" in msg
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002"]
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_tmpfs)], check=True)
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert ck.load_checkpoint(run).step == 4
+
+
 def test_stale_temporaries_of_dead_processes_are_swept_and_live_ones_kept(corpus, tmp_path):
     run = tmp_path / "r"
     assert train(corpus, run, steps=2) == 0

@@ -104,7 +104,7 @@ def read_jsonl(path: str | Path) -> list[Any]:
     """The records of a JSON-lines file written one line at a time (metrics.jsonl): a line that
     does not parse, such as a last line torn by a crash, is skipped."""
     out = []
-    for line in read_utf8(path).splitlines():
+    for line in read_utf8(path).split("\n"):
         try:
             out.append(json.loads(line))
         except ValueError:

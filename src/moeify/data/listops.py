@@ -210,7 +210,7 @@ def load_examples(corpus_or_path, split: str = "valid", *,
     path = Path(corpus_or_path) if isinstance(corpus_or_path, (str, Path)) \
         else corpus_or_path.path(split)
     out = []
-    for line in read_utf8(path).splitlines():
+    for line in read_utf8(path).split("\n"):
         if line.strip():
             out.append(parse_line(line))
             if limit is not None and len(out) >= limit:

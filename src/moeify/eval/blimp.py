@@ -38,7 +38,7 @@ def load_blimp(path: str | Path | None = None, *,
     pairs: list[BlimpPair] = []
     for f in files:
         n = 0
-        for lineno, line in enumerate(read_utf8(f).splitlines(), 1):
+        for lineno, line in enumerate(read_utf8(f).split("\n"), 1):
             if not line.strip():
                 continue
             try:

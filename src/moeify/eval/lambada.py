@@ -29,7 +29,7 @@ def load_lambada(path: str | Path | None = None, *, limit: int | None = None) ->
     if p.is_dir():
         p = p / "lambada_test.jsonl"
     texts: list[str] = []
-    for lineno, line in enumerate(read_utf8(p).splitlines(), 1):
+    for lineno, line in enumerate(read_utf8(p).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -37,8 +37,8 @@ def load_lambada(path: str | Path | None = None, *, limit: int | None = None) ->
         except (ValueError, KeyError, TypeError) as e:
             raise MoeifyError(f"{p}:{lineno}: not a LAMBADA JSON line with a 'text' field "
                               f"({e!r})") from e
-            if limit is not None and len(texts) >= limit:
-                break
+        if limit is not None and len(texts) >= limit:
+            break
     if not texts:
         raise MoeifyError(f"{p} holds no passages")
     return texts
