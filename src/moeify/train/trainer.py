@@ -495,6 +495,10 @@ class Trainer:
                         self._stop_on_signal(stop, result, progress)
                         break
                     self._one_step(result, sink, progress, clock)
+        except KeyboardInterrupt:  # a second signal (or Ctrl-C with no handler installed)
+            self._say(progress, f"stopped at once after step {self.step}; nothing "
+                      f"half-written was kept. {self._last_good()}")
+            raise
         finally:
             progress.close()
             if sink is not None:
