@@ -118,7 +118,8 @@ def cbt_accuracy(logits_fn: LogitsFn, tokenizer, examples: Mapping[str, Sequence
                  batch_size: int = 16, max_len: int | None = None) -> dict:
     """``accuracy`` (mean over the groups given), ``groups`` {group: acc}, ``n`` examples."""
     if not examples:
-        raise ValueError("CBT scoring needs at least one group of examples; the CBT files hold none")
+        raise ValueError("CBT scoring needs at least one group of examples; the CBT files hold "
+                         "none")
     groups = {}
     n_total = 0
     for g, exs in examples.items():

@@ -570,7 +570,8 @@ class Trainer:
                         progress: Progress) -> None:
         """Checkpoint the step just finished (unless it already is) and say how to resume.
         A second signal while writing stops at once; the write is atomic."""
-        saved = self.last_checkpoint is not None and ckpt_io.step_of(self.last_checkpoint) == self.step
+        last = self.last_checkpoint
+        saved = last is not None and ckpt_io.step_of(last) == self.step
         if self.step > 0 and not saved:
             result.checkpoint = self.save_checkpoint()
         result.interrupted = stop.requested or "SIGINT"
