@@ -27,7 +27,7 @@ TINY = ["--set", "tokenizer=byte256", "--set", "model.d_model=16", "--set", "mod
         "--set", "model.context_length=16", "--set", "model.feedforward.d_ff=32",
         "--set", "batch_size=2", "--set", "warmup_steps=0", "--set", "eval_tokens=64",
         "--set", "eval_batch_size=2", "--set", "eval_every=0", "--quiet"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -288,14 +288,15 @@ def test_plot_out_naming_a_directory(corpus, tmp_path, capsys):
     assert "d.png: it is a directory: give a file path instead" in one_line_error(capsys, "plot")
 
 
-def test_count_accepts_a_run_directory(corpus, tmp_path, capsys):
+def test_count_of_a_run_directory(corpus, tmp_path, capsys):
     run = tmp_path / "r"
     assert train(corpus, run, steps=1) == 0
     capsys.readouterr()
-    assert main(["count", "--config", str(run), "--json"]) == 0
+    assert main(["count", "--run", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["params"] > 0
-    assert main(["count", "--config", str(tmp_path)]) == 2
-    assert "without a model.json" in one_line_error(capsys, "count")
+    assert main(["count", "--config", str(run)]) == 2  # the help names --run for this
+    assert f"is a directory: for a run directory use --run {run}" in one_line_error(capsys,
+                                                                                      "count")
 
 
 @pytest.mark.parametrize("argv", [["demo", "--rows", "0"], ["demo", "--k", "0"],
