@@ -90,10 +90,10 @@ def register(sub) -> None:
     ge.add_argument("--preset", action="append", metavar="NAME",
                     help="preset to include (repeatable; default: the WT103 47M dense, "
                     "SwitchHead and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
-    ge.add_argument("--context", action="append", type=positive_int, metavar="C",
+    ge.add_argument("--context", action="append", type=int, metavar="C",
                     help="tokens in the cache when decoding starts (repeatable; default 512, "
                     "1024, 2048, 4096)")
-    ge.add_argument("--batch", action="append", type=positive_int, metavar="B",
+    ge.add_argument("--batch", action="append", type=int, metavar="B",
                     help="sequences decoded together (repeatable; default 1 and 8)")
     ge.add_argument("--tokens", type=positive_int, default=8, help="timed decode steps per cell")
     _common(ge, memory=False, device=False, repeats=False)
