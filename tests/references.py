@@ -8,6 +8,10 @@ against. There is one copy of each, so a fix to a reference reaches every test t
 - Transformer-XL relative positions (Dai et al. 2019; spec §2): the sinusoid of every pairwise
   distance p_i - p_j, with a sin block followed by a cos block, projected by W and dotted with
   the query one pair at a time. There is no relative shift and no identity trick.
+- Routed two-layer experts (sigma-MoE, Switch; moe-family.md): each token's output is the
+  gate-weighted sum over its chosen experts of act(x · W_in,e + b_in,e) · W_out,e, plus an
+  ungated output bias, one (token, choice) pair at a time. GELU (tanh) is written out from its
+  formula 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))) (Hendrycks & Gimpel 2016).
 - Default positions (spec §1, XL memory): queries are the last T of the S sources
   [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
 
@@ -107,11 +111,24 @@ def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=Non
     return (torch.softmax(logits, -1) @ v_BHSC) * nonempty
 
 
-def ref_expert_mlp(x, idx, w1, w2, gates):
+REF_ACTIVATIONS = {
+    "relu": lambda h: torch.clamp(h, min=0),
+    "gelu_tanh": lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5
+                                                      * (h + 0.044715 * h ** 3))),
+}
+
+
+def ref_expert_mlp(x, idx, w1, w2, gates, activation="relu", b1=None, b2=None):
     """The expert MLP's definition (sigma-MoE, Switch), one (row, expert) pair at a time:
-    y[m] = Σ_k gates[m, k] · ReLU(x[m] @ w1[e]) @ w2[e] with e = idx[m, k]."""
+    y[m] = Σ_k gates[m, k] · act(x[m] @ w1[e] (+ b1[e])) @ w2[e] (+ b2) with e = idx[m, k]."""
+    act = REF_ACTIVATIONS[activation]
     M, K = idx.shape
-    rows = [sum(gates[m, k].to(x.dtype) * (torch.relu(x[m] @ w1[int(idx[m, k])])
-                                           @ w2[int(idx[m, k])]) for k in range(K))
-            for m in range(M)]
+    rows = []
+    for m in range(M):
+        y = x.new_zeros(w2.shape[-1])
+        for k in range(K):
+            e = int(idx[m, k])
+            h = x[m] @ w1[e]
+            y = y + gates[m, k].to(x.dtype) * (act(h if b1 is None else h + b1[e]) @ w2[e])
+        rows.append(y if b2 is None else y + b2)
     return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from moeify.layers.sigma_moe import SigmaMoE, SigmaMoEConfig
+from references import ref_expert_mlp
 
 IMPLS = ["reference", "gather", "segment", "auto"]
 
@@ -37,10 +38,10 @@ def _params(m):
     return [m.w_sel_ED, m.keys_EDG, m.values_EGD]
 
 
-def _compare(m, x_BTD, y_ref_fn):
+def _compare(m, x_BTD, y_ref_fn, params=_params):
     x = x_BTD.clone().requires_grad_()
     y, _ = m(x)
-    refs = [p.detach().clone().requires_grad_() for p in _params(m)]
+    refs = [p.detach().clone().requires_grad_() for p in params(m)]
     xr = x_BTD.clone().requires_grad_()
     y_ref = y_ref_fn(xr.reshape(-1, xr.shape[-1]), *refs).view_as(y)
     torch.testing.assert_close(y, y_ref)
@@ -48,7 +49,7 @@ def _compare(m, x_BTD, y_ref_fn):
     (y * g).sum().backward()
     (y_ref * g).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad)
-    for p, r in zip(_params(m), refs):
+    for p, r in zip(params(m), refs):
         torch.testing.assert_close(p.grad, r.grad)
 
 
@@ -72,6 +73,25 @@ def test_matches_dense_einsum_transcription(impl, E, k):
                        expert_impl=impl).build().double()
     x = torch.randn(3, 4, 7, dtype=torch.float64)
     _compare(m, x, lambda x_MD, w, kk, v: _dense_sigma_moe(x_MD, w, kk, v, k))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
+    torch.manual_seed(2)
+    k = 2
+    m = SigmaMoEConfig(d_model=7, n_experts=5, expert_size=3, k=k, bias=True,
+                       activation=activation, expert_impl=impl).build().double()
+    with torch.no_grad():  # non-zero biases, so that a misplaced one shows
+        m.bias_EG.normal_()
+        m.bias_D.normal_()
+
+    def ref(x_MD, w_sel, keys, values, b_in, b_out):
+        gates_MK, idx_MK = _sigmoid32(x_MD, w_sel).topk(k, -1)
+        return ref_expert_mlp(x_MD, idx_MK, keys, values, gates_MK, activation, b_in, b_out)
+
+    _compare(m, torch.randn(3, 4, 7, dtype=torch.float64), ref,
+             params=lambda m: _params(m) + [m.bias_EG, m.bias_D])
 
 
 def test_float32_and_grouped_request_fall_back_correctly():
@@ -208,6 +228,7 @@ def test_router_runs_in_float32_under_autocast():
     (dict(expert_size=0), "expert_size"), (dict(entropy_coef=-1.0), "entropy_coef"),
     (dict(expert_dropout=1.0), "expert_dropout"), (dict(dropout=-0.5), "dropout"),
     (dict(expert_impl="fast"), "expert_impl"), (dict(n_layers=0), "n_layers"),
+    (dict(activation="tanh"), "activation must be one of"),
     (dict(expert_impl="sets"), "expert_impl"),  # sets: experts routed in groups (SwitchHead)
 ])
 def test_config_validation(bad, match):

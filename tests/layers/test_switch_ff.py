@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moeify.layers.switch_ff import SwitchFeedForward, SwitchFFConfig
+from references import ref_expert_mlp
 
 
 def _probs32(x_MD, w_RD):
@@ -86,6 +87,34 @@ def test_dropless_matches_dense_transcription(impl, k):
     m = SwitchFFConfig(d_model=6, d_ff=5, n_experts=4, k=k, dropless=True,
                        expert_impl=impl).build().double()
     _check_against_dense(m, torch.randn(2, 5, 6, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("impl", ["reference", "gather", "segment", "auto"])
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
+    torch.manual_seed(4)
+    k = 2
+    m = SwitchFFConfig(d_model=6, d_ff=5, n_experts=4, k=k, dropless=True, bias=True,
+                       activation=activation, expert_impl=impl).build().double()
+    with torch.no_grad():  # non-zero biases, so that a misplaced one shows
+        m.bias_EF.normal_()
+        m.bias_D.normal_()
+    params = [m.w_router_RD, m.w_in_EDF, m.w_out_EFD, m.bias_EF, m.bias_D]
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    y, _ = m(x)
+    refs = [p.detach().clone().requires_grad_() for p in params]
+    xr = x.detach().clone().requires_grad_()
+    xr_MD = xr.reshape(-1, 6)
+    gates_MK, idx_MK = _probs32(xr_MD, refs[0]).topk(k, -1)
+    y_ref = ref_expert_mlp(xr_MD, idx_MK, *refs[1:3], gates_MK, activation,
+                           *refs[3:]).view_as(y)
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p.grad, r.grad)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -288,6 +317,7 @@ def test_init_is_a_tenth_of_the_usual_scale():
     (dict(balance_coef=-0.1), "balance_coef"), (dict(z_coef=-1.0), "z_coef"),
     (dict(expert_dropout=1.5), "expert_dropout"), (dict(noop_experts=-1), "noop_experts"),
     (dict(expert_impl="cuda"), "expert_impl"), (dict(d_ff=0), "d_ff"),
+    (dict(activation="tanh"), "activation must be one of"),
 ])
 def test_config_validation(bad, match):
     kw = dict(d_model=4, d_ff=4, n_experts=3) | bad

@@ -140,3 +140,17 @@ def test_hidden_biases_match_the_definition():
     g = torch.randn_like(ref)
     for a, b in zip(grads(y, (x, w1, w2, gates, b1), g), grads(ref, (x, w1, w2, gates, b1), g)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("impl", ["segment", "padded", "auto", "reference"])
+def test_another_activation_matches_the_definition(impl):
+    import torch.nn.functional as F
+
+    x, idx, w1, w2, gates = routed(20, 2, 3, 4, 5)
+    y = expert_mlp(x, idx, w1, w2, gates, impl=impl,
+                   activation=lambda h: F.gelu(h, approximate="tanh"))
+    ref = ref_expert_mlp(x, idx, w1, w2, gates, "gelu_tanh")
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(ref)
+    for a, b in zip(grads(y, (x, w1, w2, gates), g), grads(ref, (x, w1, w2, gates), g)):
+        torch.testing.assert_close(a, b)

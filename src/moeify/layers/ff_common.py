@@ -1,4 +1,8 @@
-"""The router statistics every MoE feedforward reports besides its RoutingStats record.
+"""What the feedforward layers share: the hidden activations, and the router statistics every MoE
+feedforward reports besides its RoutingStats record.
+
+Activations: "relu" (the papers' MoE experts and dense baseline), "gelu_tanh" (GPT-2's gelu_new:
+the tanh approximation of GELU), "gelu" (exact erf), "silu" (Swish with beta 1, SwiGLU's).
 
 Shape legend: M tokens (rows), E experts (router outputs).
 """
@@ -6,8 +10,29 @@ Shape legend: M tokens (rows), E experts (router outputs).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from moeify.ops.aux_losses import router_entropy
+
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def expert_activation(name: str):
+    """The ``activation`` argument of moeify.ops.expert_mlp: None for ReLU (its fused path),
+    else the function."""
+    return None if name == "relu" else ACTIVATIONS[name]
+
+
+def check_activation(cfg) -> None:
+    """A one-line error unless ``cfg.activation`` names one of ACTIVATIONS."""
+    if cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"{type(cfg).__name__}.activation must be one of "
+                         f"{', '.join(ACTIVATIONS)}, got {cfg.activation!r}")
 
 
 @torch.no_grad()

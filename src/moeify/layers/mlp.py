@@ -4,8 +4,8 @@ activation (GPT-2) and the gated SwiGLU MLP (Llama, Mistral, Qwen2).
     MLP:    W2 · Drop(act(W1 · x + b1)) + b2                     GPT-2 (Radford et al. 2019)
     Gated:  W_down · Drop(act(W_gate · x) ⊙ (W_up · x))           SwiGLU (Shazeer 2020, Eq. 6)
 
-Activations: "gelu_tanh" (GPT-2's gelu_new: the tanh approximation of GELU), "gelu" (exact erf),
-"relu", "silu" (Swish with beta 1, SwiGLU's). Both layers have the feedforward interface of
+Activations: moeify.layers.ff_common.ACTIVATIONS ("gelu_tanh", GPT-2's gelu_new; "gelu";
+"relu"; "silu", SwiGLU's). Both layers have the feedforward interface of
 docs/interfaces.md: ``y_BTD, aux = ff(x_BTD, *, valid_BT=None)``; nothing is routed, so the Aux
 is empty. Weights are nn.Linear ([out, in]); initialisation as the dense baseline (trunc-normal,
 std sqrt(2 / (L · fan_in)), switchhead.md §3), biases zero.
@@ -18,26 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.common import (Aux, check_positive, check_probability, check_token_input,
                                   init_scale, trunc_normal_)
-
-ACTIVATIONS = {
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-}
+from moeify.layers.ff_common import ACTIVATIONS, check_activation
 
 
 def _check(cfg) -> None:
     check_positive(cfg, "d_model", "d_ff", "n_layers")
     check_probability(cfg, "dropout")
-    if cfg.activation not in ACTIVATIONS:
-        raise ValueError(f"{type(cfg).__name__}.activation must be one of "
-                         f"{', '.join(ACTIVATIONS)}, got {cfg.activation!r}")
+    check_activation(cfg)
 
 
 def _init(layer: nn.Module, n_layers: int) -> None:

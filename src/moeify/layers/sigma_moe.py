@@ -8,6 +8,9 @@ A two-layer ReLU MLP of hidden size E·G cut into E experts of G hidden units ea
     sel = top-k of s                                (indices carry no gradient)
     y   = sum over e in sel of  s_e · ReLU(x · K_e) · V_e          no biases
 
+(``bias`` and ``activation`` generalise the expert to act(x · K_e + b_e) · V_e, plus an ungated
+output bias: the form of a dense MLP with biases and another activation, for upcycling.)
+
 Regulariser (coefficient gamma = ``entropy_coef``, returned as the aux loss "entropy"): minus the
 entropy of the batch-averaged softmax of the selection logits; routing itself stays sigmoid.
 
@@ -35,7 +38,7 @@ from moeify.layers.common import (
     routing_record,
     renorm_rows_,
 )
-from moeify.layers.ff_common import routing_stats
+from moeify.layers.ff_common import check_activation, expert_activation, routing_stats
 from moeify.ops.aux_losses import batch_entropy_loss
 from moeify.ops.expert_matmul import make_plan
 from moeify.ops.expert_mlp import expert_mlp
@@ -54,7 +57,14 @@ class SigmaMoEConfig:
     dropout:        dropout on the expert hidden activations (the authors' layer has this
                     option); 0 in every published sigma-MoE run, hence the default.
     n_layers:       model depth L for the init scale s = sqrt(2 / L).
-    expert_impl:    the moeify.ops.expert_matmul implementation ("auto" picks per device)."""
+    expert_impl:    the moeify.ops.expert_matmul implementation ("auto" picks per device).
+    bias:           a hidden bias per expert ``bias_EG`` [E, G] and one ungated output bias
+                    ``bias_D`` [D] (zero-initialised); the paper's layer has none. A dense MLP
+                    with biases needs them to be split exactly into its experts
+                    (moeify.models.upcycle).
+    activation:     the experts' hidden activation, one of moeify.layers.ff_common.ACTIVATIONS:
+                    "relu" is the paper's; "gelu_tanh" / "gelu" / "silu" hold experts split
+                    from a dense MLP with that activation (GPT-2's is "gelu_tanh")."""
 
     d_model: int
     n_experts: int
@@ -66,9 +76,11 @@ class SigmaMoEConfig:
     n_layers: int = 1
     expert_impl: str = "auto"
     bias: bool = False
+    activation: str = "relu"
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_experts", "expert_size", "n_layers")
+        check_activation(self)
         if not isinstance(self.bias, bool):
             raise ValueError(f"SigmaMoEConfig.bias must be True or False, got {self.bias!r}")
         if not 1 <= self.k <= self.n_experts:
@@ -144,7 +156,8 @@ class SigmaMoE(nn.Module):
         y_MD = expert_mlp(x_MD, idx_MK, self.keys_EDG, self.values_EGD, gates_MK,
                           impl=c.expert_impl, plan=make_plan(idx_MK, c.n_experts),
                           dropout=c.dropout, training=self.training,
-                          bias_EG=self.bias_EG if c.bias else None)
+                          bias_EG=self.bias_EG if c.bias else None,
+                          activation=expert_activation(c.activation))
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)

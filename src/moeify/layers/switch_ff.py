@@ -7,6 +7,9 @@ Per token (moe-family.md, Switch):
     top-k of p (k = 1 in the paper)      choices ordered best first
     y = sum over kept choices i of  p_i · W_out,i · ReLU(W_in,i · x)      (T5-style, no biases)
 
+(``bias`` and ``activation`` generalise the expert to W_out,i · act(W_in,i · x + b_i), plus an
+ungated output bias: the form of a dense MLP with biases and another activation, for upcycling.)
+
 Capacity: each expert takes at most ceil(M · k / (E + Z) · capacity_factor) (token, choice) pairs
 of the batch (M = B·T rows, padding included in M so that shapes stay static; padding itself
 takes no capacity). Priority is by position: all first choices before any second choice, and
@@ -57,7 +60,7 @@ from moeify.layers.common import (
     routing_record,
     trunc_normal_,
 )
-from moeify.layers.ff_common import routing_stats
+from moeify.layers.ff_common import check_activation, expert_activation, routing_stats
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
 from moeify.ops.expert_matmul import make_plan
 from moeify.ops.expert_mlp import expert_mlp
@@ -76,6 +79,9 @@ class SwitchFFConfig:
                     [D] added to every token, ungated, also to dropped ones (zero-initialised).
                     T5-style Switch has none; a dense MLP with biases needs them to be copied
                     exactly into its experts (moeify.models.upcycle).
+    activation:     the experts' hidden activation, one of moeify.layers.ff_common.ACTIVATIONS:
+                    "relu" is the paper's (T5's); "gelu_tanh" / "gelu" / "silu" hold copies
+                    of a dense MLP with that activation (GPT-2's is "gelu_tanh").
     The initialisation is the Switch paper's 0.1x scale, std sqrt(0.1 / fan_in), which does not
     depend on the model depth."""
 
@@ -92,9 +98,11 @@ class SwitchFFConfig:
     noop_experts: int = 0
     expert_impl: str = "auto"
     bias: bool = False
+    activation: str = "relu"
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
+        check_activation(self)
         if not isinstance(self.bias, bool):
             raise ValueError(f"SwitchFFConfig.bias must be True or False, got {self.bias!r}")
         if self.noop_experts < 0:
@@ -242,4 +250,5 @@ class SwitchFeedForward(nn.Module):
         return expert_mlp(x_RD, ids_RK, self.w_in_EDF, self.w_out_EFD, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
                           dropout=c.expert_dropout, training=self.training,
-                          bias_EG=self.bias_EF if c.bias else None)
+                          bias_EG=self.bias_EF if c.bias else None,
+                          activation=expert_activation(c.activation))

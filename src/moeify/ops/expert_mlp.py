@@ -119,14 +119,15 @@ class _ExpertMLP(torch.autograd.Function):
 
 
 def _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, impl, plan, dropout, training,
-               bias_EG=None):
-    """The two expert matmuls as written (the reference, and the path with hidden dropout or
-    hidden biases)."""
+               bias_EG=None, activation=None):
+    """The two expert matmuls as written (the reference, and the path with hidden dropout,
+    hidden biases or an activation other than ReLU)."""
     M, K = idx_MK.shape
     h_MKG = expert_matmul(x_MD, idx_MK, w1_EDG, impl=impl, plan=plan)
     if bias_EG is not None:
         h_MKG = h_MKG + bias_EG[idx_MK].to(h_MKG.dtype)
-    h_NG = F.dropout(F.relu(h_MKG), dropout, training).reshape(M * K, w1_EDG.shape[-1])
+    act = F.relu if activation is None else activation
+    h_NG = F.dropout(act(h_MKG), dropout, training).reshape(M * K, w1_EDG.shape[-1])
     return expert_matmul(h_NG, idx_MK.reshape(M * K, 1), w2_EGD, gates_MK.reshape(M * K, 1),
                          sum_rows=K, impl=impl, plan=plan)
 
@@ -134,12 +135,15 @@ def _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, impl, plan, dropout, trai
 def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
                w2_EGD: torch.Tensor, gates_MK: torch.Tensor, *, impl: str = "auto",
                plan: ExpertPlan | None = None, dropout: float = 0.0,
-               training: bool = False, bias_EG: torch.Tensor | None = None) -> torch.Tensor:
+               training: bool = False, bias_EG: torch.Tensor | None = None,
+               activation=None) -> torch.Tensor:
     """y[m] = Σ_k gates[m, k] · Drop(ReLU(x[m] @ w1[e])) @ w2[e], e = idx[m, k]: [M, D] (module
     docstring). ``impl`` as for expert_matmul (``choose_impl`` decides "auto"); ``plan`` from
     ``make_plan(idx_MK, E)``. Dropout on the hidden units (when ``training``) takes the
     composite path of two expert matmuls, as do hidden biases ``bias_EG`` [E, G] (added to
-    x @ w1[e] before the ReLU; the upcycled models' experts)."""
+    x @ w1[e] before the ReLU; the upcycled models' experts) and an ``activation`` other than
+    ReLU (None; an elementwise function such as GELU in place of the ReLU, for experts upcycled
+    from a GELU MLP)."""
     dev = x_MD.device.type
     if torch.is_autocast_enabled(dev):
         # A custom autograd Function is invisible to autocast: apply its matmul policy here.
@@ -154,9 +158,10 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
     if plan is None and impl not in ("reference", "gather"):
         plan = make_plan(idx_MK, E)
     kind = choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True)
-    if kind not in FUSED or M == 0 or (training and dropout > 0) or bias_EG is not None:
+    if (kind not in FUSED or M == 0 or (training and dropout > 0) or bias_EG is not None
+            or activation is not None):
         return _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, kind, plan, dropout, training,
-                          bias_EG)
+                          bias_EG, activation)
     if plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w1 has {E} experts")
