@@ -18,8 +18,7 @@ from moeify.cli.main import main
 from moeify.layers.attention import DenseAttention
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.moa import MoAAttention
-from moeify.layers.sigma_moe import SigmaMoE, SigmaMoEConfig
-from moeify.layers.switch_ff import SwitchFeedForward, SwitchFFConfig
+from moeify.layers.sigma_moe import SigmaMoE
 from moeify.layers.switchhead import SwitchHeadAttention
 from moeify.models.cost import count_module_parameters, model_cost, moa_cost, switchhead_cost
 from moeify.models.upcycle import Spec, parse_spec, upcycle
@@ -204,41 +203,6 @@ def test_params_and_attention_macs_equal_the_cost_formulas(runs):
 
 # ------------------------------------------------------------------------- layers and helpers
 
-@pytest.mark.parametrize("cls,cfg", [
-    (SigmaMoE, SigmaMoEConfig(d_model=8, n_experts=3, expert_size=4, k=2, bias=True)),
-    (SwitchFeedForward, SwitchFFConfig(d_model=8, d_ff=6, n_experts=3, k=2, bias=True,
-                                       dropless=True)),
-])
-def test_expert_feedforward_biases_against_a_naive_loop(cls, cfg):
-    torch.manual_seed(0)
-    layer = cls(cfg).double()
-    names = {"SigmaMoE": ("keys_EDG", "values_EGD", "w_sel_ED", "bias_EG"),
-             "SwitchFeedForward": ("w_in_EDF", "w_out_EFD", "w_router_RD", "bias_EF")}[cls.__name__]
-    w_in, w_out, w_r, b_in = (getattr(layer, n) for n in names)
-    with torch.no_grad():
-        b_in.normal_()
-        layer.bias_D.normal_()
-    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    y, _ = layer(x)
-    ref = torch.zeros_like(x)
-    logits = x @ w_r.t()
-    scores = torch.sigmoid(logits) if cls is SigmaMoE else torch.softmax(logits, -1)
-    top = scores.topk(cfg.k, -1).indices
-    for b in range(2):
-        for t in range(5):
-            out = layer.bias_D.clone()
-            for e in top[b, t].tolist():
-                h = torch.relu(x[b, t] @ w_in[e] + b_in[e])
-                out = out + scores[b, t, e] * (h @ w_out[e])
-            ref[b, t] = out
-    torch.testing.assert_close(y, ref)
-    gy = torch.randn_like(y)
-    g = torch.autograd.grad(y, (x, b_in, layer.bias_D), gy)
-    g_ref = torch.autograd.grad(ref, (x, b_in, layer.bias_D), gy)
-    for a, r in zip(g, g_ref):  # the router scores are float32 (ops/routing.py)
-        torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
-
-
 def test_balanced_clusters_is_a_permutation_of_equal_groups():
     w = torch.randn(24, 5)
     perm = balanced_clusters(w, 4, torch.Generator().manual_seed(0))
@@ -283,16 +247,45 @@ def test_an_moe_model_is_refused_as_the_source(runs):
         upcycle(up, attention="switchhead:E=2")
 
 
-def test_dense_components_the_conversions_do_not_take_are_named(runs):
-    """An imported checkpoint's GELU MLP cannot become ReLU experts; its attention still can."""
+def _with_feedforward(runs, ff_cfg):
+    """The trained XL model with its feedforwards replaced by ``ff_cfg`` layers (random weights,
+    non-zero biases), as an imported checkpoint has them."""
     import dataclasses
 
+    torch.manual_seed(5)
+    model = dataclasses.replace(runs["xl"].config, feedforward=(ff_cfg,)).build()
+    state = {k: v for k, v in runs["xl"].state_dict().items() if ".feedforward." not in k}
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".feedforward." in name and name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("spec", ["switch:E=3,k=2,router_scale=0", "sigma-moe:E=4,router_scale=0"])
+def test_an_imported_gelu_mlp_converts_exactly(runs, spec, bias):
+    """GPT-2's MLP (gelu_new, biases) as experts of the same activation: the exact conversions
+    reproduce the logits (feedforward.py)."""
     from moeify.layers.mlp import MLPConfig
 
-    cfg = runs["xl"].config
-    gelu = dataclasses.replace(cfg, feedforward=(MLPConfig(d_model=32, d_ff=64, n_layers=2),))
-    model = gelu.build()
-    with pytest.raises(ValueError, match=r"cannot convert layer 0 feedforward \(MLPConfig\)"):
+    model = _with_feedforward(runs, MLPConfig(d_model=32, d_ff=64, activation="gelu_tanh",
+                                              bias=bias, n_layers=2))
+    up = upcycle(model, feedforward=spec)
+    ff = up.blocks[0].feedforward
+    assert ff.config.activation == "gelu_tanh" and ff.config.bias is bias
+    torch.testing.assert_close(logits_of(up, runs["batch"]), logits_of(model, runs["batch"]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_dense_components_the_conversions_do_not_take_are_named(runs):
+    """A gated (SwiGLU) MLP cannot become two-matrix experts; its attention still converts."""
+    from moeify.layers.mlp import GatedMLPConfig
+
+    model = _with_feedforward(runs, GatedMLPConfig(d_model=32, d_ff=64, n_layers=2))
+    with pytest.raises(ValueError, match=r"cannot convert layer 0 feedforward \(GatedMLPConfig\)"
+                                         r": a gated \(SwiGLU\) MLP"):
         upcycle(model, feedforward="sigma-moe:E=4")
     up = upcycle(model, attention="switchhead:E=2")
     assert isinstance(up.blocks[0].attention, SwitchHeadAttention)

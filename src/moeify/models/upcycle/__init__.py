@@ -33,11 +33,12 @@ from torch import nn
 
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
+from moeify.layers.mlp import MLPConfig
 from moeify.models.config import ModelConfig
 from moeify.models.upcycle.attention import to_moa, to_switchhead
 from moeify.models.upcycle.common import Spec, parse_spec, positive_int, take_options
 from moeify.models.upcycle.depth import to_mod
-from moeify.models.upcycle.feedforward import to_sigma_moe, to_switch
+from moeify.models.upcycle.feedforward import GATED_MLP, to_sigma_moe, to_switch
 
 __all__ = ["Spec", "parse_spec", "upcycle", "upcycle_layers", "check_dense", "is_exact",
            "to_switchhead", "to_moa", "to_sigma_moe", "to_switch", "to_mod"]
@@ -64,22 +65,30 @@ DEPTH = {
 MOE_CONFIGS = ("SwitchHeadConfig", "MoAConfig", "SigmaMoEConfig", "SwitchFFConfig")
 
 
+# Dense components that no conversion takes, and why (named in the error).
+NOT_CONVERTED = {
+    "GatedMLPConfig": GATED_MLP,
+}
+
+
 def check_dense(config: ModelConfig, *, attention: bool = True, feedforward: bool = True) -> None:
     """Refuse a model that already has experts or depth routing (upcycling starts from a dense
-    one), and a layer to convert that is not of the kind the conversions take: the papers'
-    multi-head attention (DenseAttentionConfig) and ReLU MLP (DenseFFConfig). The dense
-    components of imported checkpoints (grouped-query attention, GELU or gated MLPs) are not
-    converted; they may stay as they are beside a converted part."""
-    for name, dense, convert in (("attention", DenseAttentionConfig, attention),
-                                 ("feedforward", DenseFFConfig, feedforward)):
+    one), and a layer to convert that is not of a kind the conversions take: the papers'
+    multi-head attention (DenseAttentionConfig), the papers' ReLU MLP (DenseFFConfig) and an
+    imported two-layer MLP (MLPConfig, e.g. GPT-2's GELU MLP). Other dense components (gated
+    MLPs...) are not converted; they may stay as they are beside a converted part."""
+    for name, dense, convert in (("attention", (DenseAttentionConfig,), attention),
+                                 ("feedforward", (DenseFFConfig, MLPConfig), feedforward)):
         for i, cfg in enumerate(getattr(config, f"{name}_layers")()):
             kind = type(cfg).__name__
             if kind in MOE_CONFIGS:
                 raise ValueError(f"the source is not a dense model: layer {i} {name} is {kind}; "
                                  "upcycle a dense model")
             if convert and not isinstance(cfg, dense):
-                raise ValueError(f"cannot convert layer {i} {name} ({kind}): the {name} "
-                                 f"conversions take {dense.__name__} layers only")
+                why = NOT_CONVERTED.get(kind, f"the {name} conversions take "
+                                        f"{' or '.join(d.__name__ for d in dense)} layers only")
+                raise ValueError(f"cannot convert layer {i} {name} ({kind}): {why}; leave the "
+                                 f"{name} dense (drop that conversion)")
     if any(d is not None for d in config.depth):
         raise ValueError("the source is not a dense model: it already has Mixture-of-Depths "
                          "blocks; upcycle a model without depth routing")

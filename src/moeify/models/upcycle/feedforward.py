@@ -1,6 +1,12 @@
 """Dense MLP -> expert feedforwards: sigma-MoE by splitting the hidden units, Switch by copying.
 
-Dense:     y = W2 · ReLU(W1 · x + b1) + b2                     (W1 [F, D], W2 [D, F])
+Dense:     y = W2 · act(W1 · x + b1) + b2                      (W1 [F, D], W2 [D, F])
+
+The dense MLP is the papers' ReLU MLP (DenseFFConfig) or an imported one (MLPConfig: GPT-2's
+GELU, tanh approximation, with biases; an MLP without biases gives experts without them). The
+experts take the same activation (``SigmaMoEConfig.activation`` / ``SwitchFFConfig.activation``),
+so everything stated below holds for every activation. A gated MLP (SwiGLU: Llama, Mistral,
+Qwen2) is refused: its experts would need a third matrix W_gate, which neither expert has.
 
 sigma-MoE (moe-family.md; sigma-MoE's experts are slices of one MLP): the F hidden units are
 permuted and cut into E experts of G = F / E units; expert e's keys are its units' rows of W1,
@@ -47,20 +53,32 @@ import torch.nn.functional as F
 
 from moeify.layers.common import init_scale
 from moeify.layers.feedforward import DenseFeedForward
+from moeify.layers.mlp import MLP, GatedMLP
 from moeify.layers.sigma_moe import SigmaMoE, SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFeedForward, SwitchFFConfig
 from moeify.models.upcycle.common import generator, normal_like, small_router
 
 SPLITS = ("cluster", "contiguous")
+GATED_MLP = ("a gated (SwiGLU) MLP's experts would need a third matrix (W_gate), which sigma-MoE "
+             "and Switch experts lack")
 SIGMA_ROUTERS = ("keys", "random")
 
 
-def _dense_weights(ff) -> tuple[torch.Tensor, ...]:
-    if not isinstance(ff, DenseFeedForward):
-        raise ValueError(f"only the dense ReLU MLP (DenseFFConfig) converts to experts, got "
-                         f"{type(ff).__name__}")
-    return (ff.w1.weight.detach().float(), ff.w1.bias.detach().float(),
-            ff.w2.weight.detach().float(), ff.w2.bias.detach().float())
+def _dense_weights(ff, kind: str) -> tuple:
+    """(config, W1 [F, D], b1 [F] | None, W2 [D, F], b2 [D] | None, activation) of a dense
+    two-layer MLP: the papers' ReLU MLP or an imported one (layers/mlp.py, e.g. GPT-2's GELU)."""
+    if isinstance(ff, GatedMLP):
+        raise ValueError(f"{kind}: {GATED_MLP}; leave the feedforward dense")
+    if not isinstance(ff, (DenseFeedForward, MLP)):
+        raise ValueError(f"{kind}: only a dense two-layer MLP (DenseFFConfig or MLPConfig) "
+                         f"converts to experts, got {type(ff).__name__}")
+    act = ff.config.activation if isinstance(ff, MLP) else "relu"
+
+    def get(t):
+        return None if t is None else t.detach().float()
+
+    return (ff.config, get(ff.w1.weight), get(ff.w1.bias), get(ff.w2.weight), get(ff.w2.bias),
+            act)
 
 
 def balanced_clusters(w_FD: torch.Tensor, n_clusters: int, gen: torch.Generator,
@@ -86,13 +104,12 @@ def balanced_clusters(w_FD: torch.Tensor, n_clusters: int, gen: torch.Generator,
     return torch.argsort(assign_F, stable=True)
 
 
-def to_sigma_moe(ff: DenseFeedForward, *, n_experts: int, k: int | None = None,
+def to_sigma_moe(ff: DenseFeedForward | MLP, *, n_experts: int, k: int | None = None,
                  split: str = "cluster", router: str = "keys", router_scale: float = 0.1,
                  entropy_coef: float = 1e-4, seed: int = 0) -> SigmaMoE:
     """The dense MLP as a sigma-MoE of ``n_experts`` slices, ``k`` (default all) per token.
     See the module docstring for what it preserves."""
-    w1, b1, w2, b2 = _dense_weights(ff)
-    c = ff.config
+    c, w1, b1, w2, b2, act = _dense_weights(ff, "sigma-moe")
     E, k = n_experts, n_experts if k is None else k
     if c.d_ff % E:
         raise ValueError(f"sigma-moe: the dense d_ff={c.d_ff} does not split into E={E} equal "
@@ -104,7 +121,8 @@ def to_sigma_moe(ff: DenseFeedForward, *, n_experts: int, k: int | None = None,
         raise ValueError(f"sigma-moe: router_scale must be >= 0, got {router_scale}")
     G = c.d_ff // E
     cfg = SigmaMoEConfig(d_model=c.d_model, n_experts=E, expert_size=G, k=k,
-                         entropy_coef=entropy_coef, n_layers=c.n_layers, bias=True)
+                         entropy_coef=entropy_coef, n_layers=c.n_layers, bias=b1 is not None,
+                         activation=act)
     gen = generator(seed)
     perm_F = balanced_clusters(w1, E, gen) if split == "cluster" else torch.arange(c.d_ff)
     keys_EDG = w1[perm_F].view(E, G, c.d_model).transpose(1, 2)
@@ -119,19 +137,19 @@ def to_sigma_moe(ff: DenseFeedForward, *, n_experts: int, k: int | None = None,
         # 1 / sigmoid(0) = 2: the gates start at about 1/2 (module docstring).
         moe.values_EGD.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
         moe.w_sel_ED.copy_(w_sel_ED)
-        moe.bias_EG.copy_(b1[perm_F].view(E, G))
-        moe.bias_D.copy_(b2)
+        if b1 is not None:
+            moe.bias_EG.copy_(b1[perm_F].view(E, G))
+            moe.bias_D.copy_(b2)
     return moe
 
 
-def to_switch(ff: DenseFeedForward, *, n_experts: int, k: int = 1, noise: float = 0.0,
+def to_switch(ff: DenseFeedForward | MLP, *, n_experts: int, k: int = 1, noise: float = 0.0,
               reinit: float = 0.0, router_scale: float = 0.01, capacity_factor: float = 1.25,
               eval_capacity_factor: float = 2.0, dropless: bool = True,
               seed: int = 0) -> SwitchFeedForward:
     """The dense MLP copied into ``n_experts`` Switch experts (top-``k`` softmax routing).
     See the module docstring for what it preserves."""
-    w1, b1, w2, b2 = _dense_weights(ff)
-    c = ff.config
+    c, w1, b1, w2, b2, act = _dense_weights(ff, "switch")
     E = n_experts
     if not 0.0 <= reinit <= 1.0 or noise < 0:
         raise ValueError(f"switch: reinit is a fraction in [0, 1] and noise >= 0, got "
@@ -140,11 +158,12 @@ def to_switch(ff: DenseFeedForward, *, n_experts: int, k: int = 1, noise: float 
         raise ValueError(f"switch: router_scale must be >= 0, got {router_scale}")
     cfg = SwitchFFConfig(d_model=c.d_model, d_ff=c.d_ff, n_experts=E, k=k,
                          capacity_factor=capacity_factor,
-                         eval_capacity_factor=eval_capacity_factor, dropless=dropless, bias=True)
+                         eval_capacity_factor=eval_capacity_factor, dropless=dropless,
+                         bias=b1 is not None, activation=act)
     gen = generator(seed)
     w_in_EDF = w1.t().expand(E, -1, -1).clone()
     w_out_EFD = w2.t().expand(E, -1, -1).clone()
-    b_in_EF = b1.expand(E, -1).clone()
+    b_in_EF = None if b1 is None else b1.expand(E, -1).clone()
     if noise > 0:
         for w, src in ((w_in_EDF, w1), (w_out_EFD, w2)):
             w += normal_like(w, noise * src.std().item(), gen)
@@ -155,7 +174,9 @@ def to_switch(ff: DenseFeedForward, *, n_experts: int, k: int = 1, noise: float 
                                           w1.mean().item())
         w_out_EFD[e][idx] = normal_like(w_out_EFD[e][idx], w2.std().item(), gen,
                                         w2.mean().item())
-        b_in_EF[e][idx] = normal_like(b_in_EF[e][idx], b1.std().item(), gen, b1.mean().item())
+        if b_in_EF is not None:
+            b_in_EF[e][idx] = normal_like(b_in_EF[e][idx], b1.std().item(), gen,
+                                          b1.mean().item())
     moe = SwitchFeedForward(cfg)
     with torch.no_grad():
         moe.w_in_EDF.copy_(w_in_EDF)
@@ -163,6 +184,7 @@ def to_switch(ff: DenseFeedForward, *, n_experts: int, k: int = 1, noise: float 
         moe.w_out_EFD.copy_(w_out_EFD * (E / k))
         moe.w_router_RD.copy_(small_router(tuple(moe.w_router_RD.shape),
                                            (0.1 / c.d_model) ** 0.5, router_scale, gen))
-        moe.bias_EF.copy_(b_in_EF)
-        moe.bias_D.copy_(b2)
+        if b_in_EF is not None:
+            moe.bias_EF.copy_(b_in_EF)
+            moe.bias_D.copy_(b2)
     return moe
