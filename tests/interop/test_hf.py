@@ -365,6 +365,61 @@ def test_import_and_export_refuse_a_used_output(imported, tmp_path, capsys):
     assert [p.name for p in used.iterdir()] == ["keep.txt"]
 
 
+UPCYCLE_CASES = {
+    "switch": ["--ff", "switch:E=2,k=1,router_scale=0"],
+    "sigma-moe+mod": ["--ff", "sigma-moe:E=4,router_scale=0",
+                      "--depth", "mod:blocks=1,capacity=1,router_scale=0"],
+}
+
+
+@pytest.mark.parametrize("case", list(UPCYCLE_CASES))
+def test_upcycle_an_imported_checkpoint_end_to_end(case, hf_dirs, tmp_path, monkeypatch):
+    """A transformers GPT-2 -> moeify import -> moeify upcycle (exact conversions: the imported
+    logits to 1e-5) -> train --resume (the loss falls) -> moeify export -> transformers gives
+    moeify's logits."""
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    hf_model, src = hf_dirs["gpt2"]
+    run, up, out = tmp_path / "run", tmp_path / "up", tmp_path / "hf"
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of a small corpus about cats and mats" for i in
+                              range(400)))
+    assert main(["import", "--hf", str(src), "--out", str(run)]) == 0
+    assert main(["upcycle", "--run", str(run), "--out", str(up), *UPCYCLE_CASES[case],
+                 "--data", str(text), "--set", "batch_size=4", "--set", "warmup_steps=0",
+                 "--set", "lr=3e-3", "--set", "eval_every=0", "--set", "eval_tokens=256",
+                 "--set", "eval_batch_size=2"]) == 0
+    ids, mask = _batch(7)
+    imported_model, upcycled = load_trained(run).model, load_trained(up)
+    with torch.no_grad():
+        want = imported_model(ids, valid_BT=mask.bool()).logits
+        got = upcycled.model(ids, valid_BT=mask.bool()).logits
+        assert (got - hf_model(ids, attention_mask=mask).logits)[mask.bool()].abs().max() < 1e-4
+    assert type(upcycled.model.blocks[0].feedforward).__name__ in ("SwitchFeedForward",
+                                                                    "SigmaMoE")
+    diff = (got - want)[mask.bool()].abs().max().item()
+    MAX_DIFF[f"upcycle {case}"] = diff
+    assert diff < 1e-5, diff
+
+    train_ids = torch.tensor(upcycled.tokenizer.encode(text.read_text())[:4 * 33]).view(4, 33)
+
+    def loss(model):
+        with torch.no_grad():
+            return model(train_ids[:, :-1], train_ids[:, 1:]).loss.item()
+
+    before = loss(upcycled.model)
+    assert main(["train", "--resume", str(up), "--steps", "6", "--quiet"]) == 0
+    trained = load_trained(up)
+    assert trained.checkpoint.step == 6
+    assert loss(trained.model) < before - 0.1, (before, loss(trained.model))
+
+    assert main(["export", "--run", str(up), "--out", str(out)]) == 0
+    hf_back = load_exported(out)
+    with torch.no_grad():
+        diff = (hf_back(ids, use_cache=False).logits - trained.model(ids).logits).abs().max()
+    MAX_DIFF[f"upcycle {case} export"] = diff.item()
+    assert diff < 1e-5, diff
+
+
 def test_report_measured_differences():
     """Prints the largest logit differences measured above (pytest -s shows them)."""
     print("\nmax |logit difference|:", json.dumps({k: f"{v:.2e}" for k, v in MAX_DIFF.items()}))
