@@ -279,8 +279,57 @@ def test_an_imported_gelu_mlp_converts_exactly(runs, spec, bias):
                                atol=1e-5, rtol=1e-5)
 
 
+def _with_attention(runs, **gqa):
+    """The trained RoPE model with its attention replaced by imported-style attention (random
+    weights), as a Llama-family checkpoint without grouping has it."""
+    import dataclasses
+
+    from moeify.layers.gqa import GroupedQueryAttentionConfig
+
+    torch.manual_seed(6)
+    att = GroupedQueryAttentionConfig(**{"d_model": 32, "n_heads": 4, "n_kv_heads": 4,
+                                         "d_head": 8, "n_layers": 2, **gqa})
+    model = dataclasses.replace(runs["rope"].config, attention=(att,)).build()
+    state = {k: v for k, v in runs["rope"].state_dict().items() if ".attention." not in k}
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+@pytest.mark.parametrize("pos", ["rope", "absolute"])
+def test_imported_multi_head_attention_keeps_the_representative_heads(pos):
+    """Kept head h attends as imported head h·E when the dropped biases change no pattern
+    (attention.py): a K bias without RoPE (GPT-2); no Q bias; the output bias never does."""
+    from moeify.layers.gqa import GroupedQueryAttentionConfig
+    from moeify.models.upcycle import to_switchhead
+
+    torch.manual_seed(6)
+    att = GroupedQueryAttentionConfig(d_model=32, n_heads=4, n_kv_heads=4, d_head=8, pos=pos,
+                                      rope_base=500.0, qkv_bias=True, out_bias=True).build()
+    with torch.no_grad():
+        att.w_o.bias.normal_()
+        if pos == "absolute":
+            att.w_k.bias.normal_()
+    sh = to_switchhead(att, n_experts=2, k=1)
+    assert sh.config.pos == ("rope" if pos == "rope" else "none")
+    x = torch.randn(2, 10, 32)
+    want = att.inspect(x)["probs_BHTS"][:, ::2]
+    torch.testing.assert_close(sh.inspect(x)["probs_BHTS"], want, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # a Q bias does change the pattern, and is not kept
+        att.w_q.bias.normal_()
+    assert not torch.allclose(to_switchhead(att, n_experts=2, k=1).inspect(x)["probs_BHTS"],
+                              att.inspect(x)["probs_BHTS"][:, ::2], atol=1e-3)
+
+
+def test_grouped_query_attention_is_refused(runs):
+    model = _with_attention(runs, n_kv_heads=2)
+    with pytest.raises(ValueError, match=r"grouped-query attention \(2 key/value heads for 4"):
+        upcycle(model, attention="switchhead:E=2")
+    with pytest.raises(ValueError, match="moa: only dense multi-head attention"):
+        upcycle(_with_attention(runs), attention="moa:k=2")
+
+
 def test_dense_components_the_conversions_do_not_take_are_named(runs):
-    """A gated (SwiGLU) MLP cannot become two-matrix experts; its attention still converts."""
+    """A gated (SwiGLU) MLP cannot become two-matrix experts; the attention still converts."""
     from moeify.layers.mlp import GatedMLPConfig
 
     model = _with_feedforward(runs, GatedMLPConfig(d_model=32, d_ff=64, n_layers=2))

@@ -33,6 +33,7 @@ from torch import nn
 
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
+from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import MLPConfig
 from moeify.models.config import ModelConfig
 from moeify.models.upcycle.attention import to_moa, to_switchhead
@@ -74,10 +75,12 @@ NOT_CONVERTED = {
 def check_dense(config: ModelConfig, *, attention: bool = True, feedforward: bool = True) -> None:
     """Refuse a model that already has experts or depth routing (upcycling starts from a dense
     one), and a layer to convert that is not of a kind the conversions take: the papers'
-    multi-head attention (DenseAttentionConfig), the papers' ReLU MLP (DenseFFConfig) and an
-    imported two-layer MLP (MLPConfig, e.g. GPT-2's GELU MLP). Other dense components (gated
+    multi-head attention (DenseAttentionConfig), imported attention (GroupedQueryAttentionConfig:
+    SwitchHead takes its multi-head form, attention.py), the papers' ReLU MLP (DenseFFConfig) and
+    an imported two-layer MLP (MLPConfig, e.g. GPT-2's GELU MLP). Other dense components (gated
     MLPs...) are not converted; they may stay as they are beside a converted part."""
-    for name, dense, convert in (("attention", (DenseAttentionConfig,), attention),
+    for name, dense, convert in (("attention", (DenseAttentionConfig,
+                                               GroupedQueryAttentionConfig), attention),
                                  ("feedforward", (DenseFFConfig, MLPConfig), feedforward)):
         for i, cfg in enumerate(getattr(config, f"{name}_layers")()):
             kind = type(cfg).__name__

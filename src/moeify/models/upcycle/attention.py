@@ -22,6 +22,17 @@ by E (below).
     the dense heads' subspaces, not from the dense function; tests hold the loss gap to a
     stated bound.
 
+Imported multi-head attention (GroupedQueryAttentionConfig with n_kv_heads = n_heads: GPT-2,
+or a Llama-family model without grouping) converts to SwitchHead by the same mapping, with its
+RoPE (base and fraction) or, for learned absolute positions, no positions inside the layer (the
+model's position embedding is kept). SwitchHead has no biases, so the Q / K / V and output
+biases are dropped. Without RoPE (GPT-2) the K bias changes no attention pattern (q · b_K is
+the same for every key); with RoPE it does (each key rotates it by its own position). The Q
+bias does too. So the kept patterns equal the dense heads' for GPT-2 with a zero Q bias, and
+for RoPE with zero Q and K biases. The V and output biases, which add the constant
+b_V W_O + b_O to every token, are lost. Grouped-query
+attention (n_kv_heads < n_heads) is refused: each SwitchHead head has its own K and V.
+
 MoA (E = H_d experts, k selected per token, the same C; MoA's shared key/value is single-head):
     shared K / V:        dense head ``kv_head``'s (and its XL position projection)
     expert e:            dense head e's Q and O, fitted to the shared K / V by least squares in
@@ -48,6 +59,7 @@ import torch
 
 from moeify.layers.attention import DenseAttention
 from moeify.layers.common import init_scale, renorm_rows_
+from moeify.layers.gqa import GroupedQueryAttention
 from moeify.layers.moa import MoAAttention, MoAConfig
 from moeify.layers.switchhead import SwitchHeadAttention, SwitchHeadConfig
 from moeify.models.upcycle.common import generator, head_view, small_router
@@ -56,9 +68,12 @@ SWITCHHEAD_EXPERTS = frozenset({"v", "o"})
 
 
 def _dense(attn, kind: str) -> tuple:
+    if kind == "switchhead" and isinstance(attn, GroupedQueryAttention):
+        return _imported(attn)
     if not isinstance(attn, DenseAttention):
-        raise ValueError(f"{kind}: only dense multi-head attention (DenseAttentionConfig) "
-                         f"converts, got {type(attn).__name__}")
+        raise ValueError(f"{kind}: only dense multi-head attention (DenseAttentionConfig"
+                         f"{' or imported multi-head attention' if kind == 'switchhead' else ''})"
+                         f" converts, got {type(attn).__name__}")
     c = attn.config
     H, C = c.n_heads, c.d_head
     w = {p: head_view(getattr(attn, f"w_{p}").detach().float(), H, C, rows=False)
@@ -71,8 +86,26 @@ def _dense(attn, kind: str) -> tuple:
     return c, w
 
 
+def _imported(attn: GroupedQueryAttention) -> tuple:
+    """The per-head weights of imported multi-head attention (nn.Linear [out, in]); its biases
+    are not kept (module docstring)."""
+    c = attn.config
+    if c.n_kv_heads != c.n_heads:
+        raise ValueError(f"switchhead: grouped-query attention ({c.n_kv_heads} key/value heads "
+                         f"for {c.n_heads} query heads) does not convert: each SwitchHead head "
+                         "has its own K and V; only multi-head attention (n_kv_heads = n_heads) "
+                         "does")
+    H, C = c.n_heads, c.d_head
+    w = {p: head_view(getattr(attn, f"w_{p}").weight.detach().float().t(), H, C, rows=False)
+         for p in ("q", "k", "v")}
+    w["o"] = head_view(attn.w_o.weight.detach().float().t(), H, C, rows=True)
+    return c, w
+
+
 def _common(c) -> dict:
-    return dict(d_model=c.d_model, d_head=c.d_head, pos=c.pos, n_layers=c.n_layers,
+    # "absolute": the positions are the model's learned embedding, none inside the layer.
+    return dict(d_model=c.d_model, d_head=c.d_head,
+                pos="none" if c.pos == "absolute" else c.pos, n_layers=c.n_layers,
                 attn_dropout=c.attn_dropout, rope_fraction=c.rope_fraction,
                 rope_base=c.rope_base, attn_impl=c.attn_impl)
 
@@ -82,7 +115,7 @@ def _cat_heads(w_HDC: torch.Tensor) -> torch.Tensor:
     return w_HDC.permute(1, 0, 2).reshape(w_HDC.shape[1], -1)
 
 
-def to_switchhead(attn: DenseAttention, *, n_experts: int, k: int | None = None,
+def to_switchhead(attn: DenseAttention | GroupedQueryAttention, *, n_experts: int, k: int | None = None,
                   experts: str | frozenset = "vo", router_scale: float = 0.1,
                   seed: int = 0) -> SwitchHeadAttention:
     """Dense attention as SwitchHead with H = H_d / n_experts heads (module docstring)."""
