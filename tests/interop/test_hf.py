@@ -426,6 +426,18 @@ def test_upcycle_an_imported_checkpoint_end_to_end(case, hf_dirs, tmp_path, monk
     assert diff < 1e-5, diff
 
 
+def test_upcycle_refuses_what_an_imported_llama_cannot_convert(imported, tmp_path, capsys):
+    """SwiGLU MLPs and grouped-query attention: a one-line error naming why, nothing written."""
+    run = imported["llama-gqa-untied"]
+    for flag, spec, why in (("--ff", "switch:E=2", "a gated (SwiGLU) MLP"),
+                            ("--attention", "switchhead:E=2", "grouped-query attention")):
+        assert main(["upcycle", "--run", str(run), "--out", str(tmp_path / "up"), flag, spec,
+                     "--no-validate"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert why in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "up").exists()
+
+
 def test_report_measured_differences():
     """Prints the largest logit differences measured above (pytest -s shows them)."""
     print("\nmax |logit difference|:", json.dumps({k: f"{v:.2e}" for k, v in MAX_DIFF.items()}))

@@ -19,7 +19,10 @@ module, whose docstring states what it preserves; the options of a spec are its 
 Exact at conversion (the logits of the dense model, to float32 rounding): sigma-moe with k = E
 and router_scale = 0; switch with router_scale = 0 and dropless (the default); mod with capacity = 1 and
 router_scale = 0. SwitchHead and MoA are not function-preserving (attention.py says what they
-keep). Layer i draws its random numbers from ``seed + i``. The embedding, LayerNorms and output
+keep). Imported checkpoints: their two-layer MLPs (MLPConfig, GPT-2's GELU) convert like the ReLU
+MLP, into experts of the same activation, and their multi-head attention to SwitchHead; gated
+MLPs and grouped-query attention are refused (feedforward.py, attention.py). Layer i draws its
+random numbers from ``seed + i``. The embedding, LayerNorms and output
 layer are copied; the source model is not modified.
 """
 
