@@ -105,7 +105,7 @@ def test_markdown_curves_and_ordering(compared):
 def test_rerun_refuses_then_reuses(compared, capsys):
     out, args = compared
     assert main(args) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "already holds a finished run" in capsys.readouterr().err
     before = json.loads((out / "results.json").read_text())["results"]
     assert main(args + ["--reuse"]) == 0
     after = json.loads((out / "results.json").read_text())["results"]

@@ -22,6 +22,8 @@ from typing import Any
 
 from moeify.analysis.curves import Curve, load_curve, plot_curves, training_clock
 from moeify.analysis.rundir import read_metrics, read_model_config, read_train_config
+from moeify.data.cache import atomic_write
+from moeify.errors import MoeifyError
 from moeify.models.cost import format_count, model_cost
 
 RESULT_FIELDS = ("preset", "params", "attention_macs", "attention_memory",
@@ -153,7 +155,7 @@ def results_markdown(rows: list[dict[str, Any]], settings: dict[str, Any],
         peak = r["peak_memory_bytes"]
         blimp = r["blimp_accuracy"]
         lines.append(
-            f"| {r['preset']} | {format_count(r['params'])} | "
+            f"| {r['preset']} | {r['params']:,} | "
             f"{format_count(macs) if isinstance(macs, int) else macs}{rel} | "
             f"{format_count(mem) if isinstance(mem, int) else mem} | "
             f"{_fmt(r['final_valid'])} | {_fmt(tps, '.0f')}{tps_rel} | "
@@ -194,19 +196,25 @@ def write_results(out_dir: str | Path, rows: list[dict[str, Any]], settings: dic
     out_dir.mkdir(parents=True, exist_ok=True)
     curves = {r["preset"]: load_curve(r["run_dir"], r["preset"]) for r in rows}
     ordering = ordering_over_last(curves, last_k)
-    curves_png = None
+    curves_png, errors = None, []
     if rows:
         try:
             plot_curves(list(curves.values()), out_dir / "curves.png",
                         title="moeify compare: " + ", ".join(curves))
             curves_png = "curves.png"
-        except Exception as e:  # matplotlib missing: the numbers still get written
-            settings = {**settings, "curves_error": str(e)}
-    data = {"settings": settings, "fields": list(RESULT_FIELDS), "results": rows,
+        except MoeifyError as e:  # matplotlib missing: the numbers still get written
+            errors.append(f"curves.png not drawn: {e}")
+    data = {"settings": settings, "plots": [curves_png] if curves_png else [],
+            "plot_errors": errors, "fields": list(RESULT_FIELDS), "results": rows,
             "ordering": ordering.to_dict(),
             "valid_curves": {n: {"step": c.valid_step, "tokens": c.valid_tokens,
                                  c.metric: c.valid_value} for n, c in curves.items()},
             "train_configs": {r["preset"]: read_train_config(r["run_dir"]) for r in rows}}
-    (out_dir / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out_dir / "results.md").write_text(results_markdown(rows, settings, ordering, curves_png))
+    md = results_markdown(rows, settings, ordering, curves_png)
+    if errors:
+        md += "\n" + "\n".join(errors) + "\n"
+    with atomic_write(out_dir / "results.json", "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+    with atomic_write(out_dir / "results.md", "w") as f:
+        f.write(md)
     return data

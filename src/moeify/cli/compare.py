@@ -19,6 +19,7 @@ from pathlib import Path
 
 CHILD_RESULT = "compare_child.json"
 CHILD_LOG = "train.log"
+SPEC_FILE = "compare_spec.json"
 
 
 def register(sub) -> None:
@@ -89,9 +90,10 @@ def _train_configs(presets: list[str], args) -> dict:
     return cfgs
 
 
-def _spec(preset: str, cfg, run_dir: Path, threads: int, args) -> dict:
-    return {"preset": preset, "train_config": cfg.to_dict(), "run_dir": str(run_dir),
-            "threads": threads, "final_eval_tokens": args.final_eval_tokens,
+def _spec(preset: str, cfg, run_dir: Path, threads: int, args, name: str | None = None) -> dict:
+    return {"name": name or preset, "preset": preset, "train_config": cfg.to_dict(),
+            "run_dir": str(run_dir), "threads": threads,
+            "final_eval_tokens": args.final_eval_tokens,
             "blimp_per_paradigm": args.blimp_per_paradigm, "blimp_data": args.blimp_data}
 
 
@@ -131,31 +133,42 @@ def _fmt_s(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-class _Scheduler:
-    """Runs child processes, ``jobs`` at a time, with progress and ETA on stderr."""
+def _steps(spec: dict) -> int:
+    return int(spec["train_config"]["steps"])
 
-    def __init__(self, specs: list[dict], steps: int, jobs: int, threads: int) -> None:
+
+class _Scheduler:
+    """Runs child processes, ``jobs`` at a time, with progress and ETA on stderr. ``done`` holds
+    every finished run's result (by spec name) even when a later run fails or the parent is
+    interrupted; the running children are then stopped."""
+
+    def __init__(self, specs: list[dict], jobs: int, tag: str = "compare",
+                 on_done=None) -> None:
         self.queue = list(specs)
-        self.steps, self.jobs, self.threads = steps, jobs, threads
+        self.jobs, self.tag, self.on_done = jobs, tag, on_done
         self.running: dict[int, tuple[subprocess.Popen, dict, float]] = {}
         self.done: dict[str, dict] = {}
         self.durations: list[float] = []
         self.total = len(specs)
 
+    def _say(self, text: str) -> None:
+        print(f"[{self.tag}] {text}", file=sys.stderr, flush=True)
+
     def _start(self, spec: dict) -> None:
         run_dir = Path(spec["run_dir"])
         run_dir.mkdir(parents=True, exist_ok=True)
-        spec_path = run_dir / "compare_spec.json"
-        spec_path.write_text(json.dumps(spec, indent=2))
-        log = open(run_dir / CHILD_LOG, "w")
+        spec_path = run_dir / SPEC_FILE
+        _write_json(spec_path, spec)
+        log = open(run_dir / CHILD_LOG, "a" if spec.get("resume") else "w")
         proc = subprocess.Popen([sys.executable, "-m", "moeify.cli.compare", "--child",
                                  str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
                                 env=_child_env(spec["threads"]))
         log.close()
         self.running[proc.pid] = (proc, spec, time.time())
         n = self.total - len(self.queue)
-        print(f"[compare] {n}/{self.total} started {spec['preset']} ({self.steps} steps, "
-              f"{spec['threads']} thread(s)); log {run_dir / CHILD_LOG}", file=sys.stderr)
+        self._say(f"{n}/{self.total} {'resumed' if spec.get('resume') else 'started'} "
+                  f"{spec['name']} ({_steps(spec)} steps, {spec['threads']} thread(s)); log "
+                  f"{run_dir / CHILD_LOG}")
 
     def _eta(self) -> str:
         now = time.time()
@@ -163,28 +176,63 @@ class _Scheduler:
         for _, (proc, spec, t0) in self.running.items():
             step = _last_step(Path(spec["run_dir"]))
             rate = step / max(now - t0, 1e-9)
-            est = (self.steps - step) / rate if step else (
-                sum(self.durations) / len(self.durations) if self.durations else None)
+            est = (_steps(spec) - step) / rate if step else None
             remaining.append(est)
-        mean = (sum(self.durations) / len(self.durations)) if self.durations else None
-        if mean is None:
-            known = [r for r in remaining if r is not None]
-            if not known:
-                return "ETA unknown"
-            mean = max(known) * 1.2  # training plus the final evaluation
-        queued = len(self.queue) * mean / self.jobs
-        longest = max([r for r in remaining if r is not None] or [0.0])
-        return f"ETA {_fmt_s(longest + queued)}"
+        known = [r for r in remaining if r is not None]
+        per_step = [d / s for d, s in self.durations] or (
+            [max(known) * 1.2 / max(_steps(sp) for _, sp, _ in self.running.values())]
+            if known else [])
+        if not per_step:
+            return "ETA unknown"
+        mean = sum(per_step) / len(per_step)  # seconds per step, evaluations included
+        queued = sum(_steps(sp) for sp in self.queue) * mean / self.jobs
+        return f"ETA {_fmt_s(max(known or [0.0]) + queued)}"
 
     def progress(self) -> None:
-        parts = [f"{spec['preset']} step {_last_step(Path(spec['run_dir']))}/{self.steps}"
+        parts = [f"{spec['name']} step {_last_step(Path(spec['run_dir']))}/{_steps(spec)}"
                  for _, (_, spec, _) in self.running.items()]
-        print(f"[compare] {len(self.done)}/{self.total} done; running: {', '.join(parts)}; "
-              f"{self._eta()}", file=sys.stderr, flush=True)
+        self._say(f"{len(self.done)}/{self.total} done; running: {', '.join(parts)}; "
+                  f"{self._eta()}")
 
-    def run(self, poll_s: float = 1.0, report_s: float = 30.0) -> dict[str, dict]:
+    def stop(self) -> None:
+        for p, _, _ in self.running.values():
+            p.terminate()
+        for p, _, _ in self.running.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.running.clear()
+
+    def _reap(self, pid: int, status: int, ru) -> None:
         from moeify.errors import MoeifyError
 
+        proc, spec, t0 = self.running.pop(pid)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        run_dir = Path(spec["run_dir"])
+        log = run_dir / CHILD_LOG
+        if proc.returncode != 0:
+            tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+            raise MoeifyError(f"training {spec['name']} failed (exit {proc.returncode}); the "
+                              f"end of {log}:\n  " + "\n  ".join(tail))
+        result = json.loads((run_dir / CHILD_RESULT).read_text())
+        result["max_rss_bytes"] = max(_max_rss_bytes(ru), result.get("max_rss_bytes") or 0)
+        _write_json(run_dir / CHILD_RESULT, result)
+        self.durations.append((time.time() - t0, _steps(spec)))
+        self.done[spec["name"]] = result
+        self._say(f"finished {spec['name']} in {_fmt_s(time.time() - t0)}: valid "
+                  f"{result['final_valid']}")
+        if self.on_done is not None:
+            self.on_done(spec, result)
+
+    def run(self, poll_s: float = 1.0, report_s: float = 30.0) -> dict[str, dict]:
+        try:
+            self._loop(poll_s, report_s)
+        finally:
+            self.stop()
+        return self.done
+
+    def _loop(self, poll_s: float, report_s: float) -> None:
         last_report = time.time()
         first = True
         while self.queue or self.running:
@@ -199,36 +247,95 @@ class _Scheduler:
                 first = False
             for pid in list(self.running):
                 got, status, ru = os.wait4(pid, os.WNOHANG)
-                if got == 0:
-                    continue
-                proc, spec, t0 = self.running.pop(pid)
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                log = Path(spec["run_dir"]) / CHILD_LOG
-                if proc.returncode != 0:
-                    tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-                    for p, _, _ in self.running.values():
-                        p.terminate()
-                    raise MoeifyError(f"training {spec['preset']} failed (exit "
-                                      f"{proc.returncode}); the end of {log}:\n  "
-                                      + "\n  ".join(tail))
-                result = json.loads((Path(spec["run_dir"]) / CHILD_RESULT).read_text())
-                result["max_rss_bytes"] = _max_rss_bytes(ru)
-                (Path(spec["run_dir"]) / CHILD_RESULT).write_text(json.dumps(result, indent=2))
-                self.durations.append(time.time() - t0)
-                self.done[spec["preset"]] = result
-                print(f"[compare] finished {spec['preset']} in {_fmt_s(time.time() - t0)}: "
-                      f"valid {result['final_valid']}", file=sys.stderr, flush=True)
+                if got != 0:
+                    self._reap(pid, status, ru)
             if self.running and time.time() - last_report >= report_s:
                 self.progress()
                 last_report = time.time()
             time.sleep(poll_s)
-        return self.done
+
+
+def _write_json(path: Path, data) -> None:
+    from moeify.data.cache import atomic_write
+
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+
+
+def plan_run(run_dir: Path, spec: dict, *, reuse: bool) -> dict | None:
+    """What to do with ``run_dir`` for ``spec``: return the finished run's result to reuse it,
+    or None to train (setting ``spec["resume"]`` when an interrupted attempt with the same
+    settings left a checkpoint). An unfinished attempt (our spec file, no result) with other
+    settings, or without a checkpoint, is cleared: it holds no result. A finished run with
+    other settings, or a directory that is not a compare/sweep run, is refused."""
+    import shutil
+
+    from moeify.errors import MoeifyError
+    from moeify.train.checkpoint import latest_checkpoint
+
+    spec["resume"] = False
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return None
+    old_path, result = run_dir / SPEC_FILE, run_dir / CHILD_RESULT
+    old = json.loads(old_path.read_text()) if old_path.is_file() else None
+    if old is not None:
+        old.pop("resume", None)
+    same = old == {k: v for k, v in spec.items() if k != "resume"}
+    if result.is_file():
+        if same and reuse:
+            return json.loads(result.read_text())
+        raise MoeifyError(f"{run_dir} already holds a finished run"
+                          + ("" if same else " with other settings")
+                          + "; choose another --out, delete it, or pass --reuse to keep "
+                          "finished runs with the same settings")
+    if old is None:
+        raise MoeifyError(f"{run_dir} already holds a run (no {SPEC_FILE}): choose another "
+                          "--out or delete it")
+    if same and latest_checkpoint(run_dir) is not None:
+        spec["resume"] = True
+        return None
+    print(f"[compare] clearing the unfinished attempt in {run_dir}", file=sys.stderr)
+    shutil.rmtree(run_dir)
+    return None
+
+
+def train_all(specs: list[dict], jobs: int, tag: str,
+              on_done=None) -> tuple[dict[str, dict], BaseException | None]:
+    """Train ``specs``; return the finished runs' results and the failure or interruption that
+    stopped the others (None when every run finished), so that callers tabulate what finished
+    before passing the error on. ``on_done(spec, result)`` is called as each run finishes."""
+    sched = _Scheduler(specs, jobs, tag, on_done)
+    try:
+        sched.run()
+    except (Exception, KeyboardInterrupt) as e:
+        return sched.done, e
+    return sched.done, None
+
+
+def run_settings(results: list[dict]) -> dict:
+    """Where and how the runs trained, from their own records (not this invocation's), so that
+    reused runs keep the settings they trained under."""
+    walls = [r.get("train_wall_s") for r in results if r.get("train_wall_s") is not None]
+    loads = [r.get("load_avg") for r in results if r.get("load_avg")]
+    return {"torch": results[0].get("torch") if results else None,
+            "device": results[0].get("device", "cpu") if results else None,
+            "cpu_count": os.cpu_count(),
+            "runs_wall_s": round(sum(walls), 1) if walls else None,
+            "load_avg_during_runs": (f"{min(min(x) for x in loads):.2f}-"
+                                     f"{max(max(x) for x in loads):.2f}") if loads else None}
+
+
+def report_written(out: Path, data: dict) -> None:
+    """Name the files actually written; say why the plot is missing when it is."""
+    files = [out / "results.json", out / "results.md"] + [out / p for p in data.get("plots", [])]
+    print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+    for note in data.get("plot_errors", []):
+        print(f"note: {note}", file=sys.stderr)
 
 
 def run(args) -> int:
     from moeify.analysis.compare import run_record, write_results
     from moeify.data import load_corpus
-    from moeify.errors import MoeifyError
 
     presets = _check(args)
     cfgs = _train_configs(presets, args)
@@ -238,22 +345,19 @@ def run(args) -> int:
     for p in presets:
         run_dir = out / "runs" / p
         spec = _spec(p, cfgs[p][0], run_dir, threads, args)
-        old = run_dir / "compare_spec.json"
-        if run_dir.exists() and any(run_dir.iterdir()):
-            same = old.is_file() and json.loads(old.read_text()) == spec
-            if args.reuse and same and (run_dir / CHILD_RESULT).is_file():
-                results[p] = json.loads((run_dir / CHILD_RESULT).read_text())
-                print(f"[compare] reusing the finished run {run_dir}", file=sys.stderr)
-                continue
-            raise MoeifyError(f"{run_dir} already holds a run; choose another --out, delete it, "
-                              "or pass --reuse to keep finished runs with the same settings")
+        reused = plan_run(run_dir, spec, reuse=args.reuse)
+        if reused is not None:
+            results[p] = reused
+            print(f"[compare] reusing the finished run {run_dir}", file=sys.stderr)
+            continue
         specs.append(spec)
     load_corpus(args.data)  # prepare the corpus once, before the runs share it
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.time()
-    results.update(_Scheduler(specs, args.steps, args.jobs, threads).run())
+    done, error = train_all(specs, args.jobs, "compare")
+    results.update(done)
+    finished = [p for p in presets if p in results]
     rows = []
-    for p in presets:
+    for p in finished:
         r = results[p]
         cuda = r.get("cuda_peak_bytes")
         rows.append(run_record(
@@ -261,23 +365,23 @@ def run(args) -> int:
             peak_memory_bytes=cuda if cuda else r.get("max_rss_bytes"),
             peak_memory_kind="CUDA max allocated" if cuda else "max resident set size (RSS)",
             blimp=r.get("blimp"), listops=r.get("listops")))
-    import torch
-
     cfg0 = cfgs[presets[0]][0]
     settings = {"presets": ",".join(presets), "data": args.data, "steps": args.steps,
                 "seed": args.seed, "batch_size": cfg0.batch_size,
                 "context_length": cfgs[presets[0]][1].context_length, "lr": cfg0.lr,
+                "warmup_steps": cfg0.warmup_steps, "grad_clip": cfg0.grad_clip,
                 "overrides": " ".join(args.overrides) or "none", "jobs": args.jobs,
-                "threads_per_run": threads, "torch": torch.__version__,
-                "device": results[presets[0]].get("device", "cpu"),
-                "cpu_count": os.cpu_count(), "wall_s": round(time.time() - t0, 1),
-                "load_avg_at_start": None if load is None else round(load[0], 2),
-                "load_avg_at_end": round(os.getloadavg()[0], 2) if load else None}
-    data = write_results(out, rows, settings, last_k=args.last_k)
-    print((out / "results.md").read_text())
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'curves.png'}",
-          file=sys.stderr)
-    return 0 if data["results"] else 1
+                "threads_per_run": threads, **run_settings([results[p] for p in finished]),
+                "this_invocation_wall_s": round(time.time() - t0, 1)}
+    if error is not None:
+        settings["unfinished"] = ",".join(p for p in presets if p not in results)
+    if rows:
+        data = write_results(out, rows, settings, last_k=args.last_k)
+        print((out / "results.md").read_text())
+        report_written(out, data)
+    if error is not None:
+        raise error
+    return 0 if rows else 1
 
 
 # ---------------------------------------------------------------------------- child
@@ -299,7 +403,8 @@ def child_main(spec_path: str) -> int:
     torch.set_num_threads(int(spec["threads"]))
     cfg = TrainConfig.from_dict(spec["train_config"])
     run_dir = Path(spec["run_dir"])
-    result = train(cfg, run_dir, quiet=True)
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    result = train(cfg, run_dir, quiet=True, resume=bool(spec.get("resume")))
     tm = load_trained(run_dir)
     device = next(tm.model.parameters()).device
     tokens = tokenize_split(load_corpus(cfg.data), tm.tokenizer, "valid")
@@ -324,10 +429,11 @@ def child_main(spec_path: str) -> int:
                                    load_examples(corpus, "valid"), train_expressions=seen)
     out = {"preset": spec["preset"], "final_valid": final, "blimp": blimp, "listops": listops,
            "train_wall_s": result.wall_s, "trainer_tokens_per_s": result.tokens_per_s,
-           "device": str(device),
+           "device": str(device), "torch": torch.__version__, "threads": spec["threads"],
+           "load_avg": None if load0 is None else [round(load0, 2), round(os.getloadavg()[0], 2)],
            "cuda_peak_bytes": (torch.cuda.max_memory_allocated(device)
                                if device.type == "cuda" else None)}
-    (run_dir / CHILD_RESULT).write_text(json.dumps(out, indent=2))
+    _write_json(run_dir / CHILD_RESULT, out)
     return 0
 
 

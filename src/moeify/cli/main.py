@@ -42,7 +42,7 @@ def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = ["demo", "bench", "presets", "count", "match", "train", "upcycle", "eval", "generate",
-            "plot", "compare", "import", "export"]
+            "plot", "compare", "sweep", "import", "export"]
 # Subcommands whose module cannot carry their name (``import`` is a Python keyword).
 MODULES = {"import": "import_"}
 

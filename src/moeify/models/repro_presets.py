@@ -29,6 +29,9 @@ from moeify.models.registry import Preset
 
 # vocab, d, L, T, xl, dropout, dense heads, dense d_head, dense d_ff
 REPRO = Size(256, 128, 4, 128, True, 0.0, 8, 16, 512)
+# repro-switchhead-macmatched's d_head: the largest multiple of 4 whose attention MACs (spec §6)
+# do not exceed repro-dense's with H = 3 (tests check it).
+MACMATCHED_D_HEAD = 40
 
 
 def repro_dense() -> ModelConfig:
@@ -54,6 +57,41 @@ def repro_switchall() -> ModelConfig:
     return dataclasses.replace(sh, feedforward=(ff,))
 
 
+def repro_switchhead_macmatched() -> ModelConfig:
+    # §3.5 / Table 4's MAC-matched variant: one more head and wider heads, at the dense model's
+    # attention MACs (more parameters); the feedforward stays that of repro-switchhead.
+    sh = repro_switchhead()
+    attn = dataclasses.replace(sh.attention[0], n_heads=3, d_head=MACMATCHED_D_HEAD)
+    return dataclasses.replace(sh, attention=(attn,))
+
+
+def repro_switchhead_sharedsel() -> ModelConfig:
+    # spec §2 "shared selection": one W_S serves V and O, matched to the dense model again.
+    return match_attention(repro_dense(), n_heads=2, n_experts=4, k=2,
+                           shared_selection=True).config
+
+
+# A family 4x larger in parameters (d_model 256), matched the same way: the dense baseline has
+# 8 heads of d_h = 32 (H·d_h = d), the 2-head one 2 x 128, SwitchHead H = 2, E = 4, k = 2.
+REPRO256 = Size(256, 256, 4, 128, True, 0.0, 8, 32, 1024)
+
+
+def repro256_dense() -> ModelConfig:
+    return dense_lm(REPRO256, H=8)
+
+
+def repro256_dense_h2() -> ModelConfig:
+    return dense_lm(REPRO256, H=2)
+
+
+def repro256_switchhead() -> ModelConfig:
+    return match_attention(repro256_dense(), n_heads=2, n_experts=4, k=2).config
+
+
+def repro256_moa() -> ModelConfig:
+    return match_attention(repro256_dense(), kind="moa", n_heads=4, n_experts=8).config
+
+
 REPRO_PRESETS: tuple[Preset, ...] = (
     Preset("repro-dense", "CPU-scale family: dense XL H=8 d_h=16, d_ff=512 (the many-head "
            "baseline)", repro_dense),
@@ -65,4 +103,18 @@ REPRO_PRESETS: tuple[Preset, ...] = (
            "repro-dense", repro_moa, baseline="repro-dense"),
     Preset("repro-switchall", "CPU-scale family: repro-switchhead attention + sigma-MoE FFN "
            "8 x 64 k=2", repro_switchall, baseline="repro-dense"),
+    Preset("repro-switchhead-macmatched", "CPU-scale family: repro-switchhead with H=3 and d_h "
+           "chosen for repro-dense's attention MACs (§3.5, more parameters)",
+           repro_switchhead_macmatched, baseline="repro-dense"),
+    Preset("repro-switchhead-sharedsel", "CPU-scale family: SwitchHead H=2 E=4 k=2 with one "
+           "selection for V and O, matched to repro-dense", repro_switchhead_sharedsel,
+           baseline="repro-dense"),
+    Preset("repro256-dense", "CPU-scale family x4 (d_model 256): dense XL H=8 d_h=32, "
+           "d_ff=1024", repro256_dense),
+    Preset("repro256-dense-h2", "CPU-scale family x4: dense XL H=2 d_h=128, d_ff=1024",
+           repro256_dense_h2, baseline="repro256-dense"),
+    Preset("repro256-switchhead", "CPU-scale family x4: SwitchHead H=2 E=4 k=2, matched to "
+           "repro256-dense", repro256_switchhead, baseline="repro256-dense"),
+    Preset("repro256-moa", "CPU-scale family x4: MoA 4 selected heads of 8, matched to "
+           "repro256-dense", repro256_moa, baseline="repro256-dense"),
 )

@@ -57,7 +57,9 @@ class TrainConfig:
                       ``preset`` is then only a name.
     data:             corpus name or local path (moeify.data.corpora).
     tokenizer:        "auto" = bytes for byte-level corpora (enwik8 convention: the byte values
-                      occurring in the train split), SentencePiece BPE otherwise (paper §3).
+                      occurring in the train split) and for byte-level presets (a vocabulary of
+                      at most 256, such as the tiny-* and repro-* ones) on any corpus,
+                      SentencePiece BPE otherwise (paper §3).
     vocab_size:       SentencePiece vocabulary (8000 in the paper); the model's vocab_size is
                       always set to the tokenizer's.
     steps:            optimizer updates.

@@ -24,6 +24,15 @@ _PROPAGATED = ("d_model", "n_layers")
 RUN_MODEL_PRESET = "run-model"
 
 
+BYTE_VOCAB = 256
+
+
+def byte_level_preset(preset: str) -> bool:
+    """Whether the preset is built for bytes (a vocabulary of at most 256 symbols), so that
+    tokenizer "auto" reads any corpus as bytes for it."""
+    return preset != RUN_MODEL_PRESET and get_preset(preset).vocab_size <= BYTE_VOCAB
+
+
 def base_model_config(preset: str, run_dir=None) -> ModelConfig:
     if preset == RUN_MODEL_PRESET:
         if run_dir is None:
