@@ -108,8 +108,88 @@ def test_rerun_refuses_then_reuses(compared, capsys):
     assert "already holds a finished run" in capsys.readouterr().err
     before = json.loads((out / "results.json").read_text())["results"]
     assert main(args + ["--reuse"]) == 0
-    after = json.loads((out / "results.json").read_text())["results"]
+    data = json.loads((out / "results.json").read_text())
+    after = data["results"]
     assert [r["final_valid"] for r in after] == [r["final_valid"] for r in before]
+    # The settings are the training's, not the tabulation's: the runs' own wall times.
+    walls = [json.loads((out / "runs" / p / "compare_child.json").read_text())["train_wall_s"]
+             for p in ("tiny-dense", "tiny-switchhead")]
+    assert data["settings"]["runs_wall_s"] == pytest.approx(round(sum(walls), 1))
+    assert data["settings"]["threads_per_run"] == 1
+
+
+def test_exact_parameter_counts_in_markdown(compared):
+    out, _ = compared
+    md = (out / "results.md").read_text()
+    for r in json.loads((out / "results.json").read_text())["results"]:
+        assert f"| {r['preset']} | {r['params']:,} |" in md
+
+
+@pytest.fixture()
+def text_corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(2)
+    words = "the cat sat on a warm mat by the door".split()
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 8))
+                                                    for _ in range(200)))
+    return tmp_path
+
+
+def _small(root, presets="tiny-dense", *extra):
+    return ["compare", "--presets", presets, "--data", str(root / "corpus.txt"), "--steps", "2",
+            "--out", str(root / "out"), "--set", "batch_size=2", "--set", "model.d_model=32",
+            "--set", "model.n_layers=2", "--set", "model.context_length=16",
+            "--set", "eval_every=1", "--set", "eval_tokens=64", "--set", "log_every=1",
+            "--final-eval-tokens", "64", "--blimp-per-paradigm", "0", "--threads", "1", *extra]
+
+
+def test_auto_tokenizer_is_bytes_for_byte_presets_and_leftovers_are_cleared(
+        text_corpus, monkeypatch, capsys):
+    from moeify.analysis import curves
+    from moeify.errors import MoeifyError
+    from moeify.train.config import byte_level_preset
+
+    assert byte_level_preset("repro-dense") and byte_level_preset("tiny-switchhead")
+    assert not byte_level_preset("wt103-47m-dense")
+    # A failed earlier attempt left its files: the same --out must be accepted.
+    left = text_corpus / "out" / "runs" / "tiny-dense"
+    left.mkdir(parents=True)
+    (left / "compare_spec.json").write_text(json.dumps({"name": "tiny-dense"}))
+    (left / "train.log").write_text("ModuleNotFoundError: No module named 'sentencepiece'\n")
+
+    def no_matplotlib():
+        raise MoeifyError("plotting needs matplotlib: pip install 'moeify[plot]'")
+
+    monkeypatch.setattr(curves, "pyplot", no_matplotlib)
+    assert main(_small(text_corpus)) == 0  # tokenizer "auto", a local text file
+    err = capsys.readouterr().err
+    assert "clearing the unfinished attempt" in err
+    assert "curves.png not drawn: plotting needs matplotlib" in err
+    assert "curves.png" not in err.split("wrote ", 1)[1].split("\n", 1)[0]
+    assert not (text_corpus / "out" / "curves.png").exists()
+    tok = json.loads((left / "tokenizer.json").read_text())
+    assert tok["kind"] == "byte"
+    data = json.loads((text_corpus / "out" / "results.json").read_text())
+    assert data["results"][0]["metric"] == "bpc" and data["plots"] == []
+    assert "not drawn" in (text_corpus / "out" / "results.md").read_text()
+
+
+def test_interrupted_compare_writes_what_finished(text_corpus, monkeypatch, capsys):
+    from moeify.cli import compare as compare_cli
+    from moeify.errors import MoeifyError
+
+    reap = compare_cli._Scheduler._reap
+
+    def reap_then_interrupt(self, pid, status, ru):
+        reap(self, pid, status, ru)
+        raise MoeifyError("interrupted")
+
+    monkeypatch.setattr(compare_cli._Scheduler, "_reap", reap_then_interrupt)
+    assert main(_small(text_corpus, "tiny-dense,tiny-switchhead", "--jobs", "1")) == 2
+    data = json.loads((text_corpus / "out" / "results.json").read_text())
+    assert [r["preset"] for r in data["results"]] == ["tiny-dense"]
+    assert data["settings"]["unfinished"] == "tiny-switchhead"
+    assert "interrupted" in capsys.readouterr().err
 
 
 def test_bad_presets(tmp_path, capsys):

@@ -16,7 +16,7 @@ from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
 from moeify.models.presets import PRESETS, get_preset
 
-PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-"))]
+PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
@@ -235,3 +235,35 @@ def test_paper_rows_carry_dataset_baseline_and_recipe(name):
         assert isinstance(_uniform(base.attention_layers()), DenseAttentionConfig)
         assert (base.d_model, base.context_length) == (get_preset(name).d_model,
                                                        get_preset(name).context_length)
+
+
+def test_repro_mac_matched_shared_selection_and_x4_family():
+    import dataclasses
+
+    from moeify.models.cost import model_cost
+    from moeify.models.repro_presets import MACMATCHED_D_HEAD
+
+    def macs(cfg):
+        return model_cost(cfg).layers[0]["macs"]
+
+    def params(name):
+        return model_parameters(get_preset(name))["total"]
+
+    dense, mm = get_preset("repro-dense"), get_preset("repro-switchhead-macmatched")
+    a = mm.attention_layers()[0]
+    assert (a.n_heads, a.d_head, a.n_experts, a.k) == (3, MACMATCHED_D_HEAD, 4, 2)
+    # §3.5: the largest d_head (multiple of 4) at no more than the dense model's MACs.
+    assert macs(mm) <= macs(dense)
+    wider = dataclasses.replace(a, d_head=a.d_head + 4)
+    assert macs(dataclasses.replace(mm, attention=(wider,))) > macs(dense)
+    assert params("repro-switchhead-macmatched") > 1.3 * params("repro-dense")
+    shared = get_preset("repro-switchhead-sharedsel").attention_layers()[0]
+    assert shared.shared_selection
+    big = params("repro256-dense")
+    assert 3.5 * params("repro-dense") < big < 4.5 * params("repro-dense")
+    for n in ("repro-switchhead-sharedsel",):
+        assert abs(params(n) - params("repro-dense")) <= 0.01 * params("repro-dense")
+    for n in ("repro256-dense-h2", "repro256-switchhead", "repro256-moa"):
+        assert abs(params(n) - big) <= 0.01 * big, n
+    sh = get_preset("repro256-switchhead").attention_layers()[0]
+    assert sh.n_heads * sh.n_experts == 8 and get_preset("repro256-dense").d_model == 256
