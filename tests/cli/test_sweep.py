@@ -150,7 +150,7 @@ def test_recipe_pinned_and_plots(swept, resumed):
     s = resumed["settings"]
     assert s["lr"] == 5e-3 and s["batch_size"] == 2 and s["tokenizer"] == "auto"
     assert resumed["recipe"]["shared"]["eval_every"] == 1
-    assert set(resumed["plots"]) == {"valid_curves.png", "routing.png"}
+    assert set(resumed["plots"]) == {"valid_curves.png", "gaps.png", "routing.png"}
     from moeify.analysis.plotting import read_panels
 
     assert read_panels(out / "valid_curves.png") == ["validation bpc vs tokens / time"]
@@ -224,3 +224,42 @@ def test_bad_sweep_input(tmp_path, capsys):
     assert "--seeds expects integers" in capsys.readouterr().err
     assert main(["sweep", "--out", str(tmp_path / "o"), "--tabulate"]) == 2
     assert "holds no sweep runs" in capsys.readouterr().err
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    from moeify.cli.main import build_parser
+    from moeify.train.config import TrainConfig
+    from moeify.train.trainer import train
+
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(4)
+    words = "one two three four five six seven".split()
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 7))
+                                                   for _ in range(200)))
+
+    def argv(out):
+        return ["sweep", "--presets", "tiny-switchhead", "--budgets", "4", "--seeds", "0",
+                "--data", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / out),
+                "--set", "batch_size=2", "--set", "model.d_model=32", "--set",
+                "model.n_layers=2", "--set", "model.context_length=16", "--set", "eval_every=2",
+                "--set", "eval_tokens=64", "--set", "log_every=1", "--set", "checkpoint_every=1",
+                "--threads", "1", "--final-eval-tokens", "64"]
+
+    # A run killed after step 2: its directory holds the sweep's spec and a checkpoint.
+    args = build_parser().parse_args(argv("killed"))
+    spec = grid_specs(args, ["tiny-switchhead"], [4], [0], {"base": []}, 1)[0]
+    run_dir = tmp_path / "killed" / "runs" / "base" / "tiny-switchhead" / "steps-4" / "seed-0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "compare_spec.json").write_text(json.dumps(spec))
+    train(TrainConfig.from_dict(spec["train_config"]), run_dir, stop_after=2, quiet=True)
+    assert main(argv("killed")) == 0
+    assert "resumed base/tiny-switchhead/4/seed0" in capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
+             .splitlines() if line.startswith('{"kind": "train"')]
+    assert steps == [1, 2, 3, 4]
+    # The same run uninterrupted ends with the same score.
+    assert main(argv("whole")) == 0
+    a = json.loads((run_dir / "compare_child.json").read_text())["final_valid"]["bpc"]
+    b = json.loads((tmp_path / "whole" / "runs" / "base" / "tiny-switchhead" / "steps-4" /
+                    "seed-0" / "compare_child.json").read_text())["final_valid"]["bpc"]
+    assert a == pytest.approx(b, abs=1e-6)

@@ -293,31 +293,71 @@ def _tail_ylim(ax) -> None:
         ax.set_ylim(min(ys) - pad, max(ys) + pad)
 
 
+def _mean_series(runs: list[dict[str, list]], k: str) -> tuple[list[int], list[float]]:
+    """The seeds' series averaged at the steps they all logged."""
+    steps = sorted(set.intersection(*(set(r["step"][:len(r[k])]) for r in runs)))
+    at = [dict(zip(r["step"], r[k])) for r in runs]
+    return steps, [sum(a[s] for a in at) / len(at) for s in steps]
+
+
 def plot_routing(records: list[dict[str, Any]], out: str | Path) -> Path | None:
-    """Usage entropy, dead experts and mean gate per layer over training, SwitchHead runs."""
-    series = [(r, routing_series(r["run_dir"])) for r in records]
-    series = [(r, s) for r, s in series if s]
-    if not series:
+    """Usage entropy, experts unselected in the batch and mean gate per layer over training:
+    one row per cell with SwitchHead statistics (mean over its seeds), a colour per layer."""
+    cells: dict[tuple, dict[tuple[int, str], list[dict[str, list]]]] = {}
+    for r in records:
+        for lp, d in routing_series(r["run_dir"]).items():
+            if d["step"]:
+                cells.setdefault(cell_key(r), {}).setdefault(lp, []).append(d)
+    if not cells:
         return None
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(len(cells), 3, figsize=(14, 3.2 * len(cells)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for r, s in series:
-        for (layer, proj), d in sorted(s.items()):
-            label = f"{r['preset']} {r['variant']} {r['steps']} s{r['seed']} L{layer} {proj}"
-            color = colors[layer % len(colors)]
-            for ax, k in zip(axes, ("entropy", "dead", "gate")):
-                if d[k]:
-                    ax.plot(d["step"][:len(d[k])], d[k], color=color, linewidth=0.8, alpha=0.6,
-                            linestyle="-" if proj in ("v", "k", "src") else "--", label=label)
-    for ax, t in zip(axes, ("usage entropy / log E (mean over heads)",
-                            "experts unselected in the batch", "mean selected gate")):
-        ax.set_title(t + " (colour: layer; solid V or src, dashed O or dst)", fontsize=8)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
+    titles = ("usage entropy / log E (mean over heads)", "experts unselected in the batch",
+              "mean selected gate")
+    for row, ((variant, steps, preset), by_layer) in zip(axes, sorted(cells.items())):
+        for (layer, proj), runs in sorted(by_layer.items()):
+            for ax, k in zip(row, ("entropy", "dead", "gate")):
+                if all(r[k] for r in runs):
+                    x, y = _mean_series(runs, k)
+                    ax.plot(x, y, color=colors[layer % len(colors)], linewidth=0.9,
+                            linestyle="-" if proj in ("v", "k", "src") else "--",
+                            label=f"layer {layer} {proj.upper() if len(proj) == 1 else proj}")
+        for ax, t in zip(row, titles):
+            ax.set_title(f"{preset} {variant} {steps} steps: {t}", fontsize=8)
+            ax.set_xlabel("step", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+        row[0].legend(fontsize=6)
     fig.tight_layout()
     return save_figure(fig, out, ["routing over training"])
+
+
+def plot_gaps(rows: list[dict[str, Any]], out: str | Path) -> Path | None:
+    """The gap to the baseline (± standard error, paired by seed) against the training budget,
+    one line per (variant, preset); None when no cell has a gap."""
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["gap"] is not None:
+            lines.setdefault((r["variant"], r["preset"]), []).append(r)
+    if not lines:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (variant, preset), rs in sorted(lines.items()):
+        rs = sorted(rs, key=lambda r: r["steps"])
+        ax.errorbar([r["steps"] for r in rs], [r["gap"] for r in rs],
+                    yerr=[r["gap_se"] or 0.0 for r in rs], marker="o", capsize=3,
+                    linewidth=1.0, label=f"{preset} - {rs[0]['baseline']} ({variant})")
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training steps", fontsize=8)
+    ax.set_ylabel(f"gap in validation {rows[0]['metric']}", fontsize=8)
+    ax.set_title("gap to the baseline against the budget (± s.e., paired by seed)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    return save_figure(fig, out, ["gap vs budget"])
 
 
 def write_json(path: Path, data: Any) -> None:

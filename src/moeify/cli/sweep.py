@@ -30,8 +30,9 @@ def register(sub) -> None:
         description="Train every preset for every budget and seed (and every --variant), one "
         "run at a time per job, resumable: finished runs in OUT are kept, interrupted ones "
         "resume. Writes OUT/results.json, OUT/results.md (mean ± standard error over seeds, "
-        "the gap to the baseline paired by seed), OUT/valid_curves.png and, for SwitchHead "
-        "runs, OUT/routing.png.")
+        "the gap to the baseline paired by seed), OUT/valid_curves.png (validation score "
+        "against training tokens and time), OUT/gaps.png (the gaps against the budget) and, for "
+        "SwitchHead runs, OUT/routing.png.")
     p.add_argument("--presets", help="comma-separated preset names (`moeify presets`)")
     p.add_argument("--budgets", default="300", help="comma-separated training steps "
                    "(default 300)")
@@ -231,16 +232,17 @@ def recipe(specs: list[dict]) -> dict:
 
 
 def write_sweep(out: Path, records, specs, pending, baselines, data_name) -> dict:
-    from moeify.analysis.sweep import (plot_routing, plot_sweep, routing_diagnosis,
+    from moeify.analysis.sweep import (plot_gaps, plot_routing, plot_sweep, routing_diagnosis,
                                        sweep_markdown, sweep_table, write_json, write_text)
     from moeify.errors import MoeifyError
 
     rows = sweep_table(records, baselines)
     diagnosis = routing_diagnosis(records)
     plots, errors = [], []
-    for name, fn in (("valid_curves.png", plot_sweep), ("routing.png", plot_routing)):
+    for name, fn, what in (("valid_curves.png", plot_sweep, records),
+                           ("gaps.png", plot_gaps, rows), ("routing.png", plot_routing, records)):
         try:
-            if fn(records, out / name) is not None:
+            if fn(what, out / name) is not None:
                 plots.append(name)
         except MoeifyError as e:  # matplotlib missing: the numbers still get written
             errors.append(f"{name} not drawn: {e}")
