@@ -361,4 +361,3 @@ def test_selection_scores_stay_float32_under_autocast():
     ref = want.view(32, 2, 4).gather(-1, sel.idx.view(32, 2, 2))
     assert sel.gates.dtype == torch.float32
     assert (sel.gates.view(32, 2, 2).double() - ref).abs().max() < 1e-5
-

@@ -37,7 +37,7 @@ from moeify.train.config import TrainConfig, check_resume_compatible, resolve_mo
 from moeify.train.distributed import DistEnv, pick_device, setup_distributed
 from moeify.train.lock import RunLock
 from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
-from moeify.train.overrides import byte_level_preset
+from moeify.train.overrides import BYTE_VOCAB, byte_level_preset
 from moeify.train.progress import Progress
 from moeify.train.rundir import (CONFIG_FILE, model_config_dict, read_model_config,
                                  read_train_config, write_run_files)
@@ -305,8 +305,9 @@ class Trainer:
             return corpus, self._given_tokenizer
         kind = self.cfg.tokenizer
         if kind == "auto":
-            kind = "byte" if corpus.byte_level or byte_level_preset(self.cfg.preset) \
-                else "sentencepiece"
+            byte_model = (self.cfg.model["vocab_size"] <= BYTE_VOCAB if self.cfg.model
+                          else byte_level_preset(self.cfg.preset))
+            kind = "byte" if corpus.byte_level or byte_model else "sentencepiece"
         tok = self._rank0_first(lambda: build_tokenizer(kind, corpus,
                                                         vocab_size=self.cfg.vocab_size))
         return corpus, tok
