@@ -147,7 +147,7 @@ def test_auto_tokenizer_is_bytes_for_byte_presets_and_leftovers_are_cleared(
         text_corpus, monkeypatch, capsys):
     from moeify.analysis import curves
     from moeify.errors import MoeifyError
-    from moeify.train.config import byte_level_preset
+    from moeify.train.overrides import byte_level_preset
 
     assert byte_level_preset("repro-dense") and byte_level_preset("tiny-switchhead")
     assert not byte_level_preset("wt103-47m-dense")

@@ -159,7 +159,7 @@ def test_recipe_pinned_and_plots(swept, resumed):
 def test_routing_diagnosis_by_hand(swept, resumed):
     _, out, _, _, _ = swept
     E = 4  # tiny-switchhead: H = 2 heads of E = 4 experts
-    key = "stats/layers.0.attn.sel_v_counts"
+    key = "stats/layers.0.attn.src.counts"
     lasts = []
     for seed in SEEDS:
         d = _run_dirs(out)[("tiny-switchhead", 3, seed)]
@@ -172,9 +172,31 @@ def test_routing_diagnosis_by_hand(swept, resumed):
             ents.append(float(-(p * np.log(p)).sum() / np.log(E)))
         lasts.append(sum(ents) / len(ents))
     row = next(r for r in resumed["routing"] if r["preset"] == "tiny-switchhead"
-               and r["steps"] == 3 and r["proj"] == "v" and r["layer"] == 0)
+               and r["steps"] == 3 and r["proj"] == "src" and r["layer"] == 0)
     assert row["entropy"][2] == pytest.approx(sum(lasts) / 2, abs=1e-9)
     assert 0.0 < row["gate"][2] < 1.0
+
+
+def test_routing_read_from_the_older_metric_names(swept, resumed, tmp_path):
+    # Logs of older versions name the statistics per projection (sel_v_counts, ...).
+    import shutil
+
+    from moeify.analysis.sweep import routing_series
+
+    _, out, _, _, _ = swept
+    src = _run_dirs(out)[("tiny-switchhead", 3, 0)]
+    old = tmp_path / "old"
+    shutil.copytree(src, old)
+    text = (old / "metrics.jsonl").read_text()
+    for side, p in (("src", "v"), ("dst", "o")):
+        text = text.replace(f"attn.{side}.counts", f"attn.sel_{p}_counts")
+        text = text.replace(f"attn.{side}.gate_mean", f"attn.sel_{p}_gate_mean")
+    (old / "metrics.jsonl").write_text(text)
+    new, legacy = routing_series(src), routing_series(old)
+    for layer in (0, 1):
+        for side, p in (("src", "v"), ("dst", "o")):
+            assert legacy[(layer, p)] == new[(layer, side)]
+            assert len(new[(layer, side)]["gate"]) == 3
 
 
 def test_tabulate_only_rewrites_the_same_table(swept, resumed):
