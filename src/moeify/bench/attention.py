@@ -108,12 +108,15 @@ def add_dense_baselines(cases: list[tuple[str, ModelConfig]]) -> list[tuple[str,
     return extra + list(cases)
 
 
-def group_by_shape(cases: list[tuple[str, ModelConfig]]) -> list[list[tuple[str, ModelConfig]]]:
-    """Groups of cases with equal (d_model, T, XL memory), in order of first appearance; each
-    group's first dense-attention case moves to the front (the baseline)."""
+def group_by_shape(cases: list[tuple[str, ModelConfig]], key=None,
+                   ) -> list[list[tuple[str, ModelConfig]]]:
+    """Groups of cases with equal ``key(config)`` (default (d_model, T, XL memory)), in order of
+    first appearance; each group's first dense-attention case moves to the front (the
+    baseline)."""
+    key = key or _shape
     groups: dict[tuple, list] = {}
     for name, cfg in cases:
-        groups.setdefault(_shape(cfg), []).append((name, cfg))
+        groups.setdefault(key(cfg), []).append((name, cfg))
     out = []
     for members in groups.values():
         dense = [i for i, (_, c) in enumerate(members) if _is_dense(c)]

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from moeify.bench.attention import _is_dense, omp_wait_policy, resolve_cases
+from moeify.bench.attention import group_by_shape, omp_wait_policy, resolve_cases
 from moeify.bench.timing import _no_gc, format_table
 from moeify.models.config import ModelConfig
 
@@ -48,16 +48,8 @@ def cache_bytes(cache: list) -> int:
 
 
 def _groups(cases: list[tuple[str, ModelConfig]]) -> list[list[tuple[str, ModelConfig]]]:
-    groups: dict[tuple, list] = {}
-    for name, cfg in cases:
-        groups.setdefault((cfg.d_model, cfg.n_layers), []).append((name, cfg))
-    out = []
-    for members in groups.values():
-        dense = [i for i, (_, c) in enumerate(members) if _is_dense(c)]
-        if dense:
-            members.insert(0, members.pop(dense[0]))
-        out.append(members)
-    return out
+    """Cases of equal (d_model, n_layers), each group's dense preset first."""
+    return group_by_shape(cases, key=lambda cfg: (cfg.d_model, cfg.n_layers))
 
 
 class _Decoder:

@@ -94,6 +94,23 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
+@contextlib.contextmanager
+def atomic_directory(out: str | Path, tag: str) -> Iterator[Path]:
+    """A fresh temporary directory beside ``out`` (new or empty) to fill; on success it becomes
+    ``out`` in one rename, and on any exception it is removed and ``out`` is untouched."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{tag}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     with atomic_write(path, "wb") as f:
         f.write(data)

@@ -18,10 +18,10 @@ exported (they are not part of a checkpoint either).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
+from moeify.data.cache import atomic_directory
 from moeify.errors import MoeifyError
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
@@ -143,14 +143,6 @@ def export_hf(run: str | Path, out: str | Path) -> Path:
     tm = load_trained(run)
     src = tm.run_dir / HF_CONFIG_COPY
     hf_source = json.loads(src.read_text()) if src.is_file() else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out, "export") as tmp:
         _write(tmp, tm, hf_source)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

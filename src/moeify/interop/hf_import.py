@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moeify.data.cache import atomic_directory
 from moeify.errors import MoeifyError
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
@@ -333,10 +333,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     tokenizer = _read_tokenizer(src, cfg.vocab_size)
     state = state_from_hf(read_hf_weights(src), hf, cfg)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.import-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out, "import") as tmp:
         write_run_files(tmp, TrainConfig(preset=RUN_MODEL_PRESET), cfg, tokenizer)
         (tmp / HF_CONFIG_COPY).write_text(json.dumps(hf, indent=2) + "\n")
         (tmp / HF_TOKENIZER_CONFIG_COPY).write_text(json.dumps(_special_tokens(src)) + "\n")
@@ -345,9 +342,4 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
                 "imported_from": {"path": str(src.resolve()),
                                   "architecture": SUPPORTED_ARCHITECTURES[hf["model_type"]]}}
         save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True}, meta=meta)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -222,7 +222,6 @@ class SwitchFeedForward(nn.Module):
         capacity (P < N) the kept pairs are packed into P rows (a stable sort puts them first, in
         pair order); rows past the kept ones go to expert 0 with gate 0. Dropless (P = N), every
         pair is routed where it is, a dropped (no-op) one to expert 0 with gate 0."""
-        c = self.config
         M, K = idx_MK.shape
         N = M * K
         keep_N = keep_MK.reshape(-1)
