@@ -80,18 +80,28 @@ def ref_expert_rows(x, idx, w, gates=None, groups=1, sum_rows=1):
     return y.view(M // sum_rows, sum_rows, -1).sum(1) if sum_rows > 1 else y
 
 
-def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None):
-    """The one input factory of the expert-matmul tests: x [M, D], distinct expert ids [M, K]
-    (the top K of random scores; ``skew`` puts expert 0 in every row), w [E, D, F] and gates
-    [M, K] (float64 in float64, else float32 as routers produce them). No gradients."""
+def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None,
+                  n_groups=1, unit=None):
+    """The one input factory of the expert-matmul tests: x [M, D], expert ids [M, K], w [E, D, F]
+    and gates [M, K] (float64 in float64, else float32 as routers produce them). No gradients.
+
+    Each row's K ids are K // ``unit`` units of ``unit`` (default K) distinct experts, the top
+    ``unit`` of random scores. With ``n_groups`` > 1 the E experts form n_groups groups of
+    E // n_groups consecutive ids, and unit u (counted over all rows) picks its experts in group
+    u % n_groups: SwitchHead's per-head experts, what ``make_plan(..., group_size=E //
+    n_groups)`` describes. ``skew`` puts (local) expert 0 in every unit: the padding of the
+    other experts is large."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=g, dtype=f64).to(dtype)
     w = torch.randn(E, D, F, generator=g, dtype=f64).to(dtype)
     if idx is None:
-        scores = torch.rand(M, E, generator=g)
-        if skew:  # expert 0 in every row: the padding of the other experts is large
+        unit = K if unit is None else unit
+        U, E_g = M * K // unit, E // n_groups
+        scores = torch.rand(U, E_g, generator=g)
+        if skew:
             scores[:, 0] = 2.0
-        idx = scores.topk(K, -1).indices
+        group_U = torch.arange(U) % n_groups
+        idx = (scores.topk(unit, -1).indices + group_U[:, None] * E_g).reshape(M, K)
     gate_dtype = f64 if dtype == f64 else torch.float32
     gates = torch.rand(M, K, generator=g, dtype=gate_dtype) if gated else None
     return x, idx, w, gates

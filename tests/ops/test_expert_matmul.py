@@ -1,84 +1,162 @@
-"""The expert matmul: every implementation against a deliberately naive loop, outputs and all
-gradients, plus the edge cases and input validation."""
+"""The expert matmul (moeify.ops.expert_matmul.expert_matmul): every implementation against the
+pair-by-pair definition (references.ref_expert_rows), with one input factory
+(references.routed_inputs).
+
+The matrix: implementation x output contract x gate side x routing x dtype, outputs and the x, w
+and gate gradients. Then gradcheck, rows-free input, edge-case routings, non-finite rows that
+padding must not carry, strides, autocast, shared plans, the choice "auto" makes, and the
+validation errors. The padded and expert-set layouts' own invariants are tested beside their
+modules (test_padded_matmul.py, test_set_matmul.py).
+
+Shape legend: M rows, K experts per row, E experts, D input width, F output width, G output
+groups, R rows summed per output, B sequences (head-major output [B, G, S, F]).
+"""
+
+import functools
+import itertools
 
 import pytest
 import torch
 
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
-from references import ref_expert_rows as naive
-from references import routed_inputs as make
+from moeify.ops.expert_matmul import IMPLEMENTATIONS, chosen_impl, expert_matmul, make_plan
+from moeify.ops.padded_matmul import SINGLE_THREAD_SLACK, padded_layout, padding_pays
+from moeify.ops.set_matmul import set_layout
+from references import ref_expert_rows, routed_inputs
+
+f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+DTYPES = {"float64": f64, "float32": f32, "bfloat16": bf16}
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+IMPLS = IMPLEMENTATIONS + ("auto",)
+# Where the gate side (D > F: gates on the outputs, D < F: on the inputs) and the balance of the
+# routing choose a different computation. ("auto" runs one of the others: see the tests of what
+# it chooses at the end.)
+LAYOUT_IMPLS = ("padded", "sets")
+# Largest error over the largest reference entry: float64 exact, bfloat16 keeps 8 bits.
+TOL = {f64: 1e-12, f32: 1e-5, bf16: 2e-2}
+
+# M rows; the ids of a row are K = G·k experts in units of k, unit u of group u % (G or R) of
+# E experts each (SwitchHead's per-head experts); gated=False returns [M, K, F].
+CONTRACTS = {
+    "rows": dict(M=13, E=5, k=3, gated=False),  # [M, K, F]
+    "sum-k1": dict(M=24, E=6, k=1),  # [M, F]: sigma-MoE, Switch
+    "sum-k2": dict(M=24, E=5, k=2),
+    "groups2-k2": dict(M=48, G=2, E=5, k=2),  # [M, G, F]: SwitchHead's value / key experts
+    "groups3-k3": dict(M=24, G=3, E=4, k=3),
+    "groups2-kE": dict(M=24, G=2, E=4, k=4),  # every expert of a group: one set per group
+    "sum_rows2-k2": dict(M=48, R=2, E=5, k=2),  # [M/R, F]: SwitchHead's output / query experts
+    "sum_rows3-k3": dict(M=72, R=3, E=4, k=3),
+    "batch": dict(M=24, G=2, E=5, k=2, B=3),  # [B, G, S, F], as attention takes it
+}
+# (D, F) per dtype and gate side; grouped_mm needs row widths of multiples of 16 bytes.
+SIDES = {"gates-out": {f64: (12, 5), f32: (16, 8), bf16: (16, 8)},
+         "gates-in": {f64: (5, 12), f32: (8, 16), bf16: (8, 16)}}
 
 
-def run(impl, x, idx, w, gates, groups=1, grad_out=None):
-    x = x.clone().requires_grad_()
-    w = w.clone().requires_grad_()
-    gates = None if gates is None else gates.clone().requires_grad_()
-    y = expert_matmul(x, idx, w, gates, impl=impl, groups=groups)
-    go = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype) \
-        if grad_out is None else grad_out
-    y.backward(go)
-    return y.detach(), x.grad, w.grad, None if gates is None else gates.grad
+def contract_inputs(contract, dtype, side, skew, seed=1):
+    """The factory's inputs of one contract, its grouped plan and the call's keywords."""
+    c = CONTRACTS[contract]
+    G, R, k = c.get("G", 1), c.get("R", 1), c["k"]
+    n = max(G, R)
+    D, F = SIDES[side][dtype]
+    x, idx, w, gates = routed_inputs(c["M"], G * k, n * c["E"], D, F, dtype=dtype, seed=seed,
+                                     skew=skew, gated=c.get("gated", True), n_groups=n, unit=k)
+    plan = make_plan(idx, n * c["E"], group_size=c["E"])
+    return x, idx, w, gates, plan, dict(groups=G, sum_rows=R, batch=c.get("B"))
 
 
-def assert_close(a, b, rtol):
-    scale = b.abs().max().clamp_min(1e-12)
-    assert ((a.double() - b.double()).abs().max() / scale).item() < rtol
+def reference(x, idx, w, gates, groups=1, sum_rows=1, batch=None, seed=7):
+    """ref_expert_rows in float64 of the same (rounded) inputs: output, the output gradient
+    and the x, w, gate gradients for it."""
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gr = None if gates is None else gates.detach().double().requires_grad_()
+    y = ref_expert_rows(xr, idx, wr, gr, groups, sum_rows)
+    if batch is not None:
+        y = y.view(batch, -1, groups, y.shape[-1]).transpose(1, 2)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
+    grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
+    return y.detach(), g, grads
 
 
-def check_against_naive(impl, x, idx, w, gates, groups=1, rtol=1e-10):
-    got = run(impl, x, idx, w, gates, groups)
-    xr = x.clone().double().requires_grad_()
-    wr = w.clone().double().requires_grad_()
-    gr = None if gates is None else gates.clone().double().requires_grad_()
-    want = naive(xr, idx, wr, gr, groups)
-    want.backward(torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-                  .to(got[0].dtype).double())
-    for a, b in zip(got, (want.detach(), xr.grad, wr.grad, None if gr is None else gr.grad)):
-        if b is None:
-            assert a is None
-        else:
-            assert a.shape == b.shape
-            assert_close(a, b, rtol)
+@functools.lru_cache(maxsize=None)
+def contract_case(contract, dtype_name, side, skew):
+    """Inputs and their reference, computed once for every implementation."""
+    x, idx, w, gates, plan, kw = contract_inputs(contract, DTYPES[dtype_name], side, skew)
+    return x, idx, w, gates, plan, kw, reference(x, idx, w, gates, **kw)
 
 
-# "sets" needs grouped routing and gates: tests/test_set_matmul.py.
-ALL = ("reference",) + tuple(i for i in IMPLEMENTATIONS if i not in ("reference", "sets")) \
-    + ("auto",)
+def assert_close(got, want, tol):
+    assert got.shape == want.shape
+    scale = want.abs().max().clamp_min(1e-12)
+    assert ((got.double() - want).abs().max() / scale).item() <= tol
 
 
-@pytest.mark.parametrize("impl", ALL)
-@pytest.mark.parametrize("gated", [False, True])
-def test_float64_matches_naive(impl, gated):
-    x, idx, w, gates = make(13, 3, 5, 7, 6, gated=gated)
-    check_against_naive(impl, x, idx, w, gates)
+def check(impl, x, idx, w, gates, ref, tol, **kw):
+    """expert_matmul against the reference: output, dtypes and the gradients of every input."""
+    want, g, want_grads = ref
+    inputs = [t.detach().requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gates is not None else None,
+                      impl=impl, **kw)
+    assert y.dtype == x.dtype
+    assert_close(y, want, tol)
+    grads = torch.autograd.grad(y, inputs, g.to(y.dtype))
+    assert len(grads) == len(want_grads)
+    for a, t, b in zip(grads, inputs, want_grads):
+        assert a.dtype == t.dtype
+        assert_close(a, b, tol)
+    return y
 
 
-@pytest.mark.parametrize("impl", ALL)
-def test_float32_matches_naive(impl):
-    x, idx, w, gates = make(64, 2, 8, 32, 16, dtype=torch.float32)
-    check_against_naive(impl, x, idx, w, gates, rtol=1e-5)
+def matrix():
+    for dtype, impl, contract, side, skew in itertools.product(DTYPES, IMPLS, CONTRACTS, SIDES,
+                                                               (False, True)):
+        if impl == "sets" and not CONTRACTS[contract].get("gated", True):
+            continue  # sets is gated only (test_sets_needs_gates_and_a_grouped_plan)
+        if impl not in LAYOUT_IMPLS and (skew or side == "gates-in"):
+            continue  # no layout for them to change (experts without rows: test_edge_cases)
+        if skew and dtype == "float32":
+            continue  # the same code as float64; bfloat16 takes other sums
+        yield pytest.param(dtype, impl, contract, side, skew,
+                           id=f"{dtype}-{impl}-{contract}-{side}" + ("-skew" if skew else ""))
 
 
-@pytest.mark.parametrize("impl", ALL)
-def test_groups_give_per_group_sums(impl):
-    # SwitchHead's value experts: K = heads * k, one gated sum per head.
-    x, idx, w, gates = make(9, 6, 10, 8, 4)
-    check_against_naive(impl, x, idx, w, gates, groups=3)
+@pytest.mark.parametrize("dtype,impl,contract,side,skew", list(matrix()))
+def test_matches_definition(dtype, impl, contract, side, skew):
+    x, idx, w, gates, plan, kw, ref = contract_case(contract, dtype, side, skew)
+    y = check(impl, x, idx, w, gates, ref, TOL[DTYPES[dtype]], plan=plan, **kw)
+    if impl == "sets" and contract == "batch":  # laid out head-major, not a view
+        assert y.is_contiguous()
+    if impl == "grouped" and dtype != "float64":  # torch's grouped GEMM ran, not the fallback
+        assert chosen_impl("grouped", x, idx, w) == "grouped"
 
 
-def test_reference_gradcheck():
-    x, idx, w, gates = make(5, 2, 3, 4, 3)
-    f = lambda x, w, g: expert_matmul(x, idx, w, g, impl="reference")  # noqa: E731
+# gather's backward is autograd's; "grouped" in float64 runs "segment".
+@pytest.mark.parametrize("impl,side", [(i, "gates-out") for i in ("reference", "segment")]
+                         + [(i, s) for i in ("padded", "sets") for s in SIDES])
+def test_gradcheck(impl, side):
+    D, F = (4, 3) if side == "gates-out" else (3, 4)
+    x, idx, w, gates = routed_inputs(6, 4, 6, D, F, n_groups=2, unit=2)
+    plan = make_plan(idx, 6, group_size=3)
+    f = lambda x, w, g: expert_matmul(x, idx, w, g, groups=2, impl=impl,  # noqa: E731
+                                      plan=plan)
     assert torch.autograd.gradcheck(f, (x.requires_grad_(), w.requires_grad_(),
-                                        gates.double().requires_grad_()))
+                                        gates.requires_grad_()))
 
 
-@pytest.mark.parametrize("impl", ["segment", "grouped"])
-def test_sorted_gradcheck(impl):
-    x, idx, w, gates = make(6, 2, 3, 4, 4)
-    f = lambda x, w, g: expert_matmul(x, idx, w, g, impl=impl)  # noqa: E731
-    assert torch.autograd.gradcheck(f, (x.requires_grad_(), w.requires_grad_(),
-                                        gates.double().requires_grad_()))
+@pytest.mark.parametrize("impl,contract", [(i, c) for i in IMPLS
+                                            for c in ("rows", "sum", "groups", "batch")
+                                            if (i, c) != ("sets", "rows")])  # sets: gated only
+def test_no_rows(impl, contract):
+    G = 2 if contract in ("groups", "batch") else 1
+    x, idx, w, gates = routed_inputs(0, 4, 6, 4, 3, gated=contract != "rows", n_groups=G,
+                                     unit=4 // G)
+    x.requires_grad_(), w.requires_grad_()
+    y = expert_matmul(x, idx, w, gates, groups=G, impl=impl, batch=1 if contract == "batch"
+                      else None, plan=make_plan(idx, 6, group_size=6 // G))
+    want = {"rows": (0, 4, 3), "sum": (0, 3), "groups": (0, 2, 3), "batch": (1, 2, 0, 3)}
+    assert y.shape == want[contract]
+    y.sum().backward()
+    assert x.grad.shape == (0, 4) and (w.grad == 0).all()
 
 
 EDGE_CASES = {
@@ -88,113 +166,191 @@ EDGE_CASES = {
     "one expert": dict(M=7, K=1, E=1, D=8, F=8),
     "one row": dict(M=1, K=2, E=5, D=8, F=8),
     "D and F not multiples of 4": dict(M=11, K=2, E=3, D=7, F=5),
-    "no rows": dict(M=0, K=2, E=3, D=8, F=8),
 }
 
 
-@pytest.mark.parametrize("impl", ALL)
+@functools.lru_cache(maxsize=None)
+def edge_case(case, dtype):
+    c = EDGE_CASES[case]
+    x, idx, w, gates = routed_inputs(c["M"], c["K"], c["E"], c["D"], c["F"], idx=c.get("idx"),
+                                     dtype=dtype)
+    return x, idx, w, gates, reference(x, idx, w, gates)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(EDGE_CASES))
-def test_edge_cases(impl, case):
-    c = dict(EDGE_CASES[case])
-    x, idx, w, gates = make(c["M"], c["K"], c["E"], c["D"], c["F"], idx=c.get("idx"))
-    if c["M"] == 0:
-        y, gx, gw, gg = run(impl, x, idx, w, gates)
-        assert y.shape == (0, c["F"]) and gx.shape == x.shape and (gw == 0).all()
-        return
-    check_against_naive(impl, x, idx, w, gates)
-    # float32 too, where grouped_mm's alignment constraints bite
-    check_against_naive(impl, x.float(), idx, w.float(), gates, rtol=1e-5)
+def test_edge_cases(case, impl):
+    for dtype in (f64, f32):  # float32 too, where grouped_mm's alignment constraints bite
+        x, idx, w, gates, ref = edge_case(case, dtype)
+        plan = make_plan(idx, w.shape[0], group_size=w.shape[0]) if impl == "sets" else None
+        check(impl, x, idx, w, gates, ref, TOL[dtype], plan=plan)
 
 
-@pytest.mark.parametrize("impl", ALL)
-def test_bfloat16(impl):
-    x, idx, w, gates = make(32, 2, 4, 16, 16, dtype=torch.bfloat16)
-    y, gx, gw, gg = run(impl, x, idx, w, gates)
-    assert y.dtype == gx.dtype == gw.dtype == torch.bfloat16
-    want = naive(x.double(), idx, w.double(), gates.double())
-    assert_close(y, want, 2e-2)
-
-
-@pytest.mark.parametrize("impl", ALL)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_non_contiguous_inputs(impl):
-    x, idx, w, gates = make(12, 2, 4, 16, 8, dtype=torch.float32)
+    x, idx, w, gates = routed_inputs(12, 2, 4, 16, 8, dtype=f32)
     x_nc = torch.cat([x, x], 1)[:, ::2]  # stride 2 along D
     w_nc = w.transpose(1, 2).contiguous().transpose(1, 2)  # column-major expert matrices
     idx_nc = torch.cat([idx, idx], 0)[::2]
-    assert not x_nc.is_contiguous() and not w_nc.is_contiguous()
-    check_against_naive(impl, x_nc, idx_nc, w_nc, gates[:, :].t().contiguous().t(), rtol=1e-5)
+    g_nc = gates.t().contiguous().t()
+    assert not x_nc.is_contiguous() and not w_nc.is_contiguous() and not idx_nc.is_contiguous()
+    plan = make_plan(idx_nc, 4, group_size=4) if impl == "sets" else None
+    check(impl, x_nc, idx_nc, w_nc, g_nc, reference(x_nc, idx_nc, w_nc, g_nc), TOL[f32],
+          plan=plan)
 
 
-@pytest.mark.parametrize("impl", ALL)
-def test_stride_zero_gradient(impl):
+@pytest.mark.parametrize("impl,gated", [(i, g) for i in IMPLS for g in (False, True)
+                                        if (i, g) != ("sets", False)])  # sets: gated only
+def test_stride_zero_gradient(impl, gated):
     # y.sum().backward() hands the backward an expanded (stride-0) gradient.
-    x, idx, w, gates = make(16, 2, 4, 16, 16, dtype=torch.float32)
-    for g in (None, gates):
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        expert_matmul(xr, idx, wr, g, impl=impl).sum().backward()
-        xd, wd = x.clone().double().requires_grad_(), w.clone().double().requires_grad_()
-        naive(xd, idx, wd, None if g is None else g.double()).sum().backward()
-        assert_close(xr.grad, xd.grad, 1e-5)
-        assert_close(wr.grad, wd.grad, 1e-5)
+    x, idx, w, gates = routed_inputs(16, 2, 4, 16, 16, dtype=f32, gated=gated)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    plan = make_plan(idx, 4, group_size=4) if impl == "sets" else None
+    expert_matmul(xr, idx, wr, gates, impl=impl, plan=plan).sum().backward()
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    ref_expert_rows(xd, idx, wd, None if gates is None else gates.double()).sum().backward()
+    assert_close(xr.grad, xd.grad, TOL[f32])
+    assert_close(wr.grad, wd.grad, TOL[f32])
 
 
-def test_plan_is_reusable_across_row_groupings():
-    # One sort of [M, H, k] ids serves a [M, H*k] view (value experts) and a [M*H, k] view
-    # (output experts), as SwitchHead's Q and O experts share a selection.
-    x, idx, w, gates = make(8, 6, 12, 8, 4)
-    plan = make_plan(idx, 12)
-    a = expert_matmul(x, idx, w, gates, groups=3, impl="segment", plan=plan)
-    assert_close(a, naive(x, idx, w, gates, groups=3), 1e-12)
-    xo = torch.randn(24, 8, dtype=torch.float64)
-    io, go = idx.reshape(24, 2), gates.reshape(24, 2)
-    b = expert_matmul(xo, io, w, go, impl="segment", plan=plan)
-    assert_close(b, naive(xo, io, w, go), 1e-12)
+@pytest.mark.parametrize("impl", ["padded", "sets"])
+@pytest.mark.parametrize("side", list(SIDES))
+def test_padding_never_leaks_a_non_finite_row(impl, side):
+    # Padding slots must not carry row 0 into other rows' outputs or any other gradient.
+    D, F = (6, 3) if side == "gates-out" else (3, 6)
+    x, idx, w, gates = routed_inputs(30, 2, 4, D, F, seed=5, skew=True)
+    plan = make_plan(idx, 4, group_size=4)
+    lay = padded_layout(plan) if impl == "padded" else set_layout(idx, 4)
+    assert lay.pad_P.numel() > 0
+    x[0] = float("inf")
+    x, w, gates = x.requires_grad_(), w.requires_grad_(), gates.requires_grad_()
+    y = expert_matmul(x, idx, w, gates, impl=impl, plan=plan)
+    assert torch.isfinite(y[1:]).all()
+    y[1:].sum().backward()
+    others = torch.ones(4, dtype=torch.bool).index_fill_(0, idx[0], False)  # not row 0's experts
+    assert others.any() and torch.isfinite(w.grad[others]).all()
+    assert torch.isfinite(x.grad[1:]).all() and torch.isfinite(gates.grad[1:]).all()
 
 
-def test_ids_get_no_gradient_and_all_impls_agree_on_auto():
-    x, idx, w, gates = make(8, 2, 4, 8, 8, dtype=torch.float32)
-    assert not idx.is_floating_point()
-    y = expert_matmul(x, idx, w, gates)
-    assert y.shape == (8, 8)
+@pytest.mark.parametrize("side", list(SIDES))
+def test_sets_on_two_grids_match_definition(side):
+    # Five sets of 100 units and one of 180: two grids (100 high, then 80 for the big set's
+    # overflow) instead of six blocks of 180; outputs and gradients still exact.
+    sets = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
+    ids = sets.repeat_interleave(torch.tensor([100, 100, 100, 100, 100, 180]), 0)
+    g = torch.Generator().manual_seed(2)
+    ids = ids[torch.randperm(ids.shape[0], generator=g)]
+    ids = torch.where(torch.rand(ids.shape[0], 1, generator=g) < 0.5, ids, ids.flip(1))
+    lay = set_layout(ids, 4)
+    assert [(gr.n_blocks, gr.block) for gr in lay.grids] == [(6, 100), (1, 80)]
+    assert lay.n_slots == ids.shape[0]  # no padding at all
+    D, F = (9, 4) if side == "gates-out" else (4, 9)
+    x, idx, w, gates = routed_inputs(ids.shape[0], 2, 4, D, F, idx=ids)
+    check("sets", x, idx, w, gates, reference(x, idx, w, gates), TOL[f64],
+          plan=make_plan(idx, 4, group_size=4))
 
 
-@pytest.mark.parametrize("impl", ALL)
+@pytest.mark.parametrize("impl", ["segment", "grouped", "padded", "sets"])
+def test_plan_shared_by_two_row_groupings(impl):
+    # One [M, H, k] selection serves value experts ([M, H*k], groups=H) and output experts
+    # ([M*H, k] rows summed over the H heads of a token), as SwitchHead with a shared selection.
+    M, H, k, E = 7, 2, 2, 4
+    xv, ids, wv, gates = routed_inputs(M, H * k, H * E, 6, 3, seed=5, n_groups=H, unit=k)
+    plan = make_plan(ids, H * E, group_size=E)
+    v = expert_matmul(xv, ids, wv, gates, groups=H, impl=impl, plan=plan)
+    assert_close(v, ref_expert_rows(xv, ids, wv, gates, groups=H), TOL[f64])
+    xo, io, wo, go = routed_inputs(M * H, k, H * E, 3, 6, seed=6, idx=ids.view(M * H, k))
+    go = gates.view(M * H, k)
+    o = expert_matmul(xo, io, wo, go, sum_rows=H, impl=impl, plan=plan)
+    assert_close(o, ref_expert_rows(xo, io, wo, go, sum_rows=H), TOL[f64])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_autocast_runs_in_the_autocast_dtype(impl):
+    x, idx, w, gates = routed_inputs(16, 2, 4, 16, 16, dtype=f32)
+    with torch.autocast("cpu", dtype=bf16):
+        y = expert_matmul(x, idx, w, gates, impl=impl, plan=make_plan(idx, 4, group_size=4))
+    assert y.dtype == bf16
+    assert_close(y, ref_expert_rows(x.double(), idx, w.double(), gates.double()), TOL[bf16])
+
+
+# ---------------------------------------------------------------------------- what "auto" runs
+
+
+def test_auto_pads_only_when_padding_is_small():
+    _, skewed, _, _ = routed_inputs(64, 1, 8, 4, 4, skew=True)
+    even = make_plan(torch.arange(64).remainder(4)[:, None], 4)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert not padding_pays(make_plan(skewed, 8))  # 8 x 64 slots for 64 pairs
+        assert padding_pays(even) and 4 * 16 <= SINGLE_THREAD_SLACK * 64
+        torch.set_num_threads(2)
+        assert padding_pays(make_plan(skewed, 8))  # threaded: always, blocks bound the padding
+        x, w = torch.zeros(64, 4), torch.zeros(8, 4, 4)
+        assert chosen_impl("auto", x, skewed, w) == "padded"  # what reports name
+        torch.set_num_threads(1)
+        assert chosen_impl("auto", x, skewed, w) == "segment"
+        assert chosen_impl("gather", x, skewed, w) == "gather"
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_auto_takes_sets_on_cpu_for_grouped_plans_only():
+    M, G, E, K = 4000, 2, 5, 2
+    x, ids, w, gates = routed_inputs(M, G * K, G * E, 8, 4, dtype=f32, n_groups=G, unit=K)
+    grouped = make_plan(ids, G * E, group_size=E)
+    plain = make_plan(ids, G * E)
+    y = expert_matmul(x, ids, w, gates, groups=G, plan=grouped)
+    assert ("sets", K) in grouped._cache  # the set layout was built and used
+    expert_matmul(x, ids, w, gates, groups=G, plan=plain)
+    assert ("sets", K) not in plain._cache
+    torch.testing.assert_close(y, expert_matmul(x, ids, w, gates, groups=G, impl="reference"))
+    # What reports name (moeify bench expert-matmul): rows = units here.
+    units = ids.view(M * G, K)
+    xu, wu = torch.zeros(M * G, 8), torch.zeros(G * E, 8, 4)
+    assert chosen_impl("auto", xu, units, wu, group_size=E) == "sets"
+    assert chosen_impl("auto", xu, units, wu) != "sets"
+    assert chosen_impl("auto", xu[:100], units[:100], wu, group_size=E) != "sets"
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_invalid_input_raises_value_error(impl):
-    x, idx, w, gates = make(4, 2, 3, 8, 8)
-    with pytest.raises(ValueError, match=r"\[0, 3\)"):
-        expert_matmul(x, idx + 3, w, impl=impl)
-    with pytest.raises(ValueError, match=r"\[0, 3\)"):
-        expert_matmul(x, idx - 1, w, impl=impl)
-    with pytest.raises(ValueError, match="integer"):
-        expert_matmul(x, idx.double(), w, impl=impl)
-    with pytest.raises(ValueError, match="idx must be"):
-        expert_matmul(x, idx[:3], w, impl=impl)
-    with pytest.raises(ValueError, match="w must be"):
-        expert_matmul(x, idx, w[:, :5], impl=impl)
-    with pytest.raises(ValueError, match="gates must"):
-        expert_matmul(x, idx, w, gates[:, :1], impl=impl)
-    with pytest.raises(ValueError, match="groups"):
-        expert_matmul(x, idx, w, gates, groups=3, impl=impl)
-    with pytest.raises(ValueError, match="dtype"):
-        expert_matmul(x.float(), idx, w, impl=impl)
+    x, idx, w, gates = routed_inputs(4, 2, 3, 8, 8)
+    for bad, match in ((idx + 3, r"\[0, 3\)"), (idx - 1, r"\[0, 3\)"), (idx.double(), "integer"),
+                       (idx[:3], "idx must be")):
+        with pytest.raises(ValueError, match=match):
+            expert_matmul(x, bad, w, impl=impl)
+    calls = [
+        (dict(w=w[:, :5]), "w must be"), (dict(gates=gates[:, :1]), "gates must"),
+        (dict(gates=gates, groups=3), "groups"), (dict(x=x.float()), "dtype"),
+        (dict(gates=gates, sum_rows=3), "sum_rows"), (dict(sum_rows=2), "sum_rows"),
+        (dict(gates=gates, groups=2, sum_rows=2), "sum_rows"),
+        (dict(gates=gates, batch=3), "batch"), (dict(batch=2), "batch"),
+    ]
+    for kw, match in calls:
+        args = dict(x=x, idx=idx, w=w, gates=None) | kw
+        with pytest.raises(ValueError, match=match):
+            expert_matmul(args.pop("x"), args.pop("idx"), args.pop("w"), args.pop("gates"),
+                          impl=impl, **args)
 
 
-def test_unknown_implementation():
-    x, idx, w, _ = make(4, 2, 3, 8, 8)
+def test_unknown_implementation_and_plan_mismatch():
+    x, idx, w, _ = routed_inputs(4, 2, 3, 8, 8)
     with pytest.raises(ValueError, match="unknown expert-matmul implementation"):
         expert_matmul(x, idx, w, impl="fastest")
-
-
-def test_plan_mismatch_raises():
-    x, idx, w, _ = make(4, 2, 3, 8, 8)
     with pytest.raises(ValueError, match="plan was built"):
         expert_matmul(x, idx, w, impl="segment", plan=make_plan(idx[:2], 3))
 
 
-@pytest.mark.parametrize("impl", ALL)
-def test_autocast_runs_in_the_autocast_dtype(impl):
-    x, idx, w, gates = make(16, 2, 4, 16, 16, dtype=torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = expert_matmul(x, idx, w, gates, impl=impl)
-    assert y.dtype == torch.bfloat16
-    assert_close(y, naive(x.double(), idx, w.double(), gates.double()), 2e-2)
+def test_sets_needs_gates_and_a_grouped_plan():
+    x, ids, w, gates = routed_inputs(20, 2, 4, 3, 3)
+    with pytest.raises(ValueError, match="group_size"):
+        expert_matmul(x, ids, w, gates, impl="sets", plan=make_plan(ids, 4))
+    with pytest.raises(ValueError, match="gates"):
+        expert_matmul(x, ids, w, None, impl="sets", plan=make_plan(ids, 4, group_size=4))
+    with pytest.raises(ValueError, match="group_size"):
+        make_plan(ids, 4, group_size=3)

@@ -1,0 +1,60 @@
+"""The padded layout's own parts (moeify.ops.padded_matmul): the slot sums against a loop and the
+layout's placement of the routed pairs. The padded expert matmul itself, against the definition,
+is in test_expert_matmul.py.
+
+Shape legend: M rows, K experts per row, E experts, N = M·K pairs, P slots.
+"""
+
+import pytest
+import torch
+
+from moeify.ops.expert_matmul import make_plan
+from moeify.ops.padded_matmul import CAPACITY_SLACK, padded_layout, slot_sums
+from references import routed_inputs
+
+f64 = torch.float64
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.mark.parametrize("dtype", [f64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("path", ["embedding_bag", "fallback"])
+def test_slot_sums_match_a_loop(dtype, weighted, path, monkeypatch):
+    # The bag sum and the gather-and-sum fallback (taken where embedding_bag has no kernel)
+    # against the definition, one output row at a time.
+    if path == "fallback":
+        def no_kernel(*args, **kwargs):
+            raise NotImplementedError("no embedding_bag kernel")
+        monkeypatch.setattr(torch.nn.functional, "embedding_bag", no_kernel)
+    g = torch.Generator().manual_seed(0)
+    P, F, per_row, n_out = 11, 4, 3, 3
+    src = torch.randn(P, F, generator=g, dtype=f64)
+    slot = torch.randperm(P, generator=g)[: n_out * per_row]
+    weight = torch.rand(n_out * per_row, generator=g, dtype=f64)
+    out = slot_sums(src.to(dtype), slot, weight.to(dtype) if weighted else None, per_row)
+    ref = torch.stack([sum((weight[n] if weighted else 1.0) * src[slot[n]]
+                           for n in range(r * per_row, (r + 1) * per_row))
+                       for r in range(n_out)])
+    assert out.dtype == dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.to(f64), ref, **tol)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_padded_layout_places_every_pair_once(skew):
+    _, idx, _, _ = routed_inputs(40, 3, 5, 4, 4, skew=skew)
+    plan = make_plan(idx, 5)
+    lay = padded_layout(plan)
+    counts = torch.bincount(idx.reshape(-1), minlength=5)
+    N, P = idx.numel(), lay.n_blocks * lay.block
+    if lay.block_expert is None:  # one block per expert, as long as the largest expert
+        assert lay.block == int(counts.max()) and 5 * lay.block <= CAPACITY_SLACK * N
+        expert_of_block = torch.arange(5)
+    else:  # bounded padding whatever the routing
+        assert skew and P <= 1.25 * N + 5 * 8
+        expert_of_block = lay.block_expert
+    # Each pair's slot lies in a block of its expert, no two pairs share a slot, the rest pads.
+    assert torch.equal(expert_of_block[lay.slot_N // lay.block], idx.reshape(-1))
+    assert torch.equal(lay.pair_P[lay.slot_N], torch.arange(N))
+    assert sorted(lay.pad_P.tolist() + lay.slot_N.tolist()) == list(range(P))
+    assert padded_layout(plan) is lay  # computed once per plan
