@@ -3,7 +3,7 @@ pair-by-pair definition (references.ref_expert_rows), with one input factory
 (references.routed_inputs).
 
 The matrix: implementation x output contract x gate side x routing x dtype, outputs and the x, w
-and gate gradients. Then gradcheck, rows-free input, edge-case routings, non-finite rows that
+and gate gradients. Then gradcheck, input without rows, edge-case routings, non-finite rows that
 padding must not carry, strides, autocast, shared plans, the choice "auto" makes, and the
 validation errors. The padded and expert-set layouts' own invariants are tested beside their
 modules (test_padded_matmul.py, test_set_matmul.py).
