@@ -210,8 +210,12 @@ class AttentionCore(nn.Module):
         # the [B, H, T, S] logits.
         qp = qp * scale
         S = k.shape[-2]
-        if not explicit and impl == "auto" and dropout_p == 0.0:
-            # Fused core (ops/xl_attention.py): the shift as a view, no expanded table.
+        if not explicit and impl == "auto" and dropout_p == 0.0 \
+                and not torch.compiler.is_compiling():
+            # Fused core (ops/xl_attention.py): the shift as a view, no expanded table. Under
+            # torch.compile the explicit path below is traced instead (the Function takes the
+            # same tensor as two inputs, which the compiler refuses; it fuses the explicit
+            # logits itself).
             qc = qp if u is None and vb is None else (
                 q if u is None else q + u[:, None].to(q.dtype)) * scale
             p_HRC = xl_position_table(w_pos_DHC, S, q.shape[-2], causal=causal, dtype=qp.dtype)

@@ -34,6 +34,14 @@ Implementations (``impl=``):
 Each call runs inside a profiler range named ``TRACE_PREFIX`` + the implementation, so that a
 benchmark can report what really ran (``moeify.bench.timing.expert_impls_run``).
 
+Under torch.compile "auto" takes a layout without host syncs (``compiled_impl``): the per-expert
+loop, the padded grid and the set layout size their work from the routing counts on the host
+(``.tolist()`` / ``int()``), which would break the compiled graph at every expert matmul. On CPU
+(and on CUDA outside bf16) that is "reference", one dense matmul over all experts, E/K times the
+multiply-adds of the routed ones but no gathered weight copies (what "gather" would make:
+[N, D, F]); with bf16 on CUDA it is torch's grouped GEMM, traced as a plain differentiable op
+(``_grouped_traced``). Explicitly chosen implementations are kept as they are.
+
 "segment" and "grouped" share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
 gates are applied to the narrow [N, F] product, never to [N, D] inputs. The backward computes
@@ -47,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_pays
+from moeify.ops.routing import count_ids
 from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout, sets_eligible
 
 IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded", "sets")
@@ -109,7 +118,7 @@ class ExpertPlan:
 
     @property
     def counts_E(self) -> torch.Tensor:
-        return self._get("counts", lambda: torch.bincount(self.flat_N, minlength=self.num_experts))
+        return self._get("counts", lambda: count_ids(self.flat_N, self.num_experts))
 
     @property
     def offsets_E(self) -> torch.Tensor:
@@ -121,7 +130,7 @@ def _check_ids(idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"expert ids must be an integer tensor, got dtype {idx.dtype}")
     if idx.numel() == 0:
         return
-    if idx.device.type == "cpu":
+    if idx.device.type == "cpu" and not torch.compiler.is_compiling():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(
@@ -307,6 +316,8 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     kind = _resolve_name(impl, x_MD, w_EDF)
     if kind != "auto":
         return kind
+    if torch.compiler.is_compiling():
+        return compiled_impl(x_MD, w_EDF)
     if x_MD.device.type == "cuda":
         fast = (x_MD.dtype == torch.bfloat16
                 and torch.cuda.get_device_capability(x_MD.device)[0] >= 9)
@@ -322,6 +333,25 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     if per_expert >= SEGMENT_MIN_MACS:
         return "segment"
     return "padded" if padding_pays(plan) else "segment"
+
+
+def compiled_impl(x: torch.Tensor, w: torch.Tensor) -> str:
+    """What "auto" resolves to inside a torch.compile'd graph (module docstring): no host sync."""
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16 and _HAS_GROUPED_MM \
+            and _grouped_ok(x, w):
+        return "grouped"
+    return "reference"
+
+
+def _grouped_traced(x_MD, w_EDF, gates_MK, plan: ExpertPlan, k: int, groups: int):
+    """"grouped" for torch.compile: the same sorted layout and grouped GEMM as
+    ``_SortedExpertMatmul``, written with differentiable ops only (autograd and the compiler see
+    ``F.grouped_mm``, which has its own backward), so nothing leaves the graph."""
+    M = x_MD.shape[0]
+    rows_N = torch.div(plan.order_N, k, rounding_mode="floor")
+    ys_NF = F.grouped_mm(x_MD.index_select(0, rows_N), w_EDF, offs=plan.offsets_E)
+    y_MKF = ys_NF.index_select(0, plan.inverse_N).view(M, k, w_EDF.shape[-1])
+    return _combine(y_MKF, gates_MK, groups)
 
 
 def _unit_k(idx_MK: torch.Tensor, groups: int) -> int:
@@ -413,6 +443,8 @@ def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, 
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
     k = _unit_k(idx_MK, groups)
     kind = choose_impl(impl, x_MD, w_EDF, plan, k=k, gated=gates_MK is not None)
+    if torch.compiler.is_compiling():  # no profiler range inside a graph
+        return _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k)
     # Named in profiler traces, so that reports can say which implementation really ran.
     with torch.profiler.record_function(f"{TRACE_PREFIX}{kind}"):
         return _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k)
@@ -436,6 +468,8 @@ def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
         if batch is not None:
             return y.view(batch, groups, M // batch, Fo)
         return y.view(M, groups, Fo) if groups > 1 else y
+    if kind == "grouped" and torch.compiler.is_compiling():
+        return _sum_rows(_grouped_traced(x_MD, w_EDF, gates_MK, plan, K, groups), sum_rows)
     if kind == "padded":
         # The row sum happens inside: the output gradient is gathered per slot from [M / R, F].
         return PaddedExpertMatmul.apply(x_MD, w_EDF, gates_MK, padded_layout(plan), K, groups,

@@ -101,6 +101,12 @@ def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
     ang_BTF = _positions_2d(pos_BT).to(torch.float64)[..., None] * inv_F
     cos_B1TF = ang_BTF.cos().to(x_BHTC.dtype)[:, None]
     sin_B1TF = ang_BTF.sin().to(x_BHTC.dtype)[:, None]
+    if torch.compiler.is_compiling():
+        # The Function writes into slices with out= (no concatenation), which torch.compile
+        # cannot trace; the compiler fuses the plain expression into one kernel anyway.
+        x1, x2 = x_BHTC[..., :half], x_BHTC[..., half:n_rot]
+        return torch.cat([x1 * cos_B1TF - x2 * sin_B1TF, x2 * cos_B1TF + x1 * sin_B1TF,
+                          x_BHTC[..., n_rot:]], -1)
     return _Rope.apply(x_BHTC, cos_B1TF, sin_B1TF, half, n_rot)
 
 

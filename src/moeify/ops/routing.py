@@ -110,6 +110,17 @@ def expert_choice(
     return by_score.sort(dim=-1).values, selected
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each id in [0, n) occurs in ``ids`` (any shape), int64 [n]. The same counts as
+    ``torch.bincount(ids, minlength=n)``, but as a scatter-add into a buffer of fixed size:
+    bincount's output size depends on the values (max id + 1 when that exceeds ``minlength``),
+    which torch.compile cannot trace without a graph break. Integer addition is exact in any
+    order, so the counts are deterministic on every device."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1) -> int:
     """Switch Transformer: capacity = ceil(tokens * k / experts * capacity_factor)."""
     if capacity_factor <= 0:
@@ -133,7 +144,7 @@ def capacity_mask(
     if valid_M is not None:
         flat_KM = torch.where(valid_M.repeat(K), flat_KM, num_experts)  # park padding past the end
     order = torch.argsort(flat_KM, stable=True)
-    counts = torch.bincount(flat_KM, minlength=num_experts + 1)
+    counts = count_ids(flat_KM, num_experts + 1)
     starts = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(order.numel(), device=idx_MK.device) - starts[flat_KM[order]]
     rank = torch.empty_like(rank_sorted)
@@ -147,9 +158,9 @@ def count_selections(idx: torch.Tensor, num_experts: int,
                      keep: torch.Tensor | None = None) -> torch.Tensor:
     """How often each expert was selected, int64 [num_experts]: every entry of ``idx`` (any
     shape) is one selection; those with ``keep`` False (padding, dropped tokens; broadcastable
-    to ``idx``) are not counted. One bincount, no host sync. The one way every routed layer
-    counts its selections."""
+    to ``idx``) are not counted. One scatter-add (``count_ids``), no host sync. The one way every
+    routed layer counts its selections."""
     flat = idx.reshape(-1).long()
     if keep is not None:
         flat = torch.where(keep.expand_as(idx).reshape(-1), flat, num_experts)  # park past the end
-    return torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    return count_ids(flat, num_experts + 1)[:num_experts]

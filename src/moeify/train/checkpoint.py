@@ -213,7 +213,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model_state: dict[str, torch
     except BaseException:  # a full disk, Ctrl-C, ...: leave no partial directory behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return publish_checkpoint(tmp, name, keep=keep)
 
+
+def publish_checkpoint(tmp: Path, name: str, *, keep: int) -> Path:
+    """Rename the complete, fsynced temporary checkpoint directory ``tmp`` (inside
+    ``checkpoints/``) to ``name`` in one step, point ``latest`` at it and prune; returns it.
+    Shared by the single-file and the sharded (moeify.train.sharded) checkpoints."""
+    root = tmp.parent
     final = root / name
     if final.exists():  # a checkpoint of the same step from an abandoned continuation
         old = root / f".old-{name}-{os.getpid()}"

@@ -33,6 +33,7 @@ from moeify.train.overrides import (  # noqa: F401  (re-exported: the override A
 from moeify.train.values import parse_value, split_override  # noqa: F401
 
 AMP_MODES = ("auto", "fp32", "bf16", "fp16")
+PARALLEL_MODES = ("ddp", "fsdp")  # moeify.train.parallel
 TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
 
 
@@ -79,6 +80,11 @@ class TrainConfig:
     checkpoint_every: steps between checkpoints (0 = only at the end); keep_checkpoints: how many
                       complete checkpoints stay on disk.
     tensorboard:      also write TensorBoard scalars (needs moeify[tensorboard]).
+    compile:          torch.compile every block (moeify.train.parallel).
+    parallel:         with several processes (torchrun): "ddp" replicates the model, "fsdp"
+                      shards parameters, gradients and optimizer state per block (FSDP2) and
+                      writes sharded checkpoints (moeify.train.sharded); "fsdp" also works in one
+                      process.
     """
 
     preset: str = "tiny-switchhead"
@@ -107,6 +113,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     tensorboard: bool = False
+    compile: bool = False
+    parallel: str = "ddp"
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "grad_accum", "vocab_size", "log_every",
@@ -140,6 +148,11 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got "
+                             f"{self.parallel!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got "
                              f"{self.tokenizer!r}")
@@ -226,7 +239,8 @@ def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
 # Settings that may change when a run is resumed: they do not change what is learnt up to the
 # checkpoint (steps extends or shortens the run; the schedule follows the new length).
 RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_batch_size",
-                     "checkpoint_every", "keep_checkpoints", "tensorboard", "device")
+                     "checkpoint_every", "keep_checkpoints", "tensorboard", "device", "compile",
+                     "parallel")
 
 
 def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,

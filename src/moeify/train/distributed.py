@@ -63,17 +63,23 @@ class DistEnv:
             dist.destroy_process_group()
 
 
-def setup_distributed(device_type: str) -> DistEnv:
-    """The process group of this run: an existing one, one from torchrun's environment, or none."""
+def setup_distributed(device_type: str, *, single: bool = False) -> DistEnv:
+    """The process group of this run: an existing one, one from torchrun's environment, or none.
+    ``single``: make a one-process group when there is none (FSDP2 needs a device mesh even on
+    one device); it is never used for communication."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)), owns_group=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and not single:
         return DistEnv()
     if not dist.is_available():
-        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+        raise RuntimeError("WORLD_SIZE > 1 or parallel=fsdp, but this torch build has no "
+                           "torch.distributed")
     backend = "nccl" if device_type == "cuda" else "gloo"
+    if world <= 1:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        return DistEnv(owns_group=True)
     dist.init_process_group(backend=backend)
     return DistEnv(dist.get_rank(), dist.get_world_size(),
                    int(os.environ.get("LOCAL_RANK", "0")), owns_group=True)

@@ -13,9 +13,8 @@ import torch
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig
 from moeify.rundir import CONFIG_FILE, MODEL_CONFIG_FILE, read_json, read_model_config  # noqa: F401
-from moeify.train.checkpoint import (Checkpoint, checkpoint_dirs, load_checkpoint,
-                                     load_model_state, resolve_checkpoint, run_dir_of,
-                                     write_json_atomic)
+from moeify.train.checkpoint import (Checkpoint, checkpoint_dirs, resolve_checkpoint,
+                                     run_dir_of, write_json_atomic)
 from moeify.train.config import TrainConfig
 
 
@@ -77,9 +76,11 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
     if tokenizer.vocab_size != model_cfg.vocab_size:
         raise MoeifyError(f"{run_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                           f"model {model_cfg.vocab_size}; the run directory is inconsistent")
-    ckpt = load_checkpoint(ckpt_dir, model_config=model_config_dict(model_cfg))
+    from moeify.train.sharded import load_model_checkpoint
+
     model = model_cfg.build()
-    load_model_state(model, ckpt)
+    # Either kind of checkpoint: single-file, or sharded by a multi-process (FSDP) run.
+    ckpt = load_model_checkpoint(ckpt_dir, model, model_config=model_config_dict(model_cfg))
     model.to(device).eval()
     train_cfg = read_train_config(run_dir) if (run_dir / CONFIG_FILE).is_file() else None
     return TrainedModel(model, tokenizer, model_cfg, train_cfg, ckpt, run_dir)

@@ -19,7 +19,6 @@ the same hardware and process count.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import sys
@@ -34,6 +33,8 @@ import torch
 from moeify.errors import MoeifyError
 from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
+from moeify.train import parallel
+from moeify.train import sharded as sharded_io
 from moeify.train.distributed import DistEnv, pick_device, setup_distributed
 from moeify.train.lock import RunLock
 from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
@@ -114,20 +115,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
 
 
-def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    # Buffers are routing-usage counters local to each process: never sync them in forward
-    # (the argument was renamed in recent torch; at init they are all zeros either way).
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
-               else {"broadcast_buffers": False})
-    return DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
-
-
 class Trainer:
     """Set up a run (fresh or resumed) in ``run_dir``; ``fit()`` trains it."""
 
@@ -141,7 +128,7 @@ class Trainer:
         self.stream = stream if stream is not None else sys.stderr
         device_type = "cuda" if cfg.device.startswith("cuda") or (
             cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-        self.env: DistEnv = setup_distributed(device_type)
+        self.env: DistEnv = setup_distributed(device_type, single=cfg.parallel == "fsdp")
         self.lock = RunLock(self.run_dir)
         try:
             self._lock_run_dir()
@@ -199,6 +186,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights in every process
         self.model = self.model_cfg.build().to(self.device)
         torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
+        # Compiled and/or sharded in place, or wrapped by DDP; before the optimizer, which must
+        # see the sharded parameters under FSDP.
+        self.train_model: torch.nn.Module = parallel.parallelize(
+            self.model, cfg.parallel, device=self.device, distributed=self.env.enabled,
+            compile=cfg.compile)
+        self.sharded = cfg.parallel == "fsdp"
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -206,9 +199,6 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
-        self.train_model: torch.nn.Module = self.model
-        if self.env.enabled:
-            self.train_model = _wrap_ddp(self.model, self.device)
 
         from moeify.data.stream import StreamBatcher, tokenize_split
 
@@ -315,20 +305,29 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _restore(self, ckpt_dir: Path) -> None:
-        ckpt = ckpt_io.load_checkpoint(ckpt_dir, model_config=model_config_dict(self.model_cfg),
-                                       map_location="cpu")
-        ckpt_io.load_model_state(self.model, ckpt)
-        st = ckpt.train_state
-        if self.weights_only:
-            # Weights without a training state (moeify import): training starts at step 0 with
-            # a fresh optimizer and data position, under the settings of this invocation.
-            self.last_checkpoint = ckpt.path
-            if self.env.is_main:
-                ckpt_io.write_json_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_dict())
-                truncate_metrics(self.run_dir, 0)
-            return
+        if sharded_io.is_sharded_checkpoint(ckpt_dir):
+            st = sharded_io.restore_sharded(ckpt_dir, self.model, self.optimizer,
+                                            model_config=model_config_dict(self.model_cfg))
+        else:
+            if self.sharded:
+                raise MoeifyError(f"{ckpt_dir} is a single-file checkpoint; resume it with "
+                                  "parallel=ddp (sharded runs resume sharded checkpoints)")
+            ckpt = ckpt_io.load_checkpoint(ckpt_dir, map_location="cpu",
+                                           model_config=model_config_dict(self.model_cfg))
+            ckpt_io.load_model_state(self.model, ckpt)
+            st = ckpt.train_state
+            if self.weights_only:
+                # Weights without a training state (moeify import): training starts at step 0
+                # with a fresh optimizer and data position, under the settings of this
+                # invocation.
+                self.last_checkpoint = ckpt.path
+                if self.env.is_main:
+                    ckpt_io.write_json_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_dict())
+                    truncate_metrics(self.run_dir, 0)
+                return
         try:
-            self.optimizer.load_state_dict(st["optimizer"])
+            if "optimizer" in st:
+                self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])
             if self.scaler.is_enabled() and st.get("scaler"):
                 self.scaler.load_state_dict(st["scaler"])
@@ -342,29 +341,38 @@ class Trainer:
             self.step = int(st["step"])
             self.tokens_seen = int(st.get("tokens_seen", 0))
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
-            raise MoeifyError(f"checkpoint {ckpt.path} has an unusable training state ({e}); "
+            raise MoeifyError(f"checkpoint {ckpt_dir} has an unusable training state ({e}); "
                               "use an earlier checkpoint") from None
-        self.last_checkpoint = ckpt.path
+        self.last_checkpoint = ckpt_dir
         if self.env.is_main:
             truncate_metrics(self.run_dir, self.step)
 
     def save_checkpoint(self) -> Path | None:
-        """Collective: every process contributes its RNG state and XL memory rows."""
+        """Collective: every process contributes its RNG state and XL memory rows (and, in a
+        sharded run, writes its shards)."""
         rngs = self.env.all_gather_object(_rng_state(self.device))
         mem_local = None if self.memory is None else [m.detach().cpu() for m in self.memory]
         mems = self.env.all_gather_object(mem_local)
-        error = None
-        path = None
+        meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg),
+                "train_config": self.cfg.to_dict()}
+        state = None
         if self.env.is_main:
             memory = None if any(m is None for m in mems) else [
                 torch.cat([m[i] for m in mems], 0) for i in range(len(mems[0]))]
-            state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict(),
+            state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
                      "data": self.batcher.state_dict(), "rng": rngs, "memory": memory,
                      "tokens_seen": self.tokens_seen, "world_size": self.env.world_size}
-            meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg),
-                    "train_config": self.cfg.to_dict()}
+        if self.sharded:  # the optimizer state goes into the shards (moeify.train.sharded)
+            self.last_checkpoint = sharded_io.save_sharded(
+                self.env, self.run_dir, self.step, self.model, self.optimizer, state,
+                meta={**meta, "world_size": self.env.world_size},
+                keep=self.cfg.keep_checkpoints)
+            return self.last_checkpoint
+        error = None
+        path = None
+        if self.env.is_main:
+            state["optimizer"] = self.optimizer.state_dict()
             try:
                 path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
                                                state, meta=meta, keep=self.cfg.keep_checkpoints)
@@ -395,8 +403,10 @@ class Trainer:
                             + self._last_good(resume_hint=False))
 
     def _holds_current_weights(self, ckpt: Path) -> bool:
-        """Whether checkpoint ``ckpt`` is of this step and holds exactly the model's weights."""
-        if ckpt_io.step_of(ckpt) != self.step:
+        """Whether checkpoint ``ckpt`` is of this step and holds exactly the model's weights.
+        A sharded checkpoint is never set aside (its weights are compared nowhere in one
+        process); its weights were checked finite when it was written."""
+        if self.sharded or ckpt_io.step_of(ckpt) != self.step:
             return False
         try:
             saved = ckpt_io.load_checkpoint(ckpt).model_state
@@ -432,9 +442,7 @@ class Trainer:
         new_memory: list[list[torch.Tensor]] = []
         out = None
         for a, w_bT, mem in self._micro_batches(window_BT):
-            sync = (self.env.enabled and a < cfg.grad_accum - 1)
-            ctx = self.train_model.no_sync() if sync else contextlib.nullcontext()
-            with ctx:
+            with parallel.gradient_sync(self.train_model, a == cfg.grad_accum - 1):
                 with autocast_context(self.device, self.amp_dtype):
                     out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem)
                 total = (out.loss + out.aux_loss) / cfg.grad_accum
@@ -453,8 +461,8 @@ class Trainer:
                            "weights")
         self.scaler.unscale_(self.optimizer)
         params = self.model.parameters()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(
+            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
         lr = self.scheduler.get_last_lr()[0]
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -524,7 +532,7 @@ class Trainer:
             self._log_train(rec, sink, progress, clock, force=done)
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
             clock.pause()
-            if self.env.is_main:
+            if self.env.is_main or self.sharded:  # a sharded forward is collective
                 result.valid = self._log_validation(sink, progress)
             valid_loss = self.env.broadcast_object(result.valid and result.valid["loss"])
             if valid_loss is not None and not math.isfinite(valid_loss):

@@ -1,0 +1,114 @@
+"""Parallelism and compilation, applied to a model from outside (ARCHITECTURE: the model code is
+written for one device; layers never touch torch.distributed).
+
+    parallel="ddp"   DistributedDataParallel: every process holds the whole model, gradients are
+                     all-reduced (averaged) after backward.
+    parallel="fsdp"  FSDP2 (``torch.distributed.fsdp.fully_shard``) on every block and then on
+                     the whole model (embedding, final norm, output layer): parameters, gradients
+                     and AdamW state are sharded over the processes (dim 0 of every parameter);
+                     a block's parameters are all-gathered just before its forward and backward
+                     and freed after, and gradients are reduce-scattered (averaged).
+    compile=True     torch.compile on every block, in place (``nn.Module.compile``: state-dict
+                     keys do not change, so checkpoints are the same with and without it),
+                     before sharding, as torchtitan does. The embedding and the loss stay eager.
+
+Routing-usage buffers (``usage*``, int64, not persistent) are left alone by both wrappers: DDP is
+built without buffer broadcasting and FSDP2 shards parameters only, so each process counts the
+routing of its own tokens, in either mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from moeify.train.config import PARALLEL_MODES
+
+
+def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """Compile every block of a TransformerLM in place (module docstring); returns ``model``."""
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Buffers are routing-usage counters local to each process: never sync them in forward
+    # (the argument was renamed in recent torch; at init they are all zeros either way).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+               else {"broadcast_buffers": False})
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
+
+
+def shard_fsdp(model: torch.nn.Module, *, mixed_bf16: bool = False) -> torch.nn.Module:
+    """FSDP2 in place: ``fully_shard`` per block, then on the root (the embedding and output
+    layer). Without a process group torch makes a one-process mesh (FSDP on one device).
+    ``mixed_bf16``: bf16 parameters in forward/backward with float32 gradient reduction (the
+    sharded master weights stay float32); off by default, because autocast already computes
+    the matmuls in bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {}
+    if mixed_bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``model``'s parameters are FSDP2 DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def parallelize(model: torch.nn.Module, mode: str, *, device: torch.device, distributed: bool,
+                compile: bool = False) -> torch.nn.Module:
+    """The module to train: ``model`` compiled and/or sharded in place, or a DDP wrapper around
+    it. With one process and ``mode="ddp"`` nothing is wrapped; ``mode="fsdp"`` always shards
+    (a one-process FSDP run equals the unsharded run)."""
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
+    if compile:
+        compile_blocks(model)
+    if mode == "fsdp":
+        return shard_fsdp(model)
+    return wrap_ddp(model, device) if distributed else model
+
+
+def gradient_sync(train_model: torch.nn.Module, sync: bool):
+    """A context for one micro-batch's backward: gradients are reduced over the processes only
+    when ``sync`` (the last micro-batch of an update); earlier ones accumulate locally."""
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(train_model, "no_sync"):  # DDP
+        return train_model.no_sync()
+    if hasattr(train_model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(train_model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly sharded one (clip_grad_norm_'s total norm under FSDP is a
+    DTensor): collective there, so every process must call it."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

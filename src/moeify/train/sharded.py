@@ -1,0 +1,199 @@
+"""Sharded checkpoints (torch.distributed.checkpoint, "DCP"): every process writes its own shards.
+
+Layout, beside the single-file checkpoints of moeify.train.checkpoint (same ``checkpoints/``
+directory, same ``latest`` pointer, same pruning):
+
+    checkpoints/step-00000100/
+        dcp/              DCP: .metadata plus one __<rank>_0.distcp file per writing process,
+                          holding the model weights ("model.*") and the AdamW state ("optim.*")
+                          by parameter name, as ``get_state_dict`` gives them
+        state.pt          what is not sharded: scheduler, grad scaler, data position, every
+                          process's RNG state, the XL memory of every row, the step
+        meta.json         "kind": "sharded", the step, the model config, the world size and the
+                          sha256 of every file above; written last
+
+Atomic at the directory level, like the single-file checkpoints: all processes write into one
+temporary directory (its name chosen by process 0 and broadcast), process 0 adds state.pt and
+meta.json once every shard is on disk, fsyncs, and renames the directory to its final name in
+one step (``publish_checkpoint``). A process killed at any point leaves the previous checkpoint
+and ``latest`` intact; the next save removes the half-written directory.
+
+DCP stores each tensor with its global shape and the offsets of every shard, so a checkpoint
+written by W processes loads into any number of processes, sharded or not: ``restore_sharded``
+resumes training, ``load_weights`` fills a plain one-device model (eval, generate, export), and
+``load_model_checkpoint`` does that for either kind of checkpoint. With several nodes the run
+directory must be on a filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeify.errors import MoeifyError
+from moeify.train import checkpoint as ck
+from moeify.train.distributed import DistEnv
+
+DCP_DIR = "dcp"
+KIND = "sharded"
+
+
+def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
+    return ck.read_meta(ckpt_dir).get("kind") == KIND
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict
+
+
+def _files(ckpt: Path) -> list[str]:
+    """The files a sharded checkpoint's checksums cover, relative to it (meta.json excluded)."""
+    found = [ck.STATE_FILE] + [f"{DCP_DIR}/{p.name}" for p in sorted((ckpt / DCP_DIR).iterdir())]
+    return [f for f in found if (ckpt / f).is_file()]
+
+
+# ---------------------------------------------------------------------- saving
+
+def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, train_state: dict[str, Any] | None, *,
+                 meta: dict[str, Any], keep: int) -> Path:
+    """Collective: write checkpoint ``step`` (module docstring). ``train_state`` (the unsharded
+    part) is used on process 0 only. Raises MoeifyError on every process when a write fails."""
+    dcp, get_state_dict, _ = _dcp()
+    root = Path(run_dir) / ck.CHECKPOINTS
+    name = ck.checkpoint_name(step)
+    tmp, error = None, None
+    if env.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-{name}-{os.getpid()}"
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            (tmp / DCP_DIR).mkdir(parents=True)
+        except OSError as e:
+            error = f"creating {tmp}: {e}"
+    tmp, error = env.broadcast_object((tmp, error))
+    _raise_if(error, step, run_dir)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    except Exception as e:  # DCP raises its own CheckpointException on every process
+        error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    error = env.broadcast_object(error)
+    _raise_if(error, step, run_dir)
+    final = None
+    if env.is_main:
+        try:
+            final = _finish(tmp, name, step, train_state, meta, keep)
+        except OSError as e:
+            error = str(e)
+    error = env.broadcast_object(error)
+    _raise_if(error, step, run_dir)
+    return final if final is not None else root / name
+
+
+def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Path:
+    """Process 0, every shard on disk: the unsharded state, checksums, meta.json, publish."""
+    torch.save(train_state, tmp / ck.STATE_FILE)
+    files = _files(tmp)
+    for f in files:
+        ck.fsync_path(tmp / f)
+    ck.fsync_path(tmp / DCP_DIR)
+    record = {"format": ck.FORMAT_VERSION, "kind": KIND, "step": step, **meta,
+              "sha256": {f: ck.sha256_file(tmp / f) for f in files}}
+    ck.write_json_atomic(tmp / ck.META_FILE, record)
+    ck.fsync_path(tmp)
+    return ck.publish_checkpoint(tmp, name, keep=keep)
+
+
+def _raise_if(error: str | None, step: int, run_dir: Path) -> None:
+    if error is not None:
+        raise MoeifyError(f"writing sharded checkpoint step {step} in {run_dir} failed: {error}; "
+                          "the previous checkpoint is intact")
+
+
+# ---------------------------------------------------------------------- loading
+
+def verify(ckpt: Path, *, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The meta record of a sharded checkpoint, after checking its files against the checksums
+    (and its model config against ``model_config``, when given)."""
+    meta = ck.read_meta(ckpt)
+    if meta.get("kind") != KIND:
+        raise MoeifyError(f"{ckpt} is not a sharded checkpoint")
+    if meta.get("format") != ck.FORMAT_VERSION:
+        raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
+                          f"reads format {ck.FORMAT_VERSION}")
+    if model_config is not None and meta.get("model_config") != model_config:
+        raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
+                          f"{meta.get('preset')!r}); load it with its own run's configuration")
+    for f, want in meta["sha256"].items():
+        p = ckpt / f
+        if not p.is_file():
+            raise MoeifyError(f"checkpoint {ckpt} is incomplete: {f} is missing; use an earlier "
+                              "checkpoint")
+        if ck.sha256_file(p) != want:
+            raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
+                              "recorded when it was written; use an earlier checkpoint")
+    return meta
+
+
+def _load_dcp(ckpt: Path, state: dict[str, Any]) -> None:
+    dcp, _, _ = _dcp()
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+    except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
+        first = str(e).strip().splitlines()
+        raise MoeifyError(f"checkpoint {ckpt} does not fit this model or cannot be read: "
+                          f"{' '.join(first[:2]) or type(e).__name__}") from None
+
+
+def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load weights and AdamW state into ``model`` / ``optimizer`` (sharded or not, any number
+    of processes; collective when sharded) and return the unsharded training state."""
+    _, get_state_dict, set_state_dict = _dcp()
+    verify(ckpt, model_config=model_config)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    _load_dcp(ckpt, state)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    try:
+        return torch.load(ckpt / ck.STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling errors come in many types
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {ck.STATE_FILE} cannot be read ({e})") \
+            from None
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module, *,
+                 model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill a plain (unsharded) model from a sharded checkpoint in this one process; returns the
+    checkpoint's meta record. The optimizer state is not read."""
+    meta = verify(ckpt, model_config=model_config)
+    state = {"model": model.state_dict()}
+    _load_dcp(ckpt, state)
+    model.load_state_dict(state["model"], strict=True)
+    return meta
+
+
+def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
+                          model_config: dict[str, Any] | None = None) -> ck.Checkpoint:
+    """Load either kind of checkpoint (a checkpoint directory or a run directory's latest) into
+    the plain model ``model``. Returns the Checkpoint (for a sharded one ``model_state`` is the
+    model's own state dict and ``train_state`` is empty)."""
+    ckpt_dir = ck.resolve_checkpoint(path)
+    if is_sharded_checkpoint(ckpt_dir):
+        meta = load_weights(ckpt_dir, model, model_config=model_config)
+        return ck.Checkpoint(path=ckpt_dir, step=int(meta["step"]), model_state=model.state_dict(),
+                             train_state={}, meta=meta)
+    loaded = ck.load_checkpoint(ckpt_dir, model_config=model_config)
+    ck.load_model_state(model, loaded)
+    return loaded
