@@ -1,0 +1,156 @@
+"""FSDP2 and sharded checkpoints on CPU (gloo): two sharded processes train like one process with
+the same global batch, their checkpoint resumes in one process and continues exactly, eval reads
+it, and a process killed while writing a sharded checkpoint leaves the previous one loadable."""
+
+import os
+import random
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moeify.train import checkpoint as ck
+from moeify.train import sharded
+from moeify.train.config import TrainConfig
+from moeify.train.rundir import load_trained
+from moeify.train.trainer import Trainer, train
+from moeify.train.validate import evaluate_stream
+
+# SwitchHead attention and a sigma-MoE feedforward: both kinds of routing-usage buffer.
+TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
+STEPS = 20
+
+
+def _corpus(path):
+    rng = random.Random(1)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "tau", "rho"]
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
+                              for _ in range(800)) + "\n")
+    return path
+
+
+def _usage(model) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers() if n.split(".")[-1].startswith("usage")}
+
+
+def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        res = trainer.fit()
+        torch.save({"losses": res.losses, "valid": res.valid, "usage": _usage(trainer.model),
+                    "sharded": trainer.sharded}, f"{out_file}.{rank}")
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path, _corpus(tmp_path / "corpus.txt")
+    torch.set_num_threads(threads)
+
+
+def _cfg(corpus, **kw) -> TrainConfig:
+    base = dict(preset="tiny-switchall", data=str(corpus), tokenizer="byte256", steps=STEPS,
+                batch_size=4, warmup_steps=2, lr=3e-3, log_every=1, eval_every=0,
+                eval_tokens=256, eval_batch_size=2, checkpoint_every=10, model_overrides=TINY)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_two_sharded_processes_match_one_process_and_resume_in_one(setup):
+    tmp, corpus = setup
+    cfg = _cfg(corpus)
+    one = Trainer(cfg, tmp / "one", quiet=True)
+    single = one.fit()
+    usage_one = _usage(one.model)
+    one.close()
+
+    out = tmp / "fsdp.pt"
+    fsdp_cfg = _cfg(corpus, parallel="fsdp")
+    mp.start_processes(_worker, args=(2, str(tmp / "pg"), fsdp_cfg.to_dict(), str(tmp / "two"),
+                                      str(out)), nprocs=2, join=True, start_method="fork")
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    two = ranks[0]
+    assert two["sharded"]
+    assert sorted(two["losses"]) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert abs(two["losses"][s] - single.losses[s]) < 1e-5, (s, two["losses"][s],
+                                                                 single.losses[s])
+    assert single.losses[STEPS] < single.losses[1] - 0.2  # it trained
+    assert abs(two["valid"]["loss"] - single.valid["loss"]) < 1e-5
+    # Routing-usage buffers count each process's own tokens: the two add up to the one.
+    assert usage_one and usage_one.keys() == ranks[1]["usage"].keys()
+    for name, counts in usage_one.items():
+        assert torch.equal(ranks[0]["usage"][name] + ranks[1]["usage"][name], counts), name
+
+    # The checkpoints are sharded: one DCP file per process, no single-file weights.
+    step10 = tmp / "two" / ck.CHECKPOINTS / ck.checkpoint_name(10)
+    assert sharded.is_sharded_checkpoint(step10)
+    assert len(list((step10 / sharded.DCP_DIR).glob("*.distcp"))) == 2
+    assert not (step10 / ck.MODEL_FILE).exists()
+
+    # eval / generate read the sharded checkpoint into a plain model.
+    tm = load_trained(tmp / "two")
+    assert tm.checkpoint.step == STEPS
+    res = evaluate_stream(tm.model, one.valid_tokens, tm.tokenizer, seq_len=16, batch_size=2,
+                          max_tokens=256, device=torch.device("cpu"), amp_dtype=None)
+    assert abs(res["loss"] - single.valid["loss"]) < 1e-5
+
+    # Resume the 2-process checkpoint of step 10 in one unsharded process: steps 11..20 repeat.
+    resumed = train(_cfg(corpus, parallel="ddp"), tmp / "two", resume=step10, quiet=True)
+    assert sorted(resumed.losses) == list(range(11, STEPS + 1))
+    for s in range(11, STEPS + 1):
+        assert abs(resumed.losses[s] - two["losses"][s]) < 1e-5, (s, resumed.losses[s],
+                                                                  two["losses"][s])
+
+
+def _dying_worker(cfg_dict, run_dir):
+    torch.set_num_threads(1)
+    real_finish = sharded._finish
+
+    def finish(tmp, name, step, *args, **kwargs):
+        if step == 4:  # every shard of step 4 is on disk; die before meta.json and the rename
+            os._exit(3)
+        return real_finish(tmp, name, step, *args, **kwargs)
+
+    sharded._finish = finish
+    train(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+
+
+def test_a_process_killed_while_writing_a_sharded_checkpoint_leaves_the_previous_one(setup):
+    tmp, corpus = setup
+    cfg = _cfg(corpus, parallel="fsdp", steps=4, checkpoint_every=2)
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_dying_worker, args=(cfg.to_dict(), str(tmp / "run")))
+    p.start()
+    p.join()
+    assert p.exitcode == 3
+    root = tmp / "run" / ck.CHECKPOINTS
+    assert [d.name for d in ck.checkpoint_dirs(tmp / "run")] == [ck.checkpoint_name(2)]
+    assert ck.latest_checkpoint(tmp / "run").name == ck.checkpoint_name(2)
+    assert list(root.glob(".tmp-*/dcp/*.distcp"))  # the half-written one is there, ignored
+    assert load_trained(tmp / "run").checkpoint.step == 2
+    # The run resumes from step 2 (one sharded process) and cleans the leftover up.
+    res = train(cfg, tmp / "run", resume=True, quiet=True)
+    assert sorted(res.losses) == [3, 4]
+    assert not list(root.glob(".tmp-*"))
+    assert ck.latest_checkpoint(tmp / "run").name == ck.checkpoint_name(4)
+
+
+def test_a_corrupt_shard_is_refused_with_a_clear_error(setup):
+    tmp, corpus = setup
+    train(_cfg(corpus, parallel="fsdp", steps=2, checkpoint_every=2), tmp / "run", quiet=True)
+    ckpt = ck.latest_checkpoint(tmp / "run")
+    shard = next((ckpt / sharded.DCP_DIR).glob("*.distcp"))
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])
+    with pytest.raises(Exception, match="corrupt.*checksum"):
+        load_trained(tmp / "run")
