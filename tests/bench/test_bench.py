@@ -245,3 +245,24 @@ def test_step_phases_run_in_order():
     assert list(ph) == ["step 1", "step 2"]
     ph["step 1"]()
     ph["step 2"]()
+
+
+def test_cli_bench_step_and_attention_compile_report_compiled_beside_eager(capsys,
+                                                                          monkeypatch):
+    # Structure only: dynamo + AOT autograd without generated kernels keeps this short; inductor
+    # itself is held to eager by tests/test_compile.py.
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
+    torch._dynamo.reset()
+    res = bench_step([tiny("tiny-dense", T=4)], batch=1, repeats=1, warmup=0, memory=False,
+                     compile=True)
+    rows = {r["case"]: r for r in res["rows"]}
+    assert list(rows) == ["tiny-dense", "tiny-dense compiled"] and res["warmup"] == 2
+    assert rows["tiny-dense"]["vs eager"] == 1.0
+    assert rows["tiny-dense compiled"]["vs eager"] == pytest.approx(
+        rows["tiny-dense compiled"]["step ms"] / rows["tiny-dense"]["step ms"])
+    assert main(["bench", "attention", "--preset", "tiny-dense", "--batch", "1", "--repeats",
+                 "1", "--warmup", "0", "--no-memory", "--no-textbook", "--compile"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-dense compiled" in out and "vs eager" in out

@@ -127,9 +127,10 @@ def group_by_shape(cases: list[tuple[str, ModelConfig]], key=None,
 
 
 def layer_phases(config_json: str, *, batch: int, textbook: bool = False, device: str = "cpu",
-                 dtype: str = "float32", seed: int = 0) -> dict:
+                 dtype: str = "float32", seed: int = 0, compile: bool = False) -> dict:
     """The timed calls of one case: {"fwd": ..., "fwd+bwd": ...}. Also the memory factory
-    (``moeify.bench.memory``), hence JSON-able arguments."""
+    (``moeify.bench.memory``), hence JSON-able arguments. ``compile``: the layer is
+    torch.compile'd in place."""
     cfg = ModelConfig.from_json(config_json)
     attn_cfg = cfg.attention_layers()[0]
     if textbook and not isinstance(attn_cfg, DenseAttentionConfig):
@@ -137,6 +138,8 @@ def layer_phases(config_json: str, *, batch: int, textbook: bool = False, device
     torch.manual_seed(seed)
     layer = attn_cfg.build().to(device)
     layer.train()
+    if compile:
+        layer.compile()
     B, T, D = batch, cfg.context_length, cfg.d_model
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
@@ -175,9 +178,12 @@ def _ratio(a, b):
 def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
                     tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
                     textbook: bool = True, memory: bool = True, warmup: int = 2,
-                    repeats: int = 5, seed: int = 0) -> dict:
+                    repeats: int = 5, seed: int = 0, compile: bool = False) -> dict:
     """Time (and measure) every case; one result group per shape (see the module docstring).
-    ``batch`` fixes the batch of every group, else it is ``tokens // T`` (at least 1)."""
+    ``batch`` fixes the batch of every group, else it is ``tokens // T`` (at least 1).
+    ``compile``: every layer is also timed torch.compile'd, as the row "NAME compiled" in the
+    same interleaved repeats ("vs eager": compiled / eager time of the same layer); compilation
+    happens in the warm-up (at least two calls of each phase)."""
     if batch is not None and batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch}")
     if tokens < 1 or repeats < 1 or warmup < 0:
@@ -189,30 +195,33 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
         T, xl = base_cfg.context_length, base_cfg.xl_memory
         B = batch or max(1, tokens // T)
         C = 2 if xl else 1
-        cases = []  # (label, preset name, config, textbook)
+        cases = []  # (label, preset name, config, textbook, compiled)
         for name, cfg in members:
-            cases.append((name, name, cfg, False))
+            cases.append((name, name, cfg, False, False))
+            if compile:
+                cases.append((name + COMPILED_SUFFIX, name, cfg, False, True))
             if (textbook and name == base_name
                     and isinstance(cfg.attention_layers()[0], DenseAttentionConfig)):
-                cases.append((name + TEXTBOOK_SUFFIX, name, cfg, True))
+                cases.append((name + TEXTBOOK_SUFFIX, name, cfg, True, False))
         fns = {}
-        for label, _, cfg, tb in cases:
+        for label, _, cfg, tb, c in cases:
             ph = layer_phases(cfg.to_json(), batch=B, textbook=tb, device=device, dtype=dtype,
-                              seed=seed)
+                              seed=seed, compile=c)
             fns[(label, "fwd")], fns[(label, "fwd+bwd")] = ph["fwd"], ph["fwd+bwd"]
-        times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
+        times = interleaved_median_times(fns, warmup=max(warmup, 2) if compile else warmup,
+                                         repeats=repeats, device=device)
         del fns
 
         peaks = {}
         if memory:
-            for label, _, cfg, tb in cases:
+            for label, _, cfg, tb, c in cases:
                 peaks[label] = peak_memory(
                     "moeify.bench.attention:layer_phases",
                     dict(config_json=cfg.to_json(), batch=B, textbook=tb, device=device,
-                         dtype=dtype, seed=seed), device=device)
+                         dtype=dtype, seed=seed, compile=c), device=device)
         base_cost = attention_cost(base_cfg.attention_layers()[0], T=T, C=C)
         rows = []
-        for label, name, cfg, tb in cases:
+        for label, name, cfg, tb, c in cases:
             attn = cfg.attention_layers()[0]
             cost = attention_cost(attn, T=T, C=C)
             mem = peaks.get(label, {})
@@ -224,6 +233,8 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
                 "fwd+bwd ms": times[(label, "fwd+bwd")] * 1e3,
                 "fwd x": _ratio(times[(label, "fwd")], times[(base_name, "fwd")]),
                 "fwd+bwd x": _ratio(times[(label, "fwd+bwd")], times[(base_name, "fwd+bwd")]),
+                "vs eager": (_ratio(times[(label, "fwd+bwd")], times[(name, "fwd+bwd")])
+                             if compile and not tb else None),
                 "MACs": cost.macs,
                 "MACs x": cost.macs / base_cost.macs,
                 "fwd peak MiB": mem["fwd"]["working"] if mem else None,
@@ -233,13 +244,14 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
             })
         groups.append({"baseline": base_name, "batch": B, "T": T, "S": C * T, "xl_memory": xl,
                        "d_model": base_cfg.d_model, "rows": rows})
-    return {"bench": "attention", "device": str(device), "dtype": dtype,
+    return {"bench": "attention", "device": str(device), "dtype": dtype, "compile": compile,
             "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
             "warmup": warmup, "repeats": repeats, "groups": groups}
 
 
-COLUMNS = ["case", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "MACs x", "peak MiB", "peak x",
-           "Mem x"]
+COMPILED_SUFFIX = " compiled"
+COLUMNS = ["case", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "vs eager", "MACs x", "peak MiB",
+           "peak x", "Mem x"]
 
 
 def table(result: dict) -> str:
@@ -251,5 +263,11 @@ def table(result: dict) -> str:
                 f"{result['omp_wait_policy']}), median "
                 f"of {result['repeats']}; x = ratio to {g['baseline']}; MACs x / Mem x: cost "
                 "accounting (spec §6); peak: tensor memory of fwd+bwd above weights and inputs")
-        parts.append(head + "\n" + format_table(g["rows"], COLUMNS))
+        columns = COLUMNS
+        if result.get("compile"):
+            head += ("; compiled: torch.compile'd layer (compile time excluded), vs eager = "
+                     "compiled / eager fwd+bwd time of the same layer")
+        else:
+            columns = [c for c in COLUMNS if c != "vs eager"]
+        parts.append(head + "\n" + format_table(g["rows"], columns))
     return "\n\n".join(parts)

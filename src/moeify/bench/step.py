@@ -46,12 +46,16 @@ LR = 2.5e-4
 
 
 def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str = "float32",
-                seed: int = 0, steps: int = 1) -> dict:
-    """``steps`` training steps as phases {"step 1": ..., ...}; also the memory factory."""
+                seed: int = 0, steps: int = 1, compile: bool = False) -> dict:
+    """``steps`` training steps as phases {"step 1": ..., ...}; also the memory factory.
+    ``compile``: every block torch.compile'd in place, as the trainer's compile=true does."""
     cfg = ModelConfig.from_json(config_json)
     torch.manual_seed(seed)
     model = cfg.build().to(device)
     model.train()
+    if compile:
+        for block in model.blocks:
+            block.compile()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), weight_decay=0.0)
     g = torch.Generator().manual_seed(seed + 1)
@@ -91,9 +95,13 @@ def _ratio(a, b):
 
 def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, device: str = "cpu",
                dtype: str = "float32", memory: bool = True, warmup: int = 1, repeats: int = 5,
-               seed: int = 0) -> dict:
+               seed: int = 0, compile: bool = False) -> dict:
     """Time (and measure) a training step of every model; ratios are to the first one (the paper
-    row's dense preset is put first when the first given one has no dense attention)."""
+    row's dense preset is put first when the first given one has no dense attention).
+    ``compile``: every model also compiled (rows "NAME compiled", timed in the same interleaved
+    repeats; "vs eager" = compiled / eager time of the same model). Compilation happens in the
+    warm-up, which is then at least two steps (the first compiles, the second checks that
+    nothing recompiles)."""
     if batch < 1 or repeats < 1 or warmup < 0:
         raise ValueError("batch and repeats must be positive and warmup non-negative")
     autocast_for(device, dtype)  # validates dtype
@@ -103,23 +111,30 @@ def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, devi
         if found is not None and found[0] not in [n for n, _ in cases]:
             cases.insert(0, found)
     base_name = cases[0][0]
-    fns = {name: step_phases(cfg.to_json(), batch=batch, device=device, dtype=dtype,
-                             seed=seed)["step 1"] for name, cfg in cases}
+    variants = [(name, cfg, False) for name, cfg in cases]
+    if compile:
+        variants = [(f"{name}{v}", cfg, c) for name, cfg in cases
+                    for v, c in (("", False), (COMPILED_SUFFIX, True))]
+        warmup = max(warmup, 2)
+    fns = {label: step_phases(cfg.to_json(), batch=batch, device=device, dtype=dtype,
+                              seed=seed, compile=c)["step 1"] for label, cfg, c in variants}
     times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
     del fns
     peaks = {}
     if memory:
-        for name, cfg in cases:
+        for label, cfg, c in variants:
             ph = peak_memory("moeify.bench.step:step_phases",
                              dict(config_json=cfg.to_json(), batch=batch, device=device,
-                                  dtype=dtype, seed=seed, steps=2),
+                                  dtype=dtype, seed=seed, steps=3 if c else 2, compile=c),
                              device=device, baseline="before_setup")
-            peaks[name] = ph["step 2"]
-    macs = {name: model_forward_macs(cfg) for name, cfg in cases}
+            peaks[label] = ph["step 3" if c else "step 2"]
+    macs = {label: model_forward_macs(cfg) for label, cfg, _ in variants}
     rows = []
-    for name, cfg in cases:
+    for name, cfg, c in variants:
+        eager = name.removesuffix(COMPILED_SUFFIX)
         rows.append({
             "case": name,
+            "vs eager": _ratio(times[name], times[eager]) if compile else None,
             "params": model_cost(cfg).params,
             "T": cfg.context_length,
             "step ms": times[name] * 1e3,
@@ -135,11 +150,12 @@ def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, devi
     return {"bench": "step", "baseline": base_name, "batch": batch, "device": str(device),
             "dtype": dtype, "threads": torch.get_num_threads(),
             "omp_wait_policy": omp_wait_policy(), "warmup": warmup, "repeats": repeats,
-            "rows": rows}
+            "compile": compile, "rows": rows}
 
 
-COLUMNS = ["case", "params", "step ms", "time x", "peak MiB", "peak x", "step MiB", "step mem x",
-           "attn MACs x", "model MACs x"]
+COMPILED_SUFFIX = " compiled"
+COLUMNS = ["case", "params", "step ms", "time x", "vs eager", "peak MiB", "peak x", "step MiB",
+           "step mem x", "attn MACs x", "model MACs x"]
 
 
 def table(result: dict) -> str:
@@ -149,4 +165,8 @@ def table(result: dict) -> str:
             f"x = ratio to {result['baseline']}; tensor memory: peak = everything (weights, grads, "
             "AdamW state, activations), step = on top of the state kept between steps; MACs x: "
             "cost accounting per sequence")
-    return head + "\n" + format_table(result["rows"], COLUMNS)
+    columns = [c for c in COLUMNS if c != "vs eager" or result.get("compile")]
+    if result.get("compile"):
+        head += ("; compiled: every block torch.compile'd (compile time excluded), vs eager = "
+                 "compiled / eager step time of the same model")
+    return head + "\n" + format_table(result["rows"], columns)

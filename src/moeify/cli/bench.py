@@ -114,6 +114,8 @@ def _common(p, warmup: int = 2, memory: bool = True, device: bool = True,
         p.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory measurements (one fresh process per case)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--compile", action="store_true",
+                   help="also time every case torch.compile'd, beside the eager one")
 
 
 def _quiet_openmp() -> None:
@@ -145,7 +147,8 @@ def run_attention(args) -> int:
     _setup_threads(args)
     res = bench_attention(args.preset or DEFAULT_PRESETS, batch=args.batch, tokens=args.tokens,
                           device=args.device, dtype=args.dtype, textbook=not args.no_textbook,
-                          memory=not args.no_memory, warmup=args.warmup, repeats=args.repeats)
+                          memory=not args.no_memory, warmup=args.warmup, repeats=args.repeats,
+                          compile=args.compile)
     emit(res, table(res), args.json)
     return 0
 
@@ -158,7 +161,7 @@ def run_step(args) -> int:
     _setup_threads(args)
     res = bench_step(args.preset or DEFAULT_STEP_PRESETS, batch=args.batch, device=args.device,
                      dtype=args.dtype, memory=not args.no_memory, warmup=args.warmup,
-                     repeats=args.repeats)
+                     repeats=args.repeats, compile=args.compile)
     emit(res, table(res), args.json)
     return 0
 
