@@ -210,3 +210,9 @@ def test_fsdp_on_one_gpu_matches_the_unsharded_run_and_its_checkpoint_loads(tmp_
     assert is_sharded_checkpoint(sharded.checkpoint)
     tm = load_trained(tmp_path / "fsdp", DEVICE)
     assert tm.checkpoint.step == 10
+    # Compiled blocks under FSDP2 (compiled first, then sharded, as torchtitan does).
+    torch._dynamo.reset()
+    both = train(TrainConfig.from_dict({**cfg.to_dict(), "parallel": "fsdp", "compile": True}),
+                 tmp_path / "fsdp-compiled", quiet=True)
+    for s in plain.losses:
+        assert abs(both.losses[s] - plain.losses[s]) < 1e-4, s
