@@ -69,6 +69,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     steps = sorted(p for p in root.glob("step-*") if (p / "model.safetensors").is_file()) \
         if root.is_dir() else []
     if not steps:
+        if root.is_dir() and any(root.glob("step-*/dcp")):
+            raise MoeifyError(f"{run_dir} holds only sharded checkpoints (a parallel=fsdp run); "
+                              "this command reads single-file checkpoints: resume the run for "
+                              "one more step with --set parallel=ddp to write one")
         raise MoeifyError(f"{run_dir} has no checkpoint yet (checkpoints/step-*/"
                           "model.safetensors); train it first")
     return steps[-1]

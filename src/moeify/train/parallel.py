@@ -46,29 +46,16 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
-def shard_fsdp(model: torch.nn.Module, *, mixed_bf16: bool = False) -> torch.nn.Module:
+def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 in place: ``fully_shard`` per block, then on the root (the embedding and output
-    layer). Without a process group torch makes a one-process mesh (FSDP on one device).
-    ``mixed_bf16``: bf16 parameters in forward/backward with float32 gradient reduction (the
-    sharded master weights stay float32); off by default, because autocast already computes
-    the matmuls in bf16."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    layer), over all processes of the default group. Parameters stay float32 (autocast computes
+    the matmuls in bf16 or fp16), so gradients are reduced in float32."""
+    from torch.distributed.fsdp import fully_shard
 
-    kw = {}
-    if mixed_bf16:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+        fully_shard(block)
+    fully_shard(model)
     return model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True when ``model``'s parameters are FSDP2 DTensor shards."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def parallelize(model: torch.nn.Module, mode: str, *, device: torch.device, distributed: bool,

@@ -28,6 +28,7 @@ directory must be on a filesystem every node sees.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,6 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
             root.mkdir(parents=True, exist_ok=True)
             tmp = root / f".tmp-{name}-{os.getpid()}"
             if tmp.exists():
-                import shutil
-
                 shutil.rmtree(tmp)
             (tmp / DCP_DIR).mkdir(parents=True)
         except OSError as e:

@@ -7,7 +7,8 @@ T tokens per row (the model's context length), D d_model, L layers, W processes.
 One update: the process's [B, T+1] window is cut into grad_accum micro-batches of b rows; each
 runs forward with its rows of the XL memory (the previous window's block inputs, detached) and
 backward with loss / grad_accum (the model's aux losses, already weighted, are added); then the
-gradients are averaged over processes (DDP), clipped to norm kappa, and AdamW steps. Every
+gradients are averaged over processes (DDP, or FSDP2 with parallel=fsdp: moeify.train.parallel),
+clipped to norm kappa, and AdamW steps. Every
 micro-batch has the same number of tokens, so this equals one big batch: W processes with B rows
 each compute the update of one process with W*B rows (tests/train/test_distributed.py).
 
