@@ -250,7 +250,7 @@ def test_step_phases_run_in_order():
 def test_cli_bench_step_and_attention_compile_report_compiled_beside_eager(capsys,
                                                                           monkeypatch):
     # Structure only: dynamo + AOT autograd without generated kernels keeps this short; inductor
-    # itself is held to eager by tests/test_compile.py.
+    # itself is held to eager by tests/models/test_compile.py.
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: compile_module(self, backend="aot_eager", **kw))

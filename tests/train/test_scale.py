@@ -75,7 +75,7 @@ def test_cuda_autocast_defaults_to_bf16_and_keeps_fp16_with_a_scaler(monkeypatch
 
 def test_compile_true_trains_exactly_like_eager(env, monkeypatch):
     """The trainer's plumbing: every block compiled in place, same losses as eager. Inductor's
-    code generation is held to eager by tests/test_compile.py; here the blocks are traced by
+    code generation is held to eager by tests/models/test_compile.py; here the blocks are traced by
     dynamo and AOT autograd but run without generated kernels, which keeps the test short."""
     tmp, corpus = env
     torch._dynamo.reset()
