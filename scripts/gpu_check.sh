@@ -27,7 +27,7 @@ fi
 suite=0
 if [ -z "${SKIP_SUITE:-}" ]; then
     echo "== pytest -m cuda"
-    timeout 900 "$PY" -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider 2>&1 \
+    timeout 900 "$PY" -m pytest -m cuda tests/train/test_cuda.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT_DIR/suite.txt"
     suite=${PIPESTATUS[0]}
 fi
