@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeify.models.presets import get_preset
-from moeify.ops.expert_matmul import compiled_impl, expert_matmul, resolve_impl
+from moeify.ops.expert_matmul import choose_impl, compiled_impl, expert_matmul
 from moeify.train.config import apply_model_overrides
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -69,19 +69,19 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(preset):
 
 def test_auto_takes_a_sync_free_expert_matmul_only_inside_a_compiled_graph():
     x, w = torch.randn(4, 8), torch.randn(3, 8, 8)
-    assert resolve_impl("auto", x, w) == "segment"
+    assert choose_impl("auto", x, w) == "segment"
     assert compiled_impl(x, w) == "reference"
     seen = []
 
     @torch.compile(fullgraph=True, backend="eager")
     def f(x):
-        seen.append(resolve_impl("auto", x, w))
+        seen.append(choose_impl("auto", x, w))
         return x + 1
 
     f(x)
     assert seen == ["reference"]
     # An explicit choice is kept.
-    assert resolve_impl("padded", x, w) == "padded"
+    assert choose_impl("padded", x, w) == "padded"
 
 
 @pytest.mark.parametrize("groups", [1, 2])
