@@ -2,13 +2,17 @@
 the same global batch, their checkpoint resumes in one process and continues exactly, eval reads
 it, and a process killed while writing a sharded checkpoint leaves the previous one loadable."""
 
+import errno
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from moeify.errors import MoeifyError
 from moeify.train import checkpoint as ck
 from moeify.train import sharded
 from moeify.train.config import TrainConfig
@@ -154,3 +158,72 @@ def test_a_corrupt_shard_is_refused_with_a_clear_error(setup):
     shard.write_bytes(b"x" + shard.read_bytes()[1:])
     with pytest.raises(Exception, match="corrupt.*checksum"):
         load_trained(tmp / "run")
+
+
+def _poisoning_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
+    """Rank 1 puts a NaN into its own shard of one weight; both ranks try to checkpoint."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        name, param = next((n, p) for n, p in trainer.model.named_parameters()
+                           if p.dim() >= 2 and p.shape[0] >= world)
+        if rank == 1:
+            with torch.no_grad():
+                param.to_local()[0, 0] = float("nan")
+        try:
+            trainer.save_checkpoint()
+            error = None
+        except MoeifyError as e:
+            error = str(e)
+        torch.save({"name": name, "error": error}, f"{out_file}.{rank}")
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_non_finite_shard_on_one_process_is_refused_by_every_process(setup):
+    tmp, corpus = setup
+    cfg = _cfg(corpus, parallel="fsdp")
+    out = tmp / "poison.pt"
+    mp.start_processes(_poisoning_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
+                                                str(tmp / "run"), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    for r in ranks:  # rank 0's own shards are finite: it refuses because rank 1's are not
+        assert r["error"] is not None
+        assert "non-finite" in r["error"] and r["name"] in r["error"], r["error"]
+        assert "was not written" in r["error"]
+    root = tmp / "run" / ck.CHECKPOINTS
+    assert ck.checkpoint_dirs(tmp / "run") == []
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_a_failed_sharded_write_removes_its_temporary_directory(setup, monkeypatch):
+    tmp, corpus = setup
+    run = tmp / "run"
+    trainer = Trainer(_cfg(corpus, parallel="fsdp", steps=4, checkpoint_every=2), run,
+                      quiet=True)
+    try:
+        trainer.fit(stop_after=2)
+        root = run / ck.CHECKPOINTS
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (root / f".tmp-step-00000003-{dead}" / sharded.DCP_DIR).mkdir(parents=True)
+
+        def full_disk(tmp_dir, *args, **kwargs):
+            assert list((tmp_dir / sharded.DCP_DIR).glob("*.distcp"))  # the shards were written
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_dir / ck.STATE_FILE))
+
+        monkeypatch.setattr(sharded, "_finish", full_disk)
+        with pytest.raises(MoeifyError, match="step 4.*the disk is full"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert not list(root.glob(".tmp-*"))  # neither this write's nor the dead writer's
+    assert [d.name for d in ck.checkpoint_dirs(run)] == [ck.checkpoint_name(2)]
+    assert ck.latest_checkpoint(run).name == ck.checkpoint_name(2)
+    assert load_trained(run).checkpoint.step == 2

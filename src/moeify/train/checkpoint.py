@@ -176,11 +176,24 @@ def nonfinite_tensors(obj: Any, prefix: str = "") -> list[str]:
     return out
 
 
+DIVERGED_ADVICE = "the weights diverged: lower the learning rate or grad_clip, or train in fp32"
+
+
+def nonfinite_state(model_state: dict[str, torch.Tensor],
+                    train_state: dict[str, Any]) -> list[str]:
+    """Names of the non-finite weights and optimizer tensors ("optimizer ..." for the latter)."""
+    return nonfinite_tensors(model_state) + [
+        f"optimizer {n}" for n in nonfinite_tensors(train_state.get("optimizer", {}))]
+
+
 def check_finite(model_state: dict[str, torch.Tensor], train_state: dict[str, Any],
                  where: str, advice: str) -> None:
     """Raise NonFiniteState naming the first bad tensors of the weights or optimizer state."""
-    bad = nonfinite_tensors(model_state) + [
-        f"optimizer {n}" for n in nonfinite_tensors(train_state.get("optimizer", {}))]
+    refuse_nonfinite(nonfinite_state(model_state, train_state), where, advice)
+
+
+def refuse_nonfinite(bad: list[str], where: str, advice: str) -> None:
+    """Raise NonFiniteState naming the first of the tensors ``bad`` (nothing when empty)."""
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise NonFiniteState(f"{where}: non-finite values (NaN or inf) in "
@@ -202,7 +215,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model_state: dict[str, torch
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     check_finite(model_state, train_state, f"checkpoint step {step} was not written",
-                 "the weights diverged: lower the learning rate or grad_clip, or train in fp32")
+                 DIVERGED_ADVICE)
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     sweep_stale(root)

@@ -16,7 +16,11 @@ Atomic at the directory level, like the single-file checkpoints: all processes w
 temporary directory (its name chosen by process 0 and broadcast), process 0 adds state.pt and
 meta.json once every shard is on disk, fsyncs, and renames the directory to its final name in
 one step (``publish_checkpoint``). A process killed at any point leaves the previous checkpoint
-and ``latest`` intact; the next save removes the half-written directory.
+and ``latest`` intact; the next save removes the half-written directory. A write that fails
+(a full disk, Ctrl-C) removes its temporary directory at once. As for single-file checkpoints,
+only finite numbers are written: every process checks its own shards of the weights and AdamW
+state before anything is written, and all of them refuse the checkpoint when any shard holds a
+NaN or an infinity (NonFiniteState).
 
 DCP stores each tensor with its global shape and the offsets of every shard, so a checkpoint
 written by W processes loads into any number of processes, sharded or not: ``restore_sharded``
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, describe_os_error
 from moeify.train import checkpoint as ck
 from moeify.train.distributed import DistEnv
 
@@ -65,14 +69,19 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_state: dict[str, Any] | None, *,
                  meta: dict[str, Any], keep: int) -> Path:
     """Collective: write checkpoint ``step`` (module docstring). ``train_state`` (the unsharded
-    part) is used on process 0 only. Raises MoeifyError on every process when a write fails."""
+    part) is used on process 0 only. Raises NonFiniteState on every process (nothing written)
+    when a weight or AdamW tensor of any process's shards is not finite, and MoeifyError on
+    every process when a write fails (the temporary directory is removed)."""
     dcp, get_state_dict, _ = _dcp()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _check_finite_shards(env, model_sd, optim_sd, step)
     root = Path(run_dir) / ck.CHECKPOINTS
     name = ck.checkpoint_name(step)
     tmp, error = None, None
     if env.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            ck.sweep_stale(root)  # what killed writers left (never a live process's entries)
             tmp = root / f".tmp-{name}-{os.getpid()}"
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -81,22 +90,57 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
             error = f"creating {tmp}: {e}"
     tmp, error = env.broadcast_object((tmp, error))
     _raise_if(error, step, run_dir)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    try:
+        return _write_and_publish(env, dcp, tmp, name, step, model_sd, optim_sd, train_state,
+                                  meta, keep, run_dir)
+    except BaseException:  # a failed write, Ctrl-C, ...: leave no partial directory behind
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _local(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by this process's shard of it (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
+
+
+def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[str, Any],
+                         step: int) -> None:
+    """Collective: every process checks its own shards and all of them learn every bad name,
+    so all raise NonFiniteState together (or none does)."""
+    bad = ck.nonfinite_state(_local(model_sd), {"optimizer": _local(optim_sd)})
+    everywhere = list(dict.fromkeys(n for names in env.all_gather_object(bad) for n in names))
+    ck.refuse_nonfinite(everywhere, f"sharded checkpoint step {step} was not written",
+                        ck.DIVERGED_ADVICE)
+
+
+def _write_and_publish(env: DistEnv, dcp, tmp: Path, name: str, step: int, model_sd, optim_sd,
+                       train_state, meta, keep: int, run_dir: Path) -> Path:
+    """Collective: every process writes its shards into ``tmp``; process 0 then finishes and
+    publishes it. An error on any process is raised on every process."""
+    error, final = None, None
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
     except Exception as e:  # DCP raises its own CheckpointException on every process
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     error = env.broadcast_object(error)
     _raise_if(error, step, run_dir)
-    final = None
     if env.is_main:
         try:
             final = _finish(tmp, name, step, train_state, meta, keep)
         except OSError as e:
-            error = str(e)
+            error = describe_os_error(e)
     error = env.broadcast_object(error)
     _raise_if(error, step, run_dir)
-    return final if final is not None else root / name
+    return final if final is not None else Path(run_dir) / ck.CHECKPOINTS / name
 
 
 def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Path:

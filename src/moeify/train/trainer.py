@@ -365,10 +365,13 @@ class Trainer:
                      "data": self.batcher.state_dict(), "rng": rngs, "memory": memory,
                      "tokens_seen": self.tokens_seen, "world_size": self.env.world_size}
         if self.sharded:  # the optimizer state goes into the shards (moeify.train.sharded)
-            self.last_checkpoint = sharded_io.save_sharded(
-                self.env, self.run_dir, self.step, self.model, self.optimizer, state,
-                meta={**meta, "world_size": self.env.world_size},
-                keep=self.cfg.keep_checkpoints)
+            try:
+                self.last_checkpoint = sharded_io.save_sharded(
+                    self.env, self.run_dir, self.step, self.model, self.optimizer, state,
+                    meta={**meta, "world_size": self.env.world_size},
+                    keep=self.cfg.keep_checkpoints)
+            except ckpt_io.NonFiniteState as e:  # raised on every process
+                raise MoeifyError(f"{e}. {self._last_good()}") from None
             return self.last_checkpoint
         error = None
         path = None
