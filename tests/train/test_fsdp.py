@@ -227,3 +227,48 @@ def test_a_failed_sharded_write_removes_its_temporary_directory(setup, monkeypat
     assert [d.name for d in ck.checkpoint_dirs(run)] == [ck.checkpoint_name(2)]
     assert ck.latest_checkpoint(run).name == ck.checkpoint_name(2)
     assert load_trained(run).checkpoint.step == 2
+
+
+def _signalled_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
+    """Rank 1 receives SIGTERM during step 3; the other rank learns it through the per-step
+    agreement and both stop after step 3 with one sharded checkpoint."""
+    import signal
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        real_step = trainer.train_step
+
+        def step():
+            rec = real_step()
+            if rank == 1 and trainer.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return rec
+
+        trainer.train_step = step
+        res = trainer.fit()
+        torch.save({"step": res.step, "losses": sorted(res.losses),
+                    "checkpoint": str(res.checkpoint)}, f"{out_file}.{rank}")
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_signal_to_one_sharded_process_stops_all_with_a_checkpoint(setup):
+    tmp, corpus = setup
+    cfg = _cfg(corpus, parallel="fsdp", steps=6, checkpoint_every=0)
+    out = tmp / "signal.pt"
+    mp.start_processes(_signalled_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
+                                                str(tmp / "run"), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    for r in range(2):
+        got = torch.load(f"{out}.{r}")
+        assert got["step"] == 3 and got["losses"] == [1, 2, 3], (r, got)
+    step3 = tmp / "run" / ck.CHECKPOINTS / ck.checkpoint_name(3)
+    assert [d.name for d in ck.checkpoint_dirs(tmp / "run")] == [step3.name]
+    assert sharded.is_sharded_checkpoint(step3)
+    assert len(list((step3 / sharded.DCP_DIR).glob("*.distcp"))) == 2
