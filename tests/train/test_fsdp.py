@@ -17,7 +17,7 @@ from moeify.train import checkpoint as ck
 from moeify.train import sharded
 from moeify.train.config import TrainConfig
 from moeify.train.rundir import load_trained
-from moeify.train.trainer import Trainer, train
+from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream
 
 # SwitchHead attention and a sigma-MoE feedforward: both kinds of routing-usage buffer.
@@ -272,3 +272,50 @@ def test_a_signal_to_one_sharded_process_stops_all_with_a_checkpoint(setup):
     assert [d.name for d in ck.checkpoint_dirs(tmp / "run")] == [step3.name]
     assert sharded.is_sharded_checkpoint(step3)
     assert len(list((step3 / sharded.DCP_DIR).glob("*.distcp"))) == 2
+
+
+def test_a_sharded_checkpoint_of_the_weights_that_diverged_is_set_aside(setup):
+    tmp, corpus = setup
+    run = tmp / "run"
+    cfg = _cfg(corpus, parallel="fsdp", steps=6, checkpoint_every=1, lr=1e30)
+    with pytest.raises(NonFiniteLoss, match="loss became nan.*set aside"):
+        train(cfg, run, quiet=True)
+    # No checkpoint a reader can reach holds weights that give a non-finite loss.
+    assert ck.checkpoint_dirs(run) == [] and not (run / ck.CHECKPOINTS / "latest").exists()
+    aside = run / ck.CHECKPOINTS / f"diverged-{ck.checkpoint_name(1)}"
+    assert sharded.is_sharded_checkpoint(aside)
+
+
+def _diverging_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        try:
+            trainer.fit()
+            error = None
+        except NonFiniteLoss as e:
+            error = str(e)
+        torch.save({"error": error, "last": trainer.last_checkpoint}, f"{out_file}.{rank}")
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_sharded_processes_agree_to_set_a_diverged_checkpoint_aside(setup):
+    tmp, corpus = setup
+    cfg = _cfg(corpus, parallel="fsdp", steps=6, checkpoint_every=1, lr=1e30)
+    out = tmp / "diverged.pt"
+    mp.start_processes(_diverging_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
+                                                str(tmp / "run"), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    assert "set aside" in ranks[0]["error"]
+    assert all(r["error"] and "loss became nan" in r["error"] for r in ranks)
+    assert all(r["last"] is None for r in ranks)  # both know no good checkpoint remains
+    assert ck.checkpoint_dirs(tmp / "run") == []
+    assert sharded.is_sharded_checkpoint(
+        tmp / "run" / ck.CHECKPOINTS / f"diverged-{ck.checkpoint_name(1)}")

@@ -216,6 +216,21 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
             from None
 
 
+def holds_weights(env: DistEnv, ckpt: Path, model: torch.nn.Module) -> bool:
+    """Collective: whether the sharded checkpoint ``ckpt`` holds exactly ``model``'s current
+    weights; every process compares its own shards, and all of them return the same answer."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    now = get_model_state_dict(model)
+    saved = {k: torch.empty_like(v) for k, v in now.items()}
+    try:
+        _load_dcp(ckpt, {"model": saved})
+        same = all(torch.equal(_local(saved[k]), _local(v.detach())) for k, v in now.items())
+    except MoeifyError:
+        same = False
+    return all(env.all_gather_object(same))
+
+
 def load_weights(ckpt: Path, model: torch.nn.Module, *,
                  model_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill a plain (unsharded) model from a sharded checkpoint in this one process; returns the

@@ -398,20 +398,27 @@ class Trainer:
         it is set aside (checkpoints/diverged-step-N) and ``latest`` moves back."""
         aside = ""
         last = self.last_checkpoint
-        if self.env.is_main and last is not None and self._holds_current_weights(last):
-            moved = ckpt_io.set_aside(last)
-            aside = f" Checkpoint {last.name} holds these weights, so it was set aside as {moved}."
-            self.last_checkpoint = ckpt_io.latest_checkpoint(self.run_dir)
+        # Every process reaches here (the losses are agreed); a sharded comparison is collective.
+        if (self.env.is_main or self.sharded) and last is not None \
+                and self._holds_current_weights(last):
+            if self.env.is_main:
+                moved = ckpt_io.set_aside(last)
+                aside = (f" Checkpoint {last.name} holds these weights, so it was set aside as "
+                         f"{moved}.")
+                self.last_checkpoint = ckpt_io.latest_checkpoint(self.run_dir)
+            if self.sharded:
+                self.last_checkpoint = self.env.broadcast_object(self.last_checkpoint)
         raise NonFiniteLoss(f"{what}. Lower the learning rate (lr={self.cfg.lr}) or grad_clip, "
                             f"or train in fp32 (amp=fp32).{aside} "
                             + self._last_good(resume_hint=False))
 
     def _holds_current_weights(self, ckpt: Path) -> bool:
-        """Whether checkpoint ``ckpt`` is of this step and holds exactly the model's weights.
-        A sharded checkpoint is never set aside (its weights are compared nowhere in one
-        process); its weights were checked finite when it was written."""
-        if self.sharded or ckpt_io.step_of(ckpt) != self.step:
+        """Whether checkpoint ``ckpt`` is of this step and holds exactly the model's weights
+        (collective in a sharded run: each process compares its shards)."""
+        if ckpt_io.step_of(ckpt) != self.step:
             return False
+        if self.sharded:
+            return sharded_io.holds_weights(self.env, ckpt, self.model)
         try:
             saved = ckpt_io.load_checkpoint(ckpt).model_state
         except MoeifyError:
