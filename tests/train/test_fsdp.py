@@ -3,6 +3,7 @@ the same global batch, their checkpoint resumes in one process and continues exa
 it, and a process killed while writing a sharded checkpoint leaves the previous one loadable."""
 
 import errno
+import gc
 import os
 import random
 import subprocess
@@ -31,6 +32,15 @@ def _corpus(path):
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
                               for _ in range(800)) + "\n")
     return path
+
+
+def _fork(worker, args, nprocs, join, start_method):
+    """mp.start_processes after collecting garbage: a gloo process group an earlier in-process
+    test left to the collector must be destroyed here, not in a forked child (where its
+    destructor can wait forever on a lock copied mid-use)."""
+    gc.collect()
+    return mp.start_processes(worker, args=args, nprocs=nprocs, join=join,
+                              start_method=start_method)
 
 
 def _usage(model) -> dict[str, torch.Tensor]:
@@ -80,7 +90,7 @@ def test_two_sharded_processes_match_one_process_and_resume_in_one(setup):
 
     out = tmp / "fsdp.pt"
     fsdp_cfg = _cfg(corpus, parallel="fsdp")
-    mp.start_processes(_worker, args=(2, str(tmp / "pg"), fsdp_cfg.to_dict(), str(tmp / "two"),
+    _fork(_worker, args=(2, str(tmp / "pg"), fsdp_cfg.to_dict(), str(tmp / "two"),
                                       str(out)), nprocs=2, join=True, start_method="fork")
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     two = ranks[0]
@@ -134,6 +144,7 @@ def test_a_process_killed_while_writing_a_sharded_checkpoint_leaves_the_previous
     tmp, corpus = setup
     cfg = _cfg(corpus, parallel="fsdp", steps=4, checkpoint_every=2)
     ctx = mp.get_context("fork")
+    gc.collect()  # as in _fork
     p = ctx.Process(target=_dying_worker, args=(cfg.to_dict(), str(tmp / "run")))
     p.start()
     p.join()
@@ -189,7 +200,7 @@ def test_a_non_finite_shard_on_one_process_is_refused_by_every_process(setup):
     tmp, corpus = setup
     cfg = _cfg(corpus, parallel="fsdp")
     out = tmp / "poison.pt"
-    mp.start_processes(_poisoning_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
+    _fork(_poisoning_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
                                                 str(tmp / "run"), str(out)),
                        nprocs=2, join=True, start_method="fork")
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
@@ -262,7 +273,7 @@ def test_a_signal_to_one_sharded_process_stops_all_with_a_checkpoint(setup):
     tmp, corpus = setup
     cfg = _cfg(corpus, parallel="fsdp", steps=6, checkpoint_every=0)
     out = tmp / "signal.pt"
-    mp.start_processes(_signalled_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
+    _fork(_signalled_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
                                                 str(tmp / "run"), str(out)),
                        nprocs=2, join=True, start_method="fork")
     for r in range(2):
@@ -309,7 +320,7 @@ def test_two_sharded_processes_agree_to_set_a_diverged_checkpoint_aside(setup):
     tmp, corpus = setup
     cfg = _cfg(corpus, parallel="fsdp", steps=6, checkpoint_every=1, lr=1e30)
     out = tmp / "diverged.pt"
-    mp.start_processes(_diverging_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
+    _fork(_diverging_worker, args=(2, str(tmp / "pg"), cfg.to_dict(),
                                                 str(tmp / "run"), str(out)),
                        nprocs=2, join=True, start_method="fork")
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
