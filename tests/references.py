@@ -142,3 +142,30 @@ def ref_expert_mlp(x, idx, w1, w2, gates, activation="relu", b1=None, b2=None):
             y = y + gates[m, k].to(x.dtype) * (act(h if b1 is None else h + b1[e]) @ w2[e])
         rows.append(y if b2 is None else y + b2)
     return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])
+
+
+# ---------------------------------------------------------------------------- tiny corpora
+
+def english_corpus(path, n_sentences=1500, seed=0):
+    """A small English-like corpus (subject verb object.) with enough structure for a tiny model
+    to learn in a few dozen steps."""
+    import random
+
+    rng = random.Random(seed)
+    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child"]
+    verb = ["sees", "likes", "finds", "wants", "hears", "follows"]
+    obj = ["the ball", "a red apple", "the small house", "her friend", "the river", "a book"]
+    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}."
+                              for _ in range(n_sentences)) + "\n")
+    return path
+
+
+def word_soup_corpus(path, n_lines=800, seed=1):
+    """Lines of eight words drawn uniformly from eight: a corpus with almost no structure."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "tau", "rho"]
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
+                              for _ in range(n_lines)) + "\n")
+    return path

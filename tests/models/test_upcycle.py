@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from moeify.cli.main import main
-from moeify.layers.attention import DenseAttention
 from moeify.layers.depth import MixtureOfDepths
-from moeify.layers.moa import MoAAttention
 from moeify.layers.sigma_moe import SigmaMoE
 from moeify.layers.switchhead import SwitchHeadAttention
 from moeify.models.cost import count_module_parameters, model_cost, moa_cost, switchhead_cost
@@ -26,6 +24,7 @@ from moeify.models.upcycle.feedforward import balanced_clusters
 from moeify.train.config import TrainConfig
 from moeify.train.rundir import load_trained
 from moeify.train.trainer import train
+from references import english_corpus as write_corpus
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -33,18 +32,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=32",
         "model.feedforward.d_ff=64", "model.attention.d_head=8", "model.attention.n_heads=4")
 ROPE = ("model.xl_memory=false", "model.attention.pos=rope")
-
-
-def write_corpus(path: Path, n: int, seed: int) -> Path:
-    import random
-
-    rng = random.Random(seed)
-    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child"]
-    verb = ["sees", "likes", "finds", "wants", "hears", "follows"]
-    obj = ["the ball", "a red apple", "the small house", "her friend", "the river", "a book"]
-    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}."
-                              for _ in range(n)) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

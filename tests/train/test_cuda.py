@@ -9,7 +9,6 @@ on a machine without a GPU; the implementations that only exist on CUDA are then
 
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from moeify.models.presets import get_preset
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
 from moeify.train.config import TrainConfig, apply_model_overrides
 from moeify.train.trainer import train
+from references import english_corpus
 
 DEVICE = os.environ.get("MOEIFY_SUITE_DEVICE", "cuda")
 
@@ -149,20 +149,10 @@ def test_cached_decoding_equals_a_full_forward(preset):
 
 # ---------------------------------------------------------------------------- training
 
-def _corpus(path):
-    rng = random.Random(0)
-    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child"]
-    verb = ["sees", "likes", "finds", "wants", "hears", "follows"]
-    obj = ["the ball", "a red apple", "the small house", "her friend", "the river", "a book"]
-    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}."
-                              for _ in range(3000)) + "\n")
-    return path
-
-
 @pytest.fixture
 def corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    return _corpus(tmp_path / "corpus.txt")
+    return english_corpus(tmp_path / "corpus.txt", 3000)
 
 
 def _cfg(corpus, preset, **kw):

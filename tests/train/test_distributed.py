@@ -1,7 +1,6 @@
 """Data parallel: two gloo processes with B rows each train exactly like one process with 2B
 rows (and like one process accumulating two micro-batches)."""
 
-import random
 
 import pytest
 import torch
@@ -10,17 +9,10 @@ import torch.multiprocessing as mp
 from moeify.train import checkpoint as ck
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import train
+from references import word_soup_corpus
 
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16",
         "model.feedforward.d_ff=64")
-
-
-def _corpus(path):
-    rng = random.Random(1)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "tau", "rho"]
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
-                              for _ in range(800)) + "\n")
-    return path
 
 
 def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
@@ -42,7 +34,7 @@ def setup(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield tmp_path, _corpus(tmp_path / "corpus.txt")
+    yield tmp_path, word_soup_corpus(tmp_path / "corpus.txt")
     torch.set_num_threads(threads)
 
 

@@ -5,7 +5,6 @@ it, and a process killed while writing a sharded checkpoint leaves the previous 
 import errno
 import gc
 import os
-import random
 import subprocess
 import sys
 
@@ -20,18 +19,11 @@ from moeify.train.config import TrainConfig
 from moeify.train.rundir import load_trained
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream
+from references import word_soup_corpus
 
 # SwitchHead attention and a sigma-MoE feedforward: both kinds of routing-usage buffer.
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
 STEPS = 20
-
-
-def _corpus(path):
-    rng = random.Random(1)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "tau", "rho"]
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
-                              for _ in range(800)) + "\n")
-    return path
 
 
 def _fork(worker, args, nprocs, join, start_method):
@@ -68,7 +60,7 @@ def setup(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield tmp_path, _corpus(tmp_path / "corpus.txt")
+    yield tmp_path, word_soup_corpus(tmp_path / "corpus.txt")
     torch.set_num_threads(threads)
 
 

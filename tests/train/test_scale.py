@@ -3,7 +3,6 @@ CUDA autocast defaults (bf16, fp16 with a scaler on request), and compile=true t
 like eager."""
 
 import math
-import random
 
 import pytest
 import torch
@@ -11,20 +10,11 @@ import torch
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import Trainer, resolve_amp, train
 from moeify.train.validate import autocast_context
+from references import english_corpus
 
 SMALL = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
 FAMILIES = ("tiny-dense", "tiny-switchhead", "tiny-moa", "tiny-sigmamoe", "tiny-switch",
             "tiny-mod")
-
-
-def _corpus(path):
-    rng = random.Random(0)
-    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child"]
-    verb = ["sees", "likes", "finds", "wants", "hears", "follows"]
-    obj = ["the ball", "a red apple", "the small house", "her friend", "the river", "a book"]
-    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}."
-                              for _ in range(1500)) + "\n")
-    return path
 
 
 @pytest.fixture
@@ -32,7 +22,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield tmp_path, _corpus(tmp_path / "corpus.txt")
+    yield tmp_path, english_corpus(tmp_path / "corpus.txt")
     torch.set_num_threads(threads)
 
 

@@ -3,7 +3,6 @@ AdamW step, resume is exact, NaN stops cleanly, an interrupted checkpoint write 
 
 import json
 import math
-import random
 
 import pytest
 import torch
@@ -14,20 +13,10 @@ from moeify.train import checkpoint as ck
 from moeify.train.config import TrainConfig
 from moeify.train.metrics import read_metrics
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
+from references import english_corpus as write_corpus
 
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16",
         "model.feedforward.d_ff=64")
-
-
-def write_corpus(path, n_sentences=1500, seed=0):
-    """A small English-like corpus with enough structure to learn in a few dozen steps."""
-    rng = random.Random(seed)
-    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child"]
-    verb = ["sees", "likes", "finds", "wants", "hears", "follows"]
-    obj = ["the ball", "a red apple", "the small house", "her friend", "the river", "a book"]
-    lines = [f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(n_sentences)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture
