@@ -2,14 +2,12 @@
 rows (and like one process accumulating two micro-batches)."""
 
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
 from moeify.train import checkpoint as ck
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import train
-from references import word_soup_corpus
 
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16",
         "model.feedforward.d_ff=64")
@@ -27,15 +25,6 @@ def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
             torch.save({"losses": res.losses, "valid": res.valid}, out_file)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def setup(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path, word_soup_corpus(tmp_path / "corpus.txt")
-    torch.set_num_threads(threads)
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(setup):

@@ -19,7 +19,6 @@ from moeify.train.config import TrainConfig
 from moeify.train.rundir import load_trained
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream
-from references import word_soup_corpus
 
 # SwitchHead attention and a sigma-MoE feedforward: both kinds of routing-usage buffer.
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
@@ -53,15 +52,6 @@ def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
         trainer.close()
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def setup(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path, word_soup_corpus(tmp_path / "corpus.txt")
-    torch.set_num_threads(threads)
 
 
 def _cfg(corpus, **kw) -> TrainConfig:

@@ -10,20 +10,10 @@ import torch
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import Trainer, resolve_amp, train
 from moeify.train.validate import autocast_context
-from references import english_corpus
 
 SMALL = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
 FAMILIES = ("tiny-dense", "tiny-switchhead", "tiny-moa", "tiny-sigmamoe", "tiny-switch",
             "tiny-mod")
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path, english_corpus(tmp_path / "corpus.txt")
-    torch.set_num_threads(threads)
 
 
 def _cfg(corpus, preset, **kw):

@@ -13,19 +13,9 @@ from moeify.train import checkpoint as ck
 from moeify.train.config import TrainConfig
 from moeify.train.metrics import read_metrics
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
-from references import english_corpus as write_corpus
 
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16",
         "model.feedforward.d_ff=64")
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path, write_corpus(tmp_path / "corpus.txt")
-    torch.set_num_threads(threads)
 
 
 def tiny_cfg(corpus, **kw):

@@ -17,9 +17,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from moeify.interop.hf_export import export_hf
-    from moeify.interop.hf_import import offline
 
-    offline()
     out = export_hf(args.run, args.out)
     print(f"exported {args.run} to {out}")
     return 0

@@ -16,9 +16,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moeify.interop.hf_import import import_hf, offline
+    from moeify.interop.hf_import import import_hf
 
-    offline()
     out = import_hf(args.hf, args.out)
     print(f"imported {args.hf} into {out}")
     return 0
