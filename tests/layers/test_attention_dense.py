@@ -265,3 +265,28 @@ def test_project_by_input_groups_pieces_of_the_same_input():
     # a and c read the same tensor: views into one product
     assert out["a"].untyped_storage().data_ptr() == out["c"].untyped_storage().data_ptr()
     assert out["b"].untyped_storage().data_ptr() != out["a"].untyped_storage().data_ptr()
+
+
+def test_project_by_input_keeps_fused_weights_only_without_gradients():
+    from moeify.layers.common import project_by_input
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, generator=g, dtype=f64)
+    wa = torch.randn(5, 3, generator=g, dtype=f64, requires_grad=True)
+    wb = torch.randn(5, 2, generator=g, dtype=f64, requires_grad=True)
+    memo = {}
+    out = project_by_input([("a", x, wa), ("b", x, wb)], memo)
+    out["a"].sum().backward()  # with gradients: nothing kept, gradients flow
+    assert not memo and wa.grad is not None
+    with torch.no_grad():
+        first = project_by_input([("a", x, wa), ("b", x, wb)], memo)
+        (fused,) = [v[1] for v in memo.values()]
+        again = project_by_input([("a", x, wa), ("b", x, wb)], memo)
+        assert [v[1] for v in memo.values()] == [fused]  # reused, not rebuilt
+        torch.testing.assert_close(again["b"], x @ wb, rtol=1e-12, atol=1e-12)
+        wb.add_(1.0)  # an in-place update: rebuilt from the new weights
+        torch.testing.assert_close(project_by_input([("a", x, wa), ("b", x, wb)], memo)["b"],
+                                   x @ wb, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(first["a"], x @ wa.detach(), rtol=1e-12, atol=1e-12)
+    project_by_input([("a", x, wa), ("b", x, wb)], memo)  # training again: the copy is dropped
+    assert not memo

@@ -153,8 +153,15 @@ def test_cache_basics():
         c.append(k, k, torch.arange(3).expand(2, 3))
     with pytest.raises(ValueError, match="heads"):
         c.append(k[:, :1], k[:, :1], torch.arange(4).expand(2, 4))
+    assert not c.contiguous  # appended without vouching for default positions
     c.reset()
-    assert c.length == 0
+    assert c.length == 0 and c.contiguous
+    c.append(k, k, torch.arange(4).expand(2, 4), default_positions=True)
+    assert c.contiguous
+    c.append(k[:, :, :1], k[:, :, :1], torch.tensor([[7], [7]]))
+    assert not c.contiguous  # stays so: later queries must use the stored positions
+    c.append(k[:, :, :1], k[:, :, :1], torch.tensor([[8], [8]]), default_positions=True)
+    assert not c.contiguous
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -183,3 +190,21 @@ def test_appends_equal_concatenation_and_earlier_views_stay(grad):
     if grad:
         c.keys.sum().backward()
         assert all(torch.equal(k.grad, torch.ones_like(k)) for k in ks)
+
+
+@pytest.mark.parametrize("kind", ["dense", "switchhead", "moa"])
+def test_xl_decoding_keeps_one_growing_position_table(kind):
+    # Contiguous XL decoding reads the distance table kept in the cache, grown as the cache
+    # grows, instead of projecting every distance again at every step.
+    m = build(kind, "xl")
+    x = torch.randn(1, STEPS, D, dtype=f64)
+    cache = m.new_cache()
+    with torch.no_grad():
+        full = m(x)[0]
+        outs = [m(x[:, :5], cache=cache)[0]]
+        memo = cache.derived["xl_positions"]
+        for t in range(5, STEPS):
+            outs.append(m(x[:, t:t + 1], cache=cache)[0])
+            assert cache.derived["xl_positions"] is memo and cache.contiguous
+        assert memo._rows_HRC.shape[1] >= STEPS
+    torch.testing.assert_close(torch.cat(outs, 1), full, **tol(kind))

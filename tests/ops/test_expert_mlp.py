@@ -7,7 +7,7 @@ import torch
 from moeify.bench.timing import expert_impls_run
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
-from moeify.ops.expert_matmul import choose_impl, make_plan
+from moeify.ops.expert_matmul import ALL_MAX_ROWS, choose_impl, make_plan
 from moeify.ops.expert_mlp import expert_mlp
 from moeify.ops.padded_matmul import padded_layout
 from references import ref_expert_mlp
@@ -32,7 +32,8 @@ def grads(y, inputs, g):
     return torch.autograd.grad(y, inputs, g)
 
 
-@pytest.mark.parametrize("impl", ["segment", "grouped", "padded", "auto", "reference", "gather"])
+@pytest.mark.parametrize("impl", ["segment", "grouped", "padded", "auto", "reference", "gather",
+                                  "pairs", "all"])
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("K", [1, 2])
 def test_matches_definition_with_every_gradient(impl, skew, K):
@@ -113,17 +114,24 @@ def test_layers_run_what_choose_impl_decides(threads):
         torch.set_num_threads(n)
 
 
-def test_auto_gathers_for_tiny_routings_only():
-    # Decoding routes a handful of pairs: "auto" copies their matrices instead of sorting.
+def test_auto_takes_the_decoding_layouts_for_a_handful_of_rows_only():
+    # Decoding routes a handful of rows: "auto" multiplies by views of the routed matrices (a
+    # few pairs) or by every expert (a few rows): no sort, no copied weights.
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         w = torch.zeros(10, 4, 3)
         few = torch.tensor([[1, 2], [3, 9]])  # 4 pairs <= 10 experts
-        assert choose_impl("auto", torch.zeros(2, 4), w, make_plan(few, 10)) == "gather"
-        many = torch.arange(24).remainder(10).view(12, 2)
-        assert choose_impl("auto", torch.zeros(12, 4), w, make_plan(many, 10)) == "padded"
+        assert choose_impl("auto", torch.zeros(2, 4), w, make_plan(few, 10)) == "pairs"
+        some = torch.arange(24).remainder(10).view(12, 2)  # 24 pairs, 12 rows
+        assert choose_impl("auto", torch.zeros(12, 4), w, make_plan(some, 10)) == "all"
+        rows = ALL_MAX_ROWS + 8
+        many = torch.arange(2 * rows).remainder(10).view(rows, 2)
+        assert choose_impl("auto", torch.zeros(rows, 4), w, make_plan(many, 10)) == "padded"
         assert choose_impl("segment", torch.zeros(2, 4), w, make_plan(few, 10)) == "segment"
+        # A few rows but huge experts: the E/K extra multiply-adds are not worth it.
+        big = torch.zeros(10, 2048, 4096)
+        assert choose_impl("auto", torch.zeros(12, 2048), big, make_plan(some, 10)) != "all"
     finally:
         torch.set_num_threads(n)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moeify.ops.positional import (
+    XLPositionTableCache,
     apply_rope,
     default_positions,
     rel_shift,
@@ -18,6 +19,7 @@ from moeify.ops.positional import (
     sinusoidal_embedding,
     xl_logits_at,
     xl_logits_contiguous,
+    xl_position_table,
 )
 from references import ref_rope as brute_rope
 from references import ref_sinusoid as brute_emb
@@ -166,3 +168,21 @@ def test_xl_key_factor_table_gives_the_direct_values():
             want = torch.cat([ang.cos(), ang.sin()], -1).to(dt)
             assert torch.equal(got, want)
             assert torch.equal(_key_factors(pos[:, :3], D, inv, dt), want[:, :3])
+
+
+def test_decoding_position_table_grows_and_equals_the_direct_table():
+    # The kept table is the causal table of every length asked for, grown from call to call.
+    torch.manual_seed(6)
+    w = torch.randn(9, 2, 4, dtype=f64)
+    memo = XLPositionTableCache()
+    for S in (3, 4, 5, 11, 12, 2):
+        want = xl_position_table(w, S, 1, causal=True, dtype=f64)
+        torch.testing.assert_close(memo.table(w, S, f64), want, rtol=1e-12, atol=1e-12)
+    assert memo._rows_HRC.shape[1] == int(11 * memo.GROWTH)  # amortised, not one row per call
+    with torch.no_grad():
+        w.mul_(2)  # an in-place update (an optimizer step): the table is rebuilt
+    torch.testing.assert_close(memo.table(w, 5, f64), xl_position_table(w, 5, 1, causal=True,
+                                                                      dtype=f64))
+    other = torch.randn(9, 2, 4, dtype=f64)  # another tensor
+    torch.testing.assert_close(memo.table(other, 5, f64),
+                               xl_position_table(other, 5, 1, causal=True, dtype=f64))

@@ -115,6 +115,7 @@ class DenseAttention(nn.Module):
         self.w_v = nn.Parameter(torch.empty(D, hc))
         self.w_o = nn.Parameter(torch.empty(hc, D))
         self.core = AttentionCore(core_config(c, n_heads=c.n_heads, xl_biases=True))
+        self._weight_memo: dict = {}  # fused projection weights (project_by_input)
         rename_legacy_core_keys(self, ("w_pos", "bias_u", "bias_v", "scale"))
         self.reset_parameters()
 
@@ -142,7 +143,8 @@ class DenseAttention(nn.Module):
         S = src_BSD.shape[1]
         H, C = c.n_heads, c.d_head
         proj = project_by_input([("q", q_BTD, self.w_q), ("k", src_BSD, self.w_k)]
-                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]))
+                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]),
+                                self._weight_memo)
         v = proj["v"] if "v" in proj else src_BSD @ self.w_v
         return (proj["q"].view(B, T, H, C).transpose(1, 2),
                 proj["k"].view(B, S, H, C).transpose(1, 2), v.view(B, S, H, C).transpose(1, 2))

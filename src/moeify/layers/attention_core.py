@@ -36,6 +36,7 @@ from torch import nn
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.attention import ATTENTION_IMPLS, attend, build_mask
 from moeify.ops.positional import (
+    XLPositionTableCache,
     apply_rope,
     default_positions,
     rope_dims,
@@ -153,9 +154,9 @@ class AttentionCore(nn.Module):
         New source tokens get the interface's positions (explicit ``pos_k``, else after the
         cached ones); queries likewise (explicit ``pos_q``, else the last T source positions).
         In self-attention a single given position tensor serves both sides. The contiguous fast
-        paths (SDPA's causal mask, the XL diagonal shift) apply only when nothing is cached and
-        no position is given; otherwise masks and XL logits are computed from the actual
-        positions. On the contiguous XL path without dropout the core is the fused Function of
+        paths (SDPA's causal mask, the XL diagonal shift) apply when no position is given and
+        every cached token sits at its default position (``KVCache.contiguous``); otherwise
+        masks and XL logits are computed from the actual positions. On the contiguous XL path without dropout the core is the fused Function of
         moeify.ops.xl_attention; ``impl="reference"`` keeps the explicit logits + softmax."""
         c = self.config
         impl = c.attn_impl if impl is None else impl
@@ -169,7 +170,10 @@ class AttentionCore(nn.Module):
         _check_tokens("pos_k", pos_k, B, S_new)
         _check_tokens("valid_k", valid_k, B, S_new)
         past = 0 if cache is None else cache.length
-        explicit = pos_q is not None or pos_k is not None or past > 0
+        given = pos_q is not None or pos_k is not None
+        # Cached tokens at their default positions keep the contiguous case (and its fast
+        # paths): query i of T sits at S - T + i, key j at j.
+        explicit = given or (past > 0 and not cache.contiguous)
         dq_BT, dk_BS = default_positions(B, T, S_new, past, q_BHTC.device)
         pq_BT = dq_BT if pos_q is None else pos_q.to(torch.int64)
         pk_BS = dk_BS if pos_k is None else pos_k.to(torch.int64)
@@ -179,14 +183,15 @@ class AttentionCore(nn.Module):
             k_BHSC = apply_rope(k_BHSC, pk_BS, n_rot=self.rope_n, base=c.rope_base)
         valid = valid_k
         if cache is not None:
-            k_BHSC, v_BHSC, pk_BS, valid = cache.append(k_BHSC, v_BHSC, pk_BS, valid_k)
+            k_BHSC, v_BHSC, pk_BS, valid = cache.append(k_BHSC, v_BHSC, pk_BS, valid_k,
+                                                        default_positions=not given)
         k_BHSC, v_BHSC = self._expand_groups(k_BHSC, v_BHSC)
         mask = build_mask(T, k_BHSC.shape[-2], causal=causal, device=q_BHTC.device,
                           pos_q_BT=pq_BT if explicit else None,
                           pos_k_BS=pk_BS if explicit else None, valid_k_BS=valid)
         if c.pos == "xl":
             return self._xl(q_BHTC, k_BHSC, v_BHSC, mask, causal, pq_BT, pk_BS, explicit,
-                            dropout_p, impl)
+                            dropout_p, impl, cache)
         return attend(q_BHTC, k_BHSC, v_BHSC, mask, scale=self._scale(), dropout_p=dropout_p,
                       impl=impl)
 
@@ -199,7 +204,18 @@ class AttentionCore(nn.Module):
             return k, v
         return k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
 
-    def _xl(self, q, k, v, mask, causal, pq_BT, pk_BS, explicit, dropout_p, impl):
+    def _position_table(self, w_pos_DHC, S: int, T: int, causal: bool, dtype,
+                        cache: KVCache | None) -> torch.Tensor:
+        """The projected distance table of the contiguous XL path; while decoding (a cache,
+        causal, no gradients) kept in the cache from step to step instead of recomputed."""
+        if cache is None or not causal or (torch.is_grad_enabled() and self.w_pos.requires_grad):
+            return xl_position_table(w_pos_DHC, S, T, causal=causal, dtype=dtype)
+        memo = cache.derived.get("xl_positions")
+        if memo is None:
+            memo = cache.derived["xl_positions"] = XLPositionTableCache()
+        return memo.table(w_pos_DHC, S, dtype)
+
+    def _xl(self, q, k, v, mask, causal, pq_BT, pk_BS, explicit, dropout_p, impl, cache=None):
         c = self.config
         scale = self._scale()
         w_pos_DHC = self.w_pos.view(c.d_model, c.pos_heads, c.d_head)
@@ -218,7 +234,7 @@ class AttentionCore(nn.Module):
             # logits itself).
             qc = qp if u is None and vb is None else (
                 q if u is None else q + u[:, None].to(q.dtype)) * scale
-            p_HRC = xl_position_table(w_pos_DHC, S, q.shape[-2], causal=causal, dtype=qp.dtype)
+            p_HRC = self._position_table(w_pos_DHC, S, q.shape[-2], causal, qp.dtype, cache)
             out = xl_attention(qc, qp, k, v, p_HRC, allowed_BTS=mask.allowed_BTS,
                                causal_square=mask.causal_square)
             if mask.nonempty_BT is not None:

@@ -138,12 +138,16 @@ def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | No
     return None
 
 
-def project_by_input(pieces) -> dict[str, torch.Tensor]:
+def project_by_input(pieces, memo: dict | None = None) -> dict[str, torch.Tensor]:
     """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n])`` piece; the pieces that read
     the same input tensor share one matmul ``x @ [w1 | w2 | ...]`` split back into views: one
     pass over the input and one input-gradient matmul instead of one per piece. A product that
     autograd would save as it is (RoPE attention's value) is better left out: as a view it keeps
-    the whole fused output alive."""
+    the whole fused output alive.
+
+    ``memo`` (a dict the calling layer owns) keeps the concatenated weights between calls that
+    need no gradient for them (evaluation, decoding: otherwise every call, every token, copies
+    them), rebuilt when any piece's weights change (another tensor, or an in-place update)."""
     groups: dict[int, tuple[torch.Tensor, list]] = {}
     for key, x, w in pieces:
         groups.setdefault(id(x), (x, []))[1].append((key, w))
@@ -152,10 +156,23 @@ def project_by_input(pieces) -> dict[str, torch.Tensor]:
         if len(members) == 1:
             out[members[0][0]] = x @ members[0][1]
             continue
-        w = torch.cat([w for _, w in members], 1)
+        w = _fused_weights([w for _, w in members], tuple(k for k, _ in members), memo)
         out.update(zip((key for key, _ in members),
                        (x @ w).split([w.shape[1] for _, w in members], -1)))
     return out
+
+
+def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> torch.Tensor:
+    """[w1 | w2 | ...], from ``memo`` where no gradient is needed and nothing changed."""
+    if memo is None or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
+        if memo:
+            memo.clear()  # training again: hold no stale copy
+        return torch.cat(ws, 1)
+    stamp = tuple((w.data_ptr(), w._version, w.shape, w.stride(), w.dtype, w.device) for w in ws)
+    hit = memo.get(keys)
+    if hit is None or hit[0] != stamp:
+        hit = memo[keys] = (stamp, torch.cat(ws, 1))
+    return hit[1]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ class KVCache:
     def __init__(self) -> None:
         self._bufs: tuple[torch.Tensor, ...] | None = None  # keys, values, positions, valid
         self._len = 0
+        self._contiguous = True
+        # Constants derived from the layer's weights that decoding reuses from step to step,
+        # by name (the attention core keeps its Transformer-XL distance table here).
+        self.derived: dict[str, object] = {}
 
     def _view(self, i: int) -> torch.Tensor | None:
         if self._bufs is None:
@@ -62,14 +66,25 @@ class KVCache:
     def __len__(self) -> int:
         return self.length
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether every cached token sits at its default position (the j-th token appended at
+        position j, in every sequence of the batch): attention over the cache is then the
+        contiguous case (query i of T at S - T + i), with its fast paths."""
+        return self._contiguous
+
     def append(
         self,
         keys_BHSC: torch.Tensor,
         values_BHSC: torch.Tensor,
         positions_BS: torch.Tensor,
         valid_BS: torch.Tensor | None = None,
+        *,
+        default_positions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add new source tokens; returns everything cached (keys, values, positions, valid)."""
+        """Add new source tokens; returns everything cached (keys, values, positions, valid).
+        ``default_positions``: the caller vouches that ``positions_BS`` are the default ones,
+        length .. length + S_new - 1 in every row (kept as ``contiguous``)."""
         B, _, S_new, _ = keys_BHSC.shape
         if values_BHSC.shape[:3] != keys_BHSC.shape[:3]:
             raise ValueError(f"keys {tuple(keys_BHSC.shape)} and values "
@@ -86,6 +101,7 @@ class KVCache:
                 raise ValueError(f"the cache holds batch {k.shape[0]} with {k.shape[1]} heads, "
                                  f"got batch {B} with {keys_BHSC.shape[1]} heads; use one cache "
                                  f"per layer and sequence batch (new_cache())")
+        self._contiguous = self._contiguous and default_positions
         if self._bufs is None:  # kept as given; the first growth copies it into a buffer
             self._bufs, self._len = new, S_new
             return self.keys, self.values, self.positions, self.valid
@@ -114,4 +130,5 @@ class KVCache:
         return buf.narrow(buf.dim() - 1 - (i < 2), 0, self._len)
 
     def reset(self) -> None:
-        self._bufs, self._len = None, 0
+        self._bufs, self._len, self._contiguous = None, 0, True
+        self.derived = {}

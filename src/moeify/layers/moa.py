@@ -51,7 +51,7 @@ from moeify.layers.common import (
 )
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
-from moeify.ops.expert_matmul import expert_matmul, make_plan
+from moeify.ops.expert_matmul import PLANLESS, expert_matmul, make_plan
 from moeify.ops.routing import selection_logits, softmax_topk
 
 
@@ -121,6 +121,7 @@ class MoAAttention(nn.Module):
         # Slot j of the k selected experts is head j of the core; K/V and the XL projection are
         # one head shared by the slots.
         self.core = AttentionCore(core_config(c, n_heads=c.k, n_kv_heads=1, xl_heads=1))
+        self._weight_memo: dict = {}  # fused projection weights (project_by_input)
         rename_legacy_core_keys(self, ("w_pos",))
         register_usage(self, "usage", (E,))
         self.reset_parameters()
@@ -178,12 +179,13 @@ class MoAAttention(nn.Module):
         x_MD = q_BTD.reshape(B * T, D)
         logits_ME = selection_logits(x_MD, self.w_router)
         top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
-        plan = None if c.expert_impl in ("reference", "gather") else make_plan(top.idx, E)
+        plan = None if c.expert_impl in PLANLESS else make_plan(top.idx, E)
         q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
         # The shared K and V in one matmul, except with RoPE (project_by_input).
         proj = project_by_input([("k", src_BSD, self.w_k)]
-                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]))
+                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]),
+                                self._weight_memo)
         v_BSC = proj["v"] if "v" in proj else src_BSD @ self.w_v
         return logits_ME, top, plan, q_BKTC, proj["k"].view(B, 1, S, C), v_BSC.view(B, 1, S, C)
 

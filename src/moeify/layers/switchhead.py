@@ -59,7 +59,7 @@ from moeify.layers.common import (
     renorm_rows_,
 )
 from moeify.layers.kv_cache import KVCache
-from moeify.ops.expert_matmul import ExpertPlan, expert_matmul, make_plan
+from moeify.ops.expert_matmul import PLANLESS, ExpertPlan, expert_matmul, make_plan
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
@@ -76,7 +76,7 @@ class SwitchHeadConfig:
         sides (V or K, and O or Q).
     n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
     attn_dropout: dropout on attention probabilities (never used in the paper).
-    expert_impl: expert-matmul implementation ("auto", "reference", "gather", "segment",
+    expert_impl: expert-matmul implementation ("auto", "reference", "gather", "all", "segment",
         "grouped", "padded", "sets"); attn_impl: attention core ("auto" or "reference").
     """
 
@@ -175,6 +175,7 @@ class SwitchHeadAttention(nn.Module):
             if c.dest_side:
                 self.w_sel_dst = nn.Parameter(torch.empty(X, D))
         self.core = AttentionCore(core_config(c, n_heads=H))
+        self._weight_memo: dict = {}  # fused projection weights (project_by_input)
         rename_legacy_core_keys(self, ("w_pos",))
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
@@ -218,7 +219,7 @@ class SwitchHeadAttention(nn.Module):
         top = sigmoid_topk(logits_MHE, c.k)  # Eq. 7-8: float32 sigmoid, no renormalisation
         ids = top.idx + self.head_offset[:, None]
         plan = None
-        if c.expert_impl not in ("reference", "gather"):
+        if c.expert_impl not in PLANLESS:
             plan = make_plan(ids, c.n_heads * c.n_experts, group_size=c.n_experts)
         return Selection(top.gates, top.idx, ids, plan)
 
@@ -259,7 +260,7 @@ class SwitchHeadAttention(nn.Module):
             pieces.append(("src", src_BSD, self._sel_weight("src").t()))
         if c.dest_side and not shared_once:
             pieces.append(("dst", q_BTD, self._sel_weight("dst").t()))
-        out = project_by_input(pieces)
+        out = project_by_input(pieces, self._weight_memo)
         H, C = c.n_heads, c.d_head
         projs = {n: y.view(*y.shape[:2], H, C).transpose(1, 2) for n, y in out.items()
                  if n in ("q", "k")}

@@ -20,6 +20,7 @@ Shape legend: B batch, T tokens of this call, M memory tokens, D d_model, V voca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,8 @@ class LMOutput:
     stats:    detached per-layer statistics, keyed "layers.{i}.{name}": each layer's own, and
               for every routing record "layers.{i}.{record}.{metric}" (RoutingStats.metrics:
               counts, usage_entropy, dead_experts, gate_mean), the names training logs.
+              Computed on first access (decoding, which never reads them, skips a dozen small
+              ops per routing record and token).
     routing:  the routing records (RoutingStats, ``layer`` set), keyed "layers.{i}.{record}"
               (e.g. "layers.0.attn.src", "layers.1.ff.router", "layers.1.mod").
     memory:   the XL memory for the next call (list of [B, T, D], detached), or None.
@@ -55,13 +58,20 @@ class LMOutput:
     logits: torch.Tensor
     aux_loss: torch.Tensor
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    layer_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     memory: list[torch.Tensor] | None = None
     routing: dict[str, RoutingStats] = field(default_factory=dict)
 
     @property
     def total_loss(self) -> torch.Tensor | None:
         return None if self.loss is None else self.loss + self.aux_loss
+
+    @functools.cached_property
+    def stats(self) -> dict[str, torch.Tensor]:
+        out = dict(self.layer_stats)
+        for key, r in self.routing.items():
+            out.update({f"{key}.{m}": v for m, v in r.metrics().items()})
+        return out
 
 
 class TransformerLM(nn.Module):
@@ -135,14 +145,13 @@ class TransformerLM(nn.Module):
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = dataclasses.replace(r, layer=i)
-                stats.update({f"layers.{i}.{k}.{m}": v for m, v in r.metrics().items()})
         logits_BTV = self.logits(self.drop(self.ln_f(x_BTD)))
 
         aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses
                     else logits_BTV.new_zeros((), dtype=torch.float32))
         loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT, valid_BT)
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
-                        stats=stats, memory=new_memory if keep_memory else None,
+                        layer_stats=stats, memory=new_memory if keep_memory else None,
                         routing=routing)
 
     def _check_forward_args(self, ids_BT, targets_BT, memory, cache, valid_BT) -> None:

@@ -67,6 +67,8 @@ def build_mask(
         else:
             if T == S and valid_k_BS is None:
                 return AttentionMask(None, causal_square=True)
+            if T == 1 and valid_k_BS is None:  # the newest token sees every key (decoding)
+                return AttentionMask(None)
             i_T1 = torch.arange(T, device=device)[:, None]
             j_1S = torch.arange(S, device=device)[None, :]
             allowed = (j_1S <= i_T1 + (S - T))[None]

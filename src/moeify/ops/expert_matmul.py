@@ -19,6 +19,12 @@ Given x_MD, idx_MK (ids in [0, E)), w_EDF and optional gates_MK:
 Implementations (``impl=``):
     "reference"  dense and obviously correct: x @ w for every expert, then pick; float64-safe.
     "gather"     per-row gathered batched matmul, w[idx] -> [N, D, F]; the naive baseline.
+    "pairs"      one small matmul per routed (row, expert) pair against a view of that expert's
+                 matrix: reads only the routed matrices and copies none; for a handful of pairs
+                 (decoding at batch 1).
+    "all"        every row through every expert in one batched matmul, then the routed products
+                 picked: E/K times the multiply-adds, but each expert's matrix is read once and
+                 nothing is copied or sorted; for a handful of rows (batched decoding).
     "segment"    rows sorted by expert once (an ExpertPlan), one torch.mm per expert segment.
     "grouped"    the same sorted layout through torch.nn.functional.grouped_mm.
     "padded"     the sorted rows cut into equal blocks of one expert each (padding the last) and
@@ -28,7 +34,8 @@ Implementations (``impl=``):
                  their expert set and multiplied by the set's K matrices side by side
                  (moeify.ops.set_matmul).
     "auto"       the fastest correct one for the device, dtype, shapes and routing, decided in
-                 one place for every layer (``choose_impl``); on CPU "sets" where
+                 one place for every layer (``choose_impl``); on CPU "pairs" or "all" for a
+                 handful of pairs or rows (decoding), then "sets" where
                  ``sets_eligible`` holds, else "padded" when ``padding_pays`` (several threads;
                  single-threaded only when the padding is nearly free), else "segment".
 Each call runs inside a profiler range named ``TRACE_PREFIX`` + the implementation, so that a
@@ -58,17 +65,30 @@ from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_
 from moeify.ops.routing import count_ids
 from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout, sets_eligible
 
-IMPLEMENTATIONS = ("reference", "gather", "segment", "grouped", "padded", "sets")
+IMPLEMENTATIONS = ("reference", "gather", "pairs", "all", "segment", "grouped", "padded", "sets")
 # Profiler range of every expert matmul: TRACE_PREFIX + the implementation that ran.
 TRACE_PREFIX = "moeify.expert_matmul."
-# "auto" gathers the weights per pair for at most this many pairs (and no more than E).
-GATHER_MAX_PAIRS = 64
+# Decoding on CPU, where reading the weights from memory is the cost (measured at the 47M
+# SwitchHead value experts, E = 10 matrices of 412 x 76, one thread, weights not in cache,
+# microseconds per call; sorted = the best of segment / padded):
+#     rows (pairs)   pairs   gather   all   sorted
+#     1 (4)            82     111     192    210
+#     2 (8)           124     145     210    234
+#     8 (32)          347     312     276    362
+# "auto" takes "pairs" for at most as many pairs as there are experts (and PAIRS_MAX), else
+# "all" for at most ALL_MAX_ROWS rows while that costs at most ALL_MAX_MACS multiply-adds
+# (rows x E x D x F).
+PAIRS_MAX = 16
+ALL_MAX_ROWS = 32
+ALL_MAX_MACS = 1 << 26
 # "auto" on CPU keeps one GEMM per expert (no padding) once the average expert's GEMM has this
 # many multiply-adds: a parallel region's start-up is then negligible and padding is pure waste.
 # Measured (process CPU time of sigma-MoE fwd+bwd, 4096 tokens, d 512, E 8, k 2, G 384: 2e8 MACs
 # per expert): segment 1.19x, padded 1.28x the equal-MAC dense MLP.
 SEGMENT_MIN_MACS = 1 << 26
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+# The implementations that need no ExpertPlan (callers skip building one for them).
+PLANLESS = ("reference", "gather", "pairs", "all")
 
 
 class ExpertPlan:
@@ -277,6 +297,23 @@ def _gather(x_MD, idx_MK, w_EDF, gates_MK, groups):
     return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
 
 
+def _pairs(x_MD, idx_MK, w_EDF, gates_MK, groups):
+    M, K = idx_MK.shape
+    if M * K == 0:
+        return _gather(x_MD, idx_MK, w_EDF, gates_MK, groups)
+    ids = idx_MK.tolist()
+    rows, mats = x_MD.unsqueeze(1).unbind(0), w_EDF.unbind(0)  # views: one op each
+    y_NF = torch.cat([torch.mm(rows[m], mats[e]) for m in range(M) for e in ids[m]])
+    return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
+
+
+def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups):
+    M = x_MD.shape[0]
+    all_EMF = torch.matmul(x_MD, w_EDF)  # every row through every expert
+    rows_M1 = torch.arange(M, device=x_MD.device)[:, None]
+    return _combine(all_EMF[idx_MK.long(), rows_M1], gates_MK, groups)
+
+
 def _combine(y_MKF, gates_MK, groups):
     if gates_MK is None:
         return y_MKF
@@ -307,9 +344,9 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     to "segment" where grouped_mm cannot run).
 
     "auto" on CUDA: "grouped" for bfloat16 on Hopper or newer (torch's grouped GEMM kernels),
-    else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "gather"
-    for at most as many pairs as there are experts (decoding: copying each pair's matrix reads
-    no more than the batched paths read anyway, and no sort or layout is built), then "sets"
+    else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "pairs"
+    for a handful of pairs, "all" for a handful of rows (decoding, where reading the weights is
+    the cost: the table at ``PAIRS_MAX``), then "sets"
     where the plan's expert groups make it pay (``sets_eligible``), "segment" where the average
     expert's GEMM is large (``SEGMENT_MIN_MACS``), else "padded" where ``padding_pays`` (one
     parallel region instead of one per expert), else "segment"."""
@@ -324,8 +361,11 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
         return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x_MD, w_EDF) else "segment"
     if x_MD.device.type != "cpu" or plan is None:
         return "segment"
-    if plan.num_pairs <= min(plan.num_experts, GATHER_MAX_PAIRS):
-        return "gather"
+    if plan.num_pairs <= min(plan.num_experts, PAIRS_MAX):
+        return "pairs"
+    M = x_MD.shape[0]
+    if M <= ALL_MAX_ROWS and M * w_EDF.shape[0] * w_EDF.shape[1] * w_EDF.shape[2] <= ALL_MAX_MACS:
+        return "all"
     if gated and sets_eligible(plan.num_pairs // k, plan.group_size,
                                plan.num_experts // (plan.group_size or 1), k):
         return "sets"
@@ -437,7 +477,7 @@ def expert_matmul(
 def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch):
     E = w_EDF.shape[0]
     if plan is None:
-        plan = None if impl in ("reference", "gather") else make_plan(idx_MK, E)
+        plan = None if impl in _PLANLESS else make_plan(idx_MK, E)
     elif plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
@@ -451,9 +491,10 @@ def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, 
 
 
 def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
-    if kind in ("reference", "gather"):
-        _check_ids(idx_MK, w_EDF.shape[0])
-        fn = _reference if kind == "reference" else _gather
+    if kind in _PLANLESS:
+        if plan is None:  # make_plan has checked them
+            _check_ids(idx_MK, w_EDF.shape[0])
+        fn = _PLANLESS[kind]
         return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
     K = idx_MK.shape[1]
     if kind == "sets":
@@ -478,6 +519,10 @@ def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
     return _sum_rows(_SortedExpertMatmul.apply(x_MD, w_EDF, gates_MK, plan.order_N,
                                                plan.inverse_N, rows_N, plan, kind, K, groups),
                      sum_rows)
+
+
+# Autograd does their backward.
+_PLANLESS = dict(zip(PLANLESS, (_reference, _gather, _pairs, _all_experts)))
 
 
 def _sum_rows(y_MF: torch.Tensor, sum_rows: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moeify.ops.expert_matmul import (
+    PLANLESS,
     ExpertPlan,
     _sorted_mm,
     _sorted_weight_grad,
@@ -155,7 +156,7 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
         raise ValueError(f"w2 must be [E, G, D] = {list(want)} in the dtype of x ({x_MD.dtype}), "
                          f"got {list(w2_EGD.shape)} {w2_EGD.dtype}")
     E, (M, K) = w1_EDG.shape[0], idx_MK.shape
-    if plan is None and impl not in ("reference", "gather"):
+    if plan is None and impl not in PLANLESS:
         plan = make_plan(idx_MK, E)
     kind = choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True)
     if (kind not in FUSED or M == 0 or (training and dropout > 0) or bias_EG is not None

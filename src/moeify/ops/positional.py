@@ -17,7 +17,10 @@ distance, emb(r) = [sin(r ω_f) for f < F ; cos(r ω_f) for f < D - F], ω_f = 1
 Two evaluations of the same quantity:
     ``xl_logits_contiguous``  default positions (query i at S - T + i, key j at j): one projected
                               table of distances and the classic XL diagonal shift (``rel_shift``).
-    ``xl_logits_at``          explicit integer positions (Mixture-of-Depths, cached decoding):
+                              Also decoding, while every cached token sits at its default
+                              position; ``XLPositionTableCache`` keeps the table between steps.
+    ``xl_logits_at``          explicit integer positions (Mixture-of-Depths, decoding after
+                              tokens at explicit positions):
                               the angle-difference identity sin((p_i - p_j)ω) = sin p_iω cos p_jω
                               - cos p_iω sin p_jω (and the cos one) turns the logit into one
                               product of a query-side and a key-side factor. It needs no table of
@@ -139,15 +142,54 @@ def rel_shift(x_BHTR: torch.Tensor, S: int) -> torch.Tensor:
     return padded[..., 1:, :].reshape(*lead, T, R)[..., :S]
 
 
+def _projected_distances(w_pos_DHC: torch.Tensor, dist_R: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """P(r) = W_pos · emb(r) for each distance of ``dist_R``: [H or 1, R, C]."""
+    emb_RD = sinusoidal_embedding(dist_R, w_pos_DHC.shape[0], dtype)
+    return torch.einsum("rd,dhc->hrc", emb_RD, w_pos_DHC.to(dtype))
+
+
 def xl_position_table(w_pos_DHC: torch.Tensor, S: int, T: int, *, causal: bool,
                       dtype: torch.dtype) -> torch.Tensor:
     """P(r) = W_pos · emb(r) for the distances S-1 down to 0 (causal: a query never looks
     forward) or down to 1 - T (cross-attention): [H or 1, R, C], row m holding S - 1 - m."""
-    D = w_pos_DHC.shape[0]
     lowest = 0 if causal else 1 - T
     dist_R = torch.arange(S - 1, lowest - 1, -1, device=w_pos_DHC.device)
-    emb_RD = sinusoidal_embedding(dist_R, D, dtype)
-    return torch.einsum("rd,dhc->hrc", emb_RD, w_pos_DHC.to(dtype))
+    return _projected_distances(w_pos_DHC, dist_R, dtype)
+
+
+class XLPositionTableCache:
+    """The causal ``xl_position_table`` of a decoding layer, kept from call to call.
+
+    P depends only on the weights and the distances, yet a cache of S tokens needs S rows of
+    it at every decoding step: recomputed, that is S·D·H·C multiply-adds per layer and token,
+    ten times the attention itself at the 47M shapes. Kept here, the table grows only by the
+    rows of new distances (to ``GROWTH`` times the length asked for, so growing is amortised),
+    stored from the largest distance down so that the S rows a call needs are its last S, a
+    view. It is rebuilt whenever the weights change (another tensor, or an in-place update: the
+    tensor's version counter), and only serves calls without gradients (decoding).
+    """
+
+    GROWTH = 1.25
+
+    def __init__(self) -> None:
+        self._rows_HRC: torch.Tensor | None = None  # row m: distance R - 1 - m
+        self._key: tuple | None = None
+
+    def table(self, w_pos_DHC: torch.Tensor, S: int, dtype: torch.dtype) -> torch.Tensor:
+        """[H or 1, S, C]: P of the distances S - 1 down to 0, equal to
+        ``xl_position_table(w_pos_DHC, S, T, causal=True, dtype=dtype)``."""
+        key = (w_pos_DHC.data_ptr(), w_pos_DHC._version, tuple(w_pos_DHC.shape), dtype,
+               w_pos_DHC.device)
+        if key != self._key:
+            self._rows_HRC, self._key = None, key
+        have = 0 if self._rows_HRC is None else self._rows_HRC.shape[1]
+        if have < S:
+            cap = max(S, int(have * self.GROWTH))
+            dist = torch.arange(cap - 1, have - 1, -1, device=w_pos_DHC.device)
+            new = _projected_distances(w_pos_DHC, dist, dtype)
+            self._rows_HRC = new if self._rows_HRC is None else torch.cat([new, self._rows_HRC], 1)
+        return self._rows_HRC[:, self._rows_HRC.shape[1] - S:]
 
 
 def xl_logits_contiguous(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, S: int, *,
@@ -220,7 +262,8 @@ def default_positions(B: int, T: int, S_new: int, past: int,
 
 __all__ = [
     "ROPE_BASE", "rope_dims", "rope_inv_freq", "apply_rope", "sinusoid_inv_freq",
-    "sinusoidal_embedding", "rel_shift", "xl_position_table", "xl_logits_contiguous",
+    "sinusoidal_embedding", "rel_shift", "xl_position_table", "XLPositionTableCache",
+    "xl_logits_contiguous",
     "xl_logits_at",
     "default_positions",
 ]
