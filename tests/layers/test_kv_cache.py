@@ -208,3 +208,13 @@ def test_xl_decoding_keeps_one_growing_position_table(kind):
             assert cache.derived["xl_positions"] is memo and cache.contiguous
         assert memo._rows_HRC.shape[1] >= STEPS
     torch.testing.assert_close(torch.cat(outs, 1), full, **tol(kind))
+
+
+def test_decoding_a_model_built_under_inference_mode():
+    # Inference tensors keep no version counter: nothing derived from them is kept, and
+    # decoding still equals the full forward pass.
+    with torch.inference_mode():
+        m = build("dense", "xl")
+        x = torch.randn(1, 6, D, dtype=f64)
+        full = m(x)[0]
+        torch.testing.assert_close(decode(m, x, prompt=2), full, **tol("dense"))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moeify.ops.expert_matmul import IMPLEMENTATIONS
+from moeify.ops.memo import stamps
 from moeify.ops.routing import count_selections
 
 
@@ -168,10 +169,12 @@ def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> to
         if memo:
             memo.clear()  # training again: hold no stale copy
         return torch.cat(ws, 1)
-    stamp = tuple((w.data_ptr(), w._version, w.shape, w.stride(), w.dtype, w.device) for w in ws)
+    key = stamps(*ws)
+    if key is None:
+        return torch.cat(ws, 1)
     hit = memo.get(keys)
-    if hit is None or hit[0] != stamp:
-        hit = memo[keys] = (stamp, torch.cat(ws, 1))
+    if hit is None or hit[0] != key:
+        hit = memo[keys] = (key, torch.cat(ws, 1))
     return hit[1]
 
 

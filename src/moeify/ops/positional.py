@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.memo import stamp
+
 ROPE_BASE = 10000.0
 SINUSOID_BASE = 10000.0
 
@@ -166,8 +168,8 @@ class XLPositionTableCache:
     ten times the attention itself at the 47M shapes. Kept here, the table grows only by the
     rows of new distances (to ``GROWTH`` times the length asked for, so growing is amortised),
     stored from the largest distance down so that the S rows a call needs are its last S, a
-    view. It is rebuilt whenever the weights change (another tensor, or an in-place update: the
-    tensor's version counter), and only serves calls without gradients (decoding).
+    view. It is rebuilt whenever the weights change (``moeify.ops.memo.stamp``: another tensor,
+    or an in-place update), and only serves calls without gradients (decoding).
     """
 
     GROWTH = 1.25
@@ -179,8 +181,10 @@ class XLPositionTableCache:
     def table(self, w_pos_DHC: torch.Tensor, S: int, dtype: torch.dtype) -> torch.Tensor:
         """[H or 1, S, C]: P of the distances S - 1 down to 0, equal to
         ``xl_position_table(w_pos_DHC, S, T, causal=True, dtype=dtype)``."""
-        key = (w_pos_DHC.data_ptr(), w_pos_DHC._version, tuple(w_pos_DHC.shape), dtype,
-               w_pos_DHC.device)
+        key = stamp(w_pos_DHC)
+        if key is None:
+            return xl_position_table(w_pos_DHC, S, 1, causal=True, dtype=dtype)
+        key = (key, dtype)
         if key != self._key:
             self._rows_HRC, self._key = None, key
         have = 0 if self._rows_HRC is None else self._rows_HRC.shape[1]

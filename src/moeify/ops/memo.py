@@ -1,0 +1,22 @@
+"""Stamps for values derived from weights and kept between calls (decoding's distance table,
+fused projection weights): a kept value is reused only while every tensor it came from has the
+same stamp."""
+
+from __future__ import annotations
+
+import torch
+
+
+def stamp(t: torch.Tensor) -> tuple | None:
+    """What identifies a tensor's current values: its storage, layout and version counter (which
+    every in-place update, an optimizer step or ``load_state_dict``, increments). None for
+    tensors that cannot be stamped (inference tensors keep no version counter): derive afresh."""
+    if t.is_inference():
+        return None
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def stamps(*ts: torch.Tensor) -> tuple | None:
+    """The stamps of several tensors, or None if any cannot be stamped."""
+    out = tuple(stamp(t) for t in ts)
+    return None if any(s is None for s in out) else out
