@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moeify.ops.dropout import dropout
 from moeify.ops.expert_matmul import IMPLEMENTATIONS
 from moeify.ops.memo import stamps
 from moeify.ops.routing import count_selections
@@ -108,6 +109,16 @@ class Aux:
 
     def total_loss(self) -> torch.Tensor | None:
         return sum(self.losses.values()) if self.losses else None
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout (same masks, outputs, gradients and state dict) that keeps a bool mask for
+    backward instead of a float one where it can (moeify.ops.dropout)."""
+
+    impl: str = "auto"  # "reference": torch's own dropout, as the tests compare against
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training, impl=self.impl)
 
 
 def register_usage(module: nn.Module, name: str, shape: tuple[int, ...]) -> None:

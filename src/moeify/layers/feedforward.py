@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moeify.ops.dropout import relu_dropout
 
 from moeify.layers.common import (
     Aux,
@@ -50,6 +51,9 @@ class DenseFFConfig:
 
 
 class DenseFeedForward(nn.Module):
+    # "reference": ReLU then torch's dropout (keeping both for backward), as the tests compare
+    dropout_impl: str = "auto"
+
     def __init__(self, config: DenseFFConfig):
         super().__init__()
         self.config = config
@@ -69,7 +73,9 @@ class DenseFeedForward(nn.Module):
     def forward(self, x_BTD: torch.Tensor, *,
                 valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
         check_token_input("DenseFeedForward", x_BTD, self.config.d_model, valid_BT)
-        h_BTF = self.drop(F.relu(self.w1(x_BTD)))
+        # = self.drop(F.relu(self.w1(x_BTD))), keeping only h for backward (w2 keeps it anyway)
+        h_BTF = relu_dropout(self.w1(x_BTD), self.drop.p, self.training,
+                             impl=self.dropout_impl)
         return self.w2(h_BTF), Aux()
 
 
