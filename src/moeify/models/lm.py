@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
-from moeify.layers.common import RoutingStats
+from moeify.layers.common import Dropout, RoutingStats
 from moeify.ops.aux_losses import masked_mean
+from moeify.ops.cross_entropy import fused_applies, linear_cross_entropy
 
 if TYPE_CHECKING:  # annotations only: moeify.models.config builds this module's model
     from moeify.models.config import ModelConfig
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # annotations only: moeify.models.config builds this module's
 class LMOutput:
     """loss:     mean cross-entropy over the valid targets (None without targets), float32.
                  It does NOT include the auxiliary losses: train on ``total_loss``.
-    logits:   [B, T, V].
+    logits:   [B, T, V]; None when the caller passed targets and ``return_logits=False``.
     aux_loss: sum over every layer of its Aux.losses (already weighted by their coefficients);
               a zero tensor when no layer has one.
     losses:   the individual aux losses, keyed "layers.{i}.{name}".
@@ -55,7 +56,7 @@ class LMOutput:
     """
 
     loss: torch.Tensor | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     aux_loss: torch.Tensor
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     layer_stats: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -82,7 +83,7 @@ class TransformerLM(nn.Module):
         self.embedding = nn.Embedding(V, d)
         if config.max_positions:
             self.pos_embedding = nn.Embedding(config.max_positions, d)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.blocks = self._build_blocks(config)
         self.ln_f = config.norm.build(d)
         # Tied: the logits are x Eᵀ with the embedding's own parameter (no second copy to save).
@@ -121,10 +122,14 @@ class TransformerLM(nn.Module):
         memory: list[torch.Tensor] | None = None,
         cache: list | None = None,
         valid_BT: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> LMOutput:
         """``memory``: the previous call's ``output.memory`` (XL models only; None on the first
         chunk). ``cache``: from ``new_cache()``, for decoding (not combined with memory).
-        ``valid_BT``: False for padding; padded targets do not count in the loss."""
+        ``valid_BT``: False for padding; padded targets do not count in the loss.
+        ``return_logits=False`` (with targets; what training passes): ``logits`` is None and the
+        loss may come from the fused output layer + cross-entropy, which keeps no [B, T, V]
+        tensor for backward (moeify.ops.cross_entropy; same loss and gradients)."""
         cfg = self.config
         self._check_forward_args(ids_BT, targets_BT, memory, cache, valid_BT)
         x_BTD = self.drop(self._embed(ids_BT, cache))
@@ -145,11 +150,10 @@ class TransformerLM(nn.Module):
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = dataclasses.replace(r, layer=i)
-        logits_BTV = self.logits(self.drop(self.ln_f(x_BTD)))
-
+        logits_BTV, loss = self._head(self.drop(self.ln_f(x_BTD)), targets_BT, valid_BT,
+                                      return_logits)
         aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses
-                    else logits_BTV.new_zeros((), dtype=torch.float32))
-        loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT, valid_BT)
+                    else x_BTD.new_zeros((), dtype=torch.float32))
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
                         layer_stats=stats, memory=new_memory if keep_memory else None,
                         routing=routing)
@@ -196,6 +200,19 @@ class TransformerLM(nn.Module):
                              f"position {past + T}: use shorter sequences (or a generation "
                              "window)")
         return x_BTD + self.pos_embedding(torch.arange(past, past + T, device=ids_BT.device))
+
+    def _head(self, h_BTD, targets_BT, valid_BT, return_logits: bool):
+        """(logits or None, loss or None) from the final hidden states (``forward``)."""
+        w_VD = self.embedding.weight if self.output is None else self.output.weight
+        if (not return_logits and targets_BT is not None and torch.is_grad_enabled()
+                and fused_applies(h_BTD, w_VD)):
+            b_V = None if self.output is None else self.output.bias
+            valid_N = None if valid_BT is None else valid_BT.flatten()
+            return None, linear_cross_entropy(h_BTD.flatten(0, 1), w_VD, b_V,
+                                              targets_BT.flatten(), valid_N)
+        logits_BTV = self.logits(h_BTD)
+        loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT, valid_BT)
+        return (logits_BTV if return_logits or targets_BT is None else None), loss
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """The output layer on normalised hidden states [B, T, D] -> [B, T, V]."""
