@@ -39,6 +39,7 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.models.config import ModelConfig
 from moeify.models.cost import model_cost
+from moeify.ops.optim import adamw
 
 DEFAULT_STEP_PRESETS = ("wt103-47m-dense", "wt103-47m-switchhead", "wt103-47m-moa-h4")
 GRAD_CLIP = 0.1  # κ of the small models (switchhead.md §3)
@@ -57,7 +58,7 @@ def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str
         for block in model.blocks:
             block.compile()
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = adamw(params, lr=LR, betas=(0.9, 0.999), weight_decay=0.0)  # the trainer's AdamW
     g = torch.Generator().manual_seed(seed + 1)
     ids_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.context_length + 1),
                            generator=g).to(device)
@@ -67,8 +68,8 @@ def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str
             memory = model(ids_BT[:, :-1]).memory
 
     def step():
-        with autocast_for(device, dtype):
-            out = model(ids_BT[:, :-1], ids_BT[:, 1:], memory=memory)
+        with autocast_for(device, dtype):  # as the trainer calls it: no logits returned
+            out = model(ids_BT[:, :-1], ids_BT[:, 1:], memory=memory, return_logits=False)
         (out.loss + out.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
         opt.step()

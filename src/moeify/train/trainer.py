@@ -195,7 +195,7 @@ class Trainer:
         self.sharded = cfg.parallel == "fsdp"
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(  # fused where torch can (moeify.ops.optim)
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
         self.scheduler = make_scheduler(self.optimizer, cfg)
@@ -455,7 +455,8 @@ class Trainer:
         for a, w_bT, mem in self._micro_batches(window_BT):
             with parallel.gradient_sync(self.train_model, a == cfg.grad_accum - 1):
                 with autocast_context(self.device, self.amp_dtype):
-                    out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem)
+                    out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem,
+                                           return_logits=False)
                 total = (out.loss + out.aux_loss) / cfg.grad_accum
                 self.scaler.scale(total).backward()
             sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])

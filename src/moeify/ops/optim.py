@@ -1,0 +1,43 @@
+"""The AdamW that training and the step benchmark build: torch's, with its fused kernel where
+torch has one.
+
+torch's default AdamW on CPU is the "foreach" implementation: every update step walks the
+parameters in several list-wide passes and holds temporaries as large as the parameters while it
+does (measured on the 47M models: +360 MiB at the step, ~0.5 s of a ~3 s training step on two
+threads). ``fused=True`` updates each parameter in one pass without temporaries, 5-7x faster on
+CPU. It computes the same update (the tests compare both over several steps, with and without
+weight decay, to float32 rounding). Parameters torch's fused kernel does not take (sharded DTensor
+parameters, devices other than CPU and CUDA) get torch's default.
+
+A checkpoint keeps the optimizer's settings: resuming one written by the foreach optimizer goes
+on with foreach (torch's ``load_state_dict`` restores the saved flags), so a resumed run is still
+bit-identical to the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+IMPLS = ("auto", "fused", "foreach")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fused_supported(params: Iterable[torch.Tensor]) -> bool:
+    """Whether every parameter is a plain floating tensor on CPU or CUDA."""
+    return all(type(p.detach()) is torch.Tensor and p.device.type in ("cpu", "cuda")
+               and p.dtype in _FUSED_DTYPES for p in params)
+
+
+def adamw(param_groups, *, lr: float, betas: tuple[float, float], weight_decay: float = 0.0,
+          impl: str = "auto") -> torch.optim.AdamW:
+    """torch.optim.AdamW over ``param_groups`` (parameters or torch's group dicts), fused when
+    ``impl="auto"`` and every parameter allows it (module docstring)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown AdamW impl {impl!r}; choose from {', '.join(IMPLS)}")
+    groups = list(param_groups)
+    params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = impl == "fused" or (impl == "auto" and fused_supported(params))
+    kind = dict(fused=True) if fused else dict(foreach=True if impl == "foreach" else None)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, **kind)
