@@ -20,7 +20,8 @@ instead of E pays for some padding. Two layouts:
 
 Padding slots hold zero rows, and their output gradient is zeroed in the backward, so they
 contribute nothing to any output or weight gradient. Only the (unpadded) inputs are saved: the
-gathered [P, D] rows are rebuilt in the backward rather than kept alive between the passes.
+gathered [P, D] rows are rebuilt in the backward rather than kept alive between the passes, a
+few blocks at a time, so that they never coexist in full with the [P, D] input-side gradient.
 
 Gated sums run as one weighted bag sum (``slot_sums``: torch's embedding_bag, one bag per output
 row, its pairs' gates as per-sample weights): the gate multiply and the sum over a row's slots
@@ -43,6 +44,8 @@ CAPACITY_SLACK = 1.25
 # ``padding_pays`` single-threaded: there is no thread wake-up to save, so pad only when it is
 # nearly free; the per-expert loop is used otherwise.
 SINGLE_THREAD_SLACK = 1.1
+# Input rows gathered at once in the backward (blocks of b rows, at least one): 4 MiB of float32.
+BACKWARD_CHUNK_ELEMENTS = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -196,26 +199,52 @@ class PaddedExpertMatmul(torch.autograd.Function):
         per_out = k // groups * sum_rows if gated else 1
         out_P = torch.div(lay.pair_P, per_out, rounding_mode="floor")
         g_PF = gather_rows(grad_y.view(-1, Fo), lay, out_P)
-        xs_PD = gather_rows(x_MD, lay, row_P) if need_g or need_w else None
         w_LDF = _block_weights(w_EDF, lay)
+        ga_PD = None
         if need_x or need_g:
             # ga = g @ Wᵀ, the slot's output gradient before gating taken back through its
             # expert: d/dgate = ga · xs, and d/dx sums gate · ga over a row's pairs.
             ga_PD = torch.bmm(g_PF.view(L, b, Fo), w_LDF.transpose(1, 2)).view(L * b, D)
-            if need_g:
-                grad_gates = _row_dot(ga_PD, xs_PD).index_select(0, lay.slot_N)
-                grad_gates = grad_gates.view(M, k).to(gate_dtype)
             if need_x:
                 grad_x = slot_sums(ga_PD, lay.slot_N, gate_N, k)
-            del ga_PD  # before the weight gradient's products are allocated
-        if need_w:
-            if gated:  # the gate on the narrower side of the product
-                gate_P = gate_N.index_select(0, lay.pair_P)[:, None]
-                if D <= Fo:
-                    xs_PD = xs_PD * gate_P
-                else:
-                    g_PF = g_PF * gate_P
-            grad_w = torch.bmm(xs_PD.view(L, b, D).transpose(1, 2), g_PF.view(L, b, Fo))
-            if lay.block_expert is not None:
+        if need_g or need_w:
+            gg_P, grad_w = _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, lay, need_g, need_w)
+            if need_g:
+                grad_gates = gg_P.index_select(0, lay.slot_N).view(M, k).to(gate_dtype)
+            if grad_w is not None and lay.block_expert is not None:
                 grad_w = grad_w.new_zeros(E, D, Fo).index_add_(0, lay.block_expert, grad_w)
         return grad_x, grad_w, grad_gates, None, None, None, None
+
+
+def _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, lay: PaddedLayout, need_g: bool,
+                   need_w: bool):
+    """The backward's products with the gathered input rows xs (PaddedExpertMatmul.backward):
+    (ga · xs per slot [P] or None, the per-block weight gradient xsᵀ g [L, D, F] or None).
+    xs is gathered a few blocks at a time (``BACKWARD_CHUNK_ELEMENTS``), so that the [P, D]
+    gather is never alive beside the [P, D] ga: the backward's largest temporary, halved."""
+    D, Fo = x_MD.shape[1], g_PF.shape[1]
+    L, b = lay.n_blocks, lay.block
+    gated = gate_N is not None
+    gg_P = g_PF.new_empty(L * b) if need_g else None
+    grad_w = g_PF.new_empty(L, D, Fo) if need_w else None
+    gate_P = gate_N.index_select(0, lay.pair_P)[:, None] if gated and need_w else None
+    step = max(1, BACKWARD_CHUNK_ELEMENTS // max(1, b * D))
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        s0, s1 = l0 * b, l1 * b
+        xs = x_MD.index_select(0, row_P[s0:s1])
+        pads = lay.pad_P[(lay.pad_P >= s0) & (lay.pad_P < s1)] - s0
+        if pads.numel():
+            xs.index_fill_(0, pads, 0)  # as gather_rows: padding rows are zero
+        if need_g:
+            gg_P[s0:s1] = _row_dot(ga_PD[s0:s1], xs)
+        if need_w:
+            g = g_PF[s0:s1]
+            if gated:  # the gate on the narrower side of the product
+                if D <= Fo:
+                    xs = xs * gate_P[s0:s1]
+                else:
+                    g = g * gate_P[s0:s1]
+            torch.bmm(xs.view(l1 - l0, b, D).transpose(1, 2), g.view(l1 - l0, b, Fo),
+                      out=grad_w[l0:l1])
+    return gg_P, grad_w
