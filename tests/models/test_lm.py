@@ -232,3 +232,55 @@ def test_forward_rejects_bad_calls():
     two = torch.randint(0, 50, (2, 8))
     with pytest.raises(ValueError, match="same batch rows"):
         m(two, memory=m(ids).memory)  # memory of a batch of 1
+
+
+def _train_step_grads(m, ids, tgt, mem, valid, seed, **kw):
+    m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = m(ids, tgt, memory=mem, valid_BT=valid, **kw)
+    out.total_loss.backward()
+    return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("attention", ["dense", "switchhead"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_fast_paths_equal_the_reference_loss_and_gradients(attention, tied,
+                                                                    monkeypatch):
+    # What training runs (return_logits=False: the fused output layer + cross-entropy; the
+    # mask-keeping dropouts) against the reference path (logits, then the loss; torch's own
+    # dropout), float32 in training mode with dropout and padding: same loss, same gradients.
+    from moeify.layers.common import Dropout
+    from moeify.layers.feedforward import DenseFeedForward
+
+    cfg = dataclasses.replace(small(attention=attention), dropout=0.3, tie_embeddings=tied,
+                              output_bias=not tied,
+                              feedforward=dense_ff(d=32, L=2, d_ff=64, dropout=0.3))
+    m = model_of(cfg, dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    ids, tgt = torch.randint(0, 50, (3, 8), generator=g), torch.randint(0, 50, (3, 8), generator=g)
+    mem = [torch.randn(3, 8, 32, generator=g) for _ in range(2)]
+    valid = torch.rand(3, 8, generator=g) > 0.2
+    fast, fast_grads = _train_step_grads(m, ids, tgt, mem, valid, 5, return_logits=False)
+    assert fast.logits is None and "Fused" in type(fast.loss.grad_fn).__name__
+    monkeypatch.setattr(Dropout, "impl", "reference")
+    monkeypatch.setattr(DenseFeedForward, "dropout_impl", "reference")
+    ref, ref_grads = _train_step_grads(m, ids, tgt, mem, valid, 5)
+    assert ref.logits.shape == (3, 8, 50)
+    torch.testing.assert_close(fast.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    assert fast_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=name)
+    # dropout really acted: another seed gives another loss
+    other, _ = _train_step_grads(m, ids, tgt, mem, valid, 6)
+    assert not torch.equal(other.loss, ref.loss)
+
+
+def test_return_logits_false_without_gradients_or_targets():
+    m = model_of(small(), dtype=torch.float32)
+    ids = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        out = m(ids, ids, return_logits=False)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, m(ids, ids).loss)
+    assert m(ids, return_logits=False).logits.shape == (2, 8, 50)  # nothing to fuse with
