@@ -50,9 +50,14 @@ class _FusedLinearCE(torch.autograd.Function):
         dh_ND = torch.empty_like(h_ND) if need_h else None
         dw_VD = torch.zeros_like(w_VD) if need_w else None
         db_V = torch.zeros_like(b_V) if need_b else None
+        z_buf = h_ND.new_empty(min(rows, N), V)  # one buffer for every chunk's logits
         for s in range(0, N, rows):
             h_RD, t_R = h_ND[s:s + rows], targets_N[s:s + rows]
-            z_RV = h_RD @ w_VD.t() if b_V is None else torch.addmm(b_V, h_RD, w_VD.t())
+            z_RV = z_buf[:len(t_R)]
+            if b_V is None:
+                torch.mm(h_RD, w_VD.t(), out=z_RV)
+            else:
+                torch.addmm(b_V, h_RD, w_VD.t(), out=z_RV)
             # logsumexp and softmax in place in z: nothing else R x V wide is allocated
             zt_R = z_RV.gather(1, t_R[:, None])[:, 0]
             max_R = z_RV.amax(1)

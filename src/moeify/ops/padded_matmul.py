@@ -199,40 +199,69 @@ class PaddedExpertMatmul(torch.autograd.Function):
         per_out = k // groups * sum_rows if gated else 1
         out_P = torch.div(lay.pair_P, per_out, rounding_mode="floor")
         g_PF = gather_rows(grad_y.view(-1, Fo), lay, out_P)
-        w_LDF = _block_weights(w_EDF, lay)
         ga_PD = None
         if need_x or need_g:
             # ga = g @ Wᵀ, the slot's output gradient before gating taken back through its
             # expert: d/dgate = ga · xs, and d/dx sums gate · ga over a row's pairs.
-            ga_PD = torch.bmm(g_PF.view(L, b, Fo), w_LDF.transpose(1, 2)).view(L * b, D)
+            ga_PD = _through_weights(g_PF, w_EDF, lay, D)
             if need_x:
                 grad_x = slot_sums(ga_PD, lay.slot_N, gate_N, k)
         if need_g or need_w:
-            gg_P, grad_w = _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, lay, need_g, need_w)
+            gg_P, grad_w = _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, w_EDF.shape[0],
+                                          lay, need_g, need_w)
             if need_g:
                 grad_gates = gg_P.index_select(0, lay.slot_N).view(M, k).to(gate_dtype)
-            if grad_w is not None and lay.block_expert is not None:
-                grad_w = grad_w.new_zeros(E, D, Fo).index_add_(0, lay.block_expert, grad_w)
         return grad_x, grad_w, grad_gates, None, None, None, None
 
 
-def _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, lay: PaddedLayout, need_g: bool,
+def _block_chunks(lay: PaddedLayout, width: int):
+    """Ranges [l0, l1) of blocks whose rows of ``width`` hold about BACKWARD_CHUNK_ELEMENTS."""
+    step = min(lay.n_blocks, max(1, BACKWARD_CHUNK_ELEMENTS // max(1, lay.block * width)))
+    return step, [(l0, min(lay.n_blocks, l0 + step)) for l0 in range(0, lay.n_blocks, step)]
+
+
+def _through_weights(g_PF, w_EDF, lay: PaddedLayout, D: int) -> torch.Tensor:
+    """ga = g Wᵀ per slot, [P, D]. The blocked layout gathers its blocks' weights a few blocks
+    at a time (into one buffer) rather than as one [L, D, F] copy."""
+    L, b, Fo = lay.n_blocks, lay.block, g_PF.shape[1]
+    if lay.block_expert is None:
+        return torch.bmm(g_PF.view(L, b, Fo), w_EDF.transpose(1, 2)).view(L * b, D)
+    ga_LbD = g_PF.new_empty(L, b, D)
+    step, chunks = _block_chunks(lay, D)
+    w_buf = w_EDF.new_empty(step, D, Fo)
+    for l0, l1 in chunks:
+        w = torch.index_select(w_EDF, 0, lay.block_expert[l0:l1], out=w_buf[:l1 - l0])
+        torch.bmm(g_PF[l0 * b:l1 * b].view(l1 - l0, b, Fo), w.transpose(1, 2),
+                  out=ga_LbD[l0:l1])
+    return ga_LbD.view(L * b, D)
+
+
+def _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, E: int, lay: PaddedLayout, need_g: bool,
                    need_w: bool):
     """The backward's products with the gathered input rows xs (PaddedExpertMatmul.backward):
-    (ga · xs per slot [P] or None, the per-block weight gradient xsᵀ g [L, D, F] or None).
+    (ga · xs per slot [P] or None, the weight gradient Σ xsᵀ g per expert [E, D, F] or None).
     xs is gathered a few blocks at a time (``BACKWARD_CHUNK_ELEMENTS``), so that the [P, D]
-    gather is never alive beside the [P, D] ga: the backward's largest temporary, halved."""
+    gather is never alive beside the [P, D] ga: the backward's largest temporary, halved. The
+    blocked layout sums each chunk's per-block products into its experts at once."""
     D, Fo = x_MD.shape[1], g_PF.shape[1]
     L, b = lay.n_blocks, lay.block
     gated = gate_N is not None
+    blocked = lay.block_expert is not None
+    step, chunks = _block_chunks(lay, D)
     gg_P = g_PF.new_empty(L * b) if need_g else None
-    grad_w = g_PF.new_empty(L, D, Fo) if need_w else None
+    grad_w = gw_buf = None
+    if need_w:
+        grad_w = g_PF.new_zeros(E, D, Fo) if blocked else g_PF.new_empty(L, D, Fo)
+        gw_buf = g_PF.new_empty(step, D, Fo) if blocked else None
     gate_P = gate_N.index_select(0, lay.pair_P)[:, None] if gated and need_w else None
-    step = max(1, BACKWARD_CHUNK_ELEMENTS // max(1, b * D))
-    for l0 in range(0, L, step):
-        l1 = min(L, l0 + step)
+    # One buffer for every chunk's rows (and one for its gated side): no allocation per chunk.
+    xs_buf = x_MD.new_empty(step * b, D)
+    gated_buf = None
+    if gated and need_w:
+        gated_buf = x_MD.new_empty(step * b, D) if D <= Fo else g_PF.new_empty(step * b, Fo)
+    for l0, l1 in chunks:
         s0, s1 = l0 * b, l1 * b
-        xs = x_MD.index_select(0, row_P[s0:s1])
+        xs = torch.index_select(x_MD, 0, row_P[s0:s1], out=xs_buf[:s1 - s0])
         pads = lay.pad_P[(lay.pad_P >= s0) & (lay.pad_P < s1)] - s0
         if pads.numel():
             xs.index_fill_(0, pads, 0)  # as gather_rows: padding rows are zero
@@ -242,9 +271,11 @@ def _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, lay: PaddedLayout, need_g: 
             g = g_PF[s0:s1]
             if gated:  # the gate on the narrower side of the product
                 if D <= Fo:
-                    xs = xs * gate_P[s0:s1]
+                    xs = torch.mul(xs, gate_P[s0:s1], out=gated_buf[:s1 - s0])
                 else:
-                    g = g * gate_P[s0:s1]
-            torch.bmm(xs.view(l1 - l0, b, D).transpose(1, 2), g.view(l1 - l0, b, Fo),
-                      out=grad_w[l0:l1])
+                    g = torch.mul(g, gate_P[s0:s1], out=gated_buf[:s1 - s0])
+            out = gw_buf[:l1 - l0] if blocked else grad_w[l0:l1]
+            torch.bmm(xs.view(l1 - l0, b, D).transpose(1, 2), g.view(l1 - l0, b, Fo), out=out)
+            if blocked:
+                grad_w.index_add_(0, lay.block_expert[l0:l1], out)
     return gg_P, grad_w

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from moeify.errors import MoeifyError
+from moeify.ops.optim import adamw
 from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
 from moeify.train import parallel
