@@ -81,3 +81,24 @@ def test_backward_in_chunks_of_blocks_equals_the_definition(skew, D, F, chunk, m
     assert (padded_layout(make_plan(idx, 5)).block_expert is not None) == skew
     for a, r in zip(grads["padded"], grads["reference"]):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["embedding_bag", "fallback"])
+@pytest.mark.parametrize("L", [0, 1, 13])
+def test_sum_by_id_equals_index_add(path, L, monkeypatch):
+    # Per-block weight gradients summed into their experts: the index_add it stands for, with
+    # experts that get no block, repeated ids and no blocks at all.
+    from moeify.ops.padded_matmul import sum_by_id
+
+    if path == "fallback":
+        def no_kernel(*args, **kwargs):
+            raise NotImplementedError("no embedding_bag kernel")
+        monkeypatch.setattr(torch.nn.functional, "embedding_bag", no_kernel)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(L, 3, 5, generator=g)
+    ids = torch.randint(0, 4, (L,), generator=g) * 2  # odd experts never occur
+    out = sum_by_id(src, ids, 9)
+    ref = torch.zeros(9, 3, 5).index_add_(0, ids, src)
+    assert out.shape == (9, 3, 5)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(out[1::2]) == 0

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeify.ops.padded_matmul import blocked_block, gather_rows, slot_sums
+from moeify.ops.padded_matmul import blocked_block, gather_rows, slot_sums, sum_by_id
 
 # Largest number of sets per group the layout takes (C(E, K) must not exceed it).
 MAX_SETS = 64
@@ -319,8 +319,8 @@ class SetExpertMatmul(torch.autograd.Function):
                     L, b = g.n_blocks, g.block
                     grad_set = torch.bmm(z[g.start:g.stop].view(L, b, K * D).transpose(1, 2),
                                          g_PF[g.start:g.stop].view(L, b, Fo))
-                    grad_w.index_add_(0, g.block_ids_LK.reshape(-1),
-                                      grad_set.view(L * K, D, Fo))
+                    grad_w += sum_by_id(grad_set.view(L * K, D, Fo),
+                                        g.block_ids_LK.reshape(-1), X)
         else:
             if need_g:
                 # d/dgate_j = g · (x W_j): the kept products, no [P, D] term.
@@ -340,8 +340,8 @@ class SetExpertMatmul(torch.autograd.Function):
                     L, b = g.n_blocks, g.block
                     grad_set = torch.bmm(xs_PD[g.start:g.stop].view(L, b, D).transpose(1, 2),
                                          gg[g.start:g.stop].view(L, b, K * Fo))
-                    grad_w.index_add_(0, g.block_ids_LK.reshape(-1), grad_set.view(
-                        L, D, K, Fo).permute(0, 2, 1, 3).reshape(L * K, D, Fo))
+                    grad_w += sum_by_id(grad_set.view(L, D, K, Fo).permute(0, 2, 1, 3)
+                                        .reshape(L * K, D, Fo), g.block_ids_LK.reshape(-1), X)
         if grad_gates is not None:
             grad_gates = grad_gates.to(gates_UK.dtype)
         return grad_x, grad_w, grad_gates, None, None, None, None
