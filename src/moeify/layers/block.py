@@ -50,7 +50,9 @@ class TransformerBlock(nn.Module):
             raise ValueError("explicit token positions (Mixture-of-Depths) cannot be combined with "
                              "XL memory; use a RoPE or position-free model without memory")
         h_BTD = self.ln1(x_BTD)
-        kv_BSD = None if mem_BMD is None else self.ln1(torch.cat([mem_BMD, x_BTD], 1))
+        # LN1([mem ; x]) = [LN1(mem) ; LN1(x)] (a row-wise norm): normalising the parts keeps
+        # for backward only tensors that live anyway (the memory, x), not a copy of [mem ; x]
+        kv_BSD = None if mem_BMD is None else torch.cat([self.ln1(mem_BMD), h_BTD], 1)
         valid_k = valid_BT
         if valid_BT is not None and mem_BMD is not None:
             valid_k = torch.cat([valid_BT.new_ones(mem_BMD.shape[:2]), valid_BT], 1)

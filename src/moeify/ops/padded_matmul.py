@@ -20,8 +20,8 @@ instead of E pays for some padding. Two layouts:
 
 Padding slots hold zero rows, and their output gradient is zeroed in the backward, so they
 contribute nothing to any output or weight gradient. Only the (unpadded) inputs are saved: the
-gathered [P, D] rows are rebuilt in the backward rather than kept alive between the passes, a
-few blocks at a time, so that they never coexist in full with the [P, D] input-side gradient.
+gathered [P, D] rows are rebuilt in the backward rather than kept alive between the passes, in
+the buffer of the [P, D] input-side gradient once that is summed (see the backward).
 
 Gated sums run as one weighted bag sum (``slot_sums``: torch's embedding_bag, one bag per output
 row, its pairs' gates as per-sample weights): the gate multiply and the sum over a row's slots
@@ -44,8 +44,6 @@ CAPACITY_SLACK = 1.25
 # ``padding_pays`` single-threaded: there is no thread wake-up to save, so pad only when it is
 # nearly free; the per-expert loop is used otherwise.
 SINGLE_THREAD_SLACK = 1.1
-# Input rows gathered at once in the backward (blocks of b rows, at least one): 4 MiB of float32.
-BACKWARD_CHUNK_ELEMENTS = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -116,10 +114,13 @@ def blocked_block(n_items: int, n_groups: int) -> int:
     return 8 * math.ceil(n_items / (32 * n_groups))
 
 
-def gather_rows(x_MD: torch.Tensor, lay, row_P: torch.Tensor) -> torch.Tensor:
+def gather_rows(x_MD: torch.Tensor, lay, row_P: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of every slot, padding slots (``lay.pad_P``) zeroed, so that not even a
-    non-finite row 0 reaches another row's output or a weight gradient."""
-    xs = x_MD.index_select(0, row_P)
+    non-finite row 0 reaches another row's output or a weight gradient. ``out``: a [P, D]
+    buffer to write them into."""
+    xs = x_MD.index_select(0, row_P) if out is None else torch.index_select(x_MD, 0, row_P,
+                                                                             out=out)
     return xs.index_fill_(0, lay.pad_P, 0) if lay.pad_P.numel() else xs
 
 
@@ -219,80 +220,39 @@ class PaddedExpertMatmul(torch.autograd.Function):
         per_out = k // groups * sum_rows if gated else 1
         out_P = torch.div(lay.pair_P, per_out, rounding_mode="floor")
         g_PF = gather_rows(grad_y.view(-1, Fo), lay, out_P)
+        w_LDF = _block_weights(w_EDF, lay)
         ga_PD = None
-        if need_x or need_g:
+        if need_x or (need_g and D <= Fo):
             # ga = g @ Wᵀ, the slot's output gradient before gating taken back through its
-            # expert: d/dgate = ga · xs, and d/dx sums gate · ga over a row's pairs.
-            ga_PD = _through_weights(g_PF, w_EDF, lay, D)
+            # expert: d/dx sums gate · ga over a row's pairs.
+            ga_PD = torch.bmm(g_PF.view(L, b, Fo), w_LDF.transpose(1, 2)).view(L * b, D)
             if need_x:
                 grad_x = slot_sums(ga_PD, lay.slot_N, gate_N, k)
         if need_g or need_w:
-            gg_P, grad_w = _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, w_EDF.shape[0],
-                                          lay, need_g, need_w)
+            # d/dgate = ga · xs = g · (xs W): taken on the narrower side. For D > F that is
+            # g · (xs W), ga is then no longer needed and the rows are gathered into its buffer:
+            # the two [P, D] tensors are never alive together (one extra [P, D] x [D, F] bmm).
+            reuse = ga_PD if ga_PD is not None and D > Fo else None
+            xs_PD = gather_rows(x_MD, lay, row_P, out=reuse)
             if need_g:
-                grad_gates = gg_P.index_select(0, lay.slot_N).view(M, k).to(gate_dtype)
+                dots_P = (_row_dot(ga_PD, xs_PD) if D <= Fo else _row_dot(
+                    torch.bmm(xs_PD.view(L, b, D), w_LDF).view(L * b, Fo), g_PF))
+                grad_gates = dots_P.index_select(0, lay.slot_N).view(M, k).to(gate_dtype)
+            if need_w:
+                grad_w = _weight_grad(xs_PD, g_PF, gate_N, w_LDF, lay, E)
         return grad_x, grad_w, grad_gates, None, None, None, None
 
 
-def _block_chunks(lay: PaddedLayout, width: int):
-    """Ranges [l0, l1) of blocks whose rows of ``width`` hold about BACKWARD_CHUNK_ELEMENTS."""
-    step = min(lay.n_blocks, max(1, BACKWARD_CHUNK_ELEMENTS // max(1, lay.block * width)))
-    return step, [(l0, min(lay.n_blocks, l0 + step)) for l0 in range(0, lay.n_blocks, step)]
-
-
-def _through_weights(g_PF, w_EDF, lay: PaddedLayout, D: int) -> torch.Tensor:
-    """ga = g Wᵀ per slot, [P, D]. The blocked layout gathers its blocks' weights a few blocks
-    at a time (into one buffer) rather than as one [L, D, F] copy."""
-    L, b, Fo = lay.n_blocks, lay.block, g_PF.shape[1]
-    if lay.block_expert is None:
-        return torch.bmm(g_PF.view(L, b, Fo), w_EDF.transpose(1, 2)).view(L * b, D)
-    ga_LbD = g_PF.new_empty(L, b, D)
-    step, chunks = _block_chunks(lay, D)
-    w_buf = w_EDF.new_empty(step, D, Fo)
-    for l0, l1 in chunks:
-        w = torch.index_select(w_EDF, 0, lay.block_expert[l0:l1], out=w_buf[:l1 - l0])
-        torch.bmm(g_PF[l0 * b:l1 * b].view(l1 - l0, b, Fo), w.transpose(1, 2),
-                  out=ga_LbD[l0:l1])
-    return ga_LbD.view(L * b, D)
-
-
-def _slot_products(x_MD, row_P, g_PF, ga_PD, gate_N, E: int, lay: PaddedLayout, need_g: bool,
-                   need_w: bool):
-    """The backward's products with the gathered input rows xs (PaddedExpertMatmul.backward):
-    (ga · xs per slot [P] or None, the weight gradient Σ xsᵀ g per expert [E, D, F] or None).
-    xs is gathered a few blocks at a time (``BACKWARD_CHUNK_ELEMENTS``), so that the [P, D]
-    gather is never alive beside the [P, D] ga: the backward's largest temporary, halved. The
-    blocked layout then sums the per-block products into their experts (``sum_by_id``)."""
-    D, Fo = x_MD.shape[1], g_PF.shape[1]
+def _weight_grad(xs_PD, g_PF, gate_N, w_LDF, lay: PaddedLayout, E: int) -> torch.Tensor:
+    """Σ over each expert's slots of xsᵀ (gate · g), [E, D, F] (PaddedExpertMatmul.backward).
+    xs and g are the backward's own gathers, no longer needed: the gate is multiplied into the
+    narrower one in place, and the blocked layout's per-block products are written over its
+    gathered block weights, then summed into their experts (``sum_by_id``)."""
+    D, Fo = xs_PD.shape[1], g_PF.shape[1]
     L, b = lay.n_blocks, lay.block
-    gated = gate_N is not None
+    if gate_N is not None:
+        (xs_PD if D <= Fo else g_PF).mul_(gate_N.index_select(0, lay.pair_P)[:, None])
     blocked = lay.block_expert is not None
-    step, chunks = _block_chunks(lay, D)
-    gg_P = g_PF.new_empty(L * b) if need_g else None
-    grad_w = g_PF.new_empty(L, D, Fo) if need_w else None
-    gate_P = gate_N.index_select(0, lay.pair_P)[:, None] if gated and need_w else None
-    # One buffer for every chunk's rows (and one for its gated side): no allocation per chunk.
-    xs_buf = x_MD.new_empty(step * b, D)
-    gated_buf = None
-    if gated and need_w:
-        gated_buf = x_MD.new_empty(step * b, D) if D <= Fo else g_PF.new_empty(step * b, Fo)
-    for l0, l1 in chunks:
-        s0, s1 = l0 * b, l1 * b
-        xs = torch.index_select(x_MD, 0, row_P[s0:s1], out=xs_buf[:s1 - s0])
-        pads = lay.pad_P[(lay.pad_P >= s0) & (lay.pad_P < s1)] - s0
-        if pads.numel():
-            xs.index_fill_(0, pads, 0)  # as gather_rows: padding rows are zero
-        if need_g:
-            gg_P[s0:s1] = _row_dot(ga_PD[s0:s1], xs)
-        if need_w:
-            g = g_PF[s0:s1]
-            if gated:  # the gate on the narrower side of the product
-                if D <= Fo:
-                    xs = torch.mul(xs, gate_P[s0:s1], out=gated_buf[:s1 - s0])
-                else:
-                    g = torch.mul(g, gate_P[s0:s1], out=gated_buf[:s1 - s0])
-            torch.bmm(xs.view(l1 - l0, b, D).transpose(1, 2), g.view(l1 - l0, b, Fo),
-                      out=grad_w[l0:l1])
-    if need_w and blocked:
-        grad_w = sum_by_id(grad_w, lay.block_expert, E)
-    return gg_P, grad_w
+    grad_w = torch.bmm(xs_PD.view(L, b, D).transpose(1, 2), g_PF.view(L, b, Fo),
+                       out=w_LDF if blocked else None)
+    return sum_by_id(grad_w, lay.block_expert, E) if blocked else grad_w
