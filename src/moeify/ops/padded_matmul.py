@@ -160,11 +160,11 @@ def slot_sums(src_PF: torch.Tensor, slot_N: torch.Tensor, weight_N: torch.Tensor
 
 def sum_by_id(src_L: torch.Tensor, ids_L: torch.Tensor, n: int) -> torch.Tensor:
     """out[i] = Σ_{l: ids[l] = i} src[l], [n, ...]: the per-block weight gradients summed into
-    their experts. The same sums, in the same order, as ``zeros(n, ...).index_add_(0, ids, src)``
-    (the reference the tests compare against), as one ``embedding_bag`` over the rows sorted by id
-    (a stable sort: each id's rows keep their order): torch's CPU index_add of [L, D, F] slices
-    runs a scatter over every element, measured 70x slower at the 47M SwitchHead shapes
-    ([40, 412, 76] into 10 experts: 76 ms against 1 ms on two threads)."""
+    their experts: ``zeros(n, ...).index_add_(0, ids, src)`` (the reference the tests compare
+    against) as one ``embedding_bag`` over the rows sorted by id (a stable sort: each id's rows
+    are summed in their order). torch's CPU index_add of [L, D, F] slices runs a scatter over
+    every element, measured 70x slower at the 47M SwitchHead shapes ([40, 412, 76] into 10
+    experts: 76 ms against 1 ms on two threads)."""
     L, tail = src_L.shape[0], src_L.shape[1:]
     if L == 0:
         return src_L.new_zeros(n, *tail)
