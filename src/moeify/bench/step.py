@@ -5,8 +5,9 @@ Shape legend: B batch, T chunk length, V vocabulary, D d_model.
 
 The step is the paper's recipe (switchhead.md §3) on random tokens: training mode (dropout on),
 one chunk of XL memory for XL models (computed once at setup, the same for every step), the LM
-loss plus any auxiliary losses, backward, gradient clipping at 0.1, AdamW (lr 2.5e-4, betas
-0.9 / 0.999, no weight decay). Times are medians of interleaved repeats; with bfloat16 or
+loss plus any auxiliary losses (the model called as the trainer calls it, without logits),
+backward, gradient clipping at 0.1, the trainer's AdamW (``moeify.ops.optim.adamw``, lr 2.5e-4,
+betas 0.9 / 0.999, no weight decay). Times are medians of interleaved repeats; with bfloat16 or
 float16 the forward runs under autocast (no loss scaling: this is a timing).
 
 Memory is tensor memory, measured in a fresh process (``moeify.bench.memory``) over two steps
