@@ -169,3 +169,15 @@ def word_soup_corpus(path, n_lines=800, seed=1):
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
                               for _ in range(n_lines)) + "\n")
     return path
+
+
+def assert_same_outputs_and_gradients(y, y_ref, x, x_ref, params, refs):
+    """The fast path's output ``y`` equals ``y_ref``, and under one random output gradient so do
+    the input's (``x`` against its clone ``x_ref``) and every parameter's (against its clone)."""
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p.grad, r.grad)

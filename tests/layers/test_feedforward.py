@@ -8,6 +8,7 @@ import torch
 
 from moeify.layers import feedforward
 from moeify.layers.feedforward import DenseFeedForward, DenseFFConfig
+from references import assert_same_outputs_and_gradients
 
 
 def _reference(x, w1, b1, w2, b2):
@@ -29,13 +30,7 @@ def test_dense_ff_matches_hand_transcription_outputs_and_gradients():
     refs = [p.detach().clone().requires_grad_() for p in params]
     xr = x.detach().clone().requires_grad_()
     y_ref = _reference(xr, *refs)
-    torch.testing.assert_close(y, y_ref)
-    g = torch.randn_like(y)
-    (y * g).sum().backward()
-    (y_ref * g).sum().backward()
-    torch.testing.assert_close(x.grad, xr.grad)
-    for p, r in zip(params, refs):
-        torch.testing.assert_close(p.grad, r.grad)
+    assert_same_outputs_and_gradients(y, y_ref, x, xr, params, refs)
 
 
 def test_dense_ff_init_scale_and_zero_biases():

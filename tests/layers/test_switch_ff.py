@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeify.layers.switch_ff import SwitchFeedForward, SwitchFFConfig
-from references import ref_expert_mlp
+from references import assert_same_outputs_and_gradients, ref_expert_mlp
 
 
 def _probs32(x_MD, w_RD):
@@ -108,13 +108,7 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
     gates_MK, idx_MK = _probs32(xr_MD, refs[0]).topk(k, -1)
     y_ref = ref_expert_mlp(xr_MD, idx_MK, *refs[1:3], gates_MK, activation,
                            *refs[3:]).view_as(y)
-    torch.testing.assert_close(y, y_ref)
-    g = torch.randn_like(y)
-    (y * g).sum().backward()
-    (y_ref * g).sum().backward()
-    torch.testing.assert_close(x.grad, xr.grad)
-    for p, r in zip(params, refs):
-        torch.testing.assert_close(p.grad, r.grad)
+    assert_same_outputs_and_gradients(y, y_ref, x, xr, params, refs)
 
 
 @pytest.mark.parametrize("k", [1, 2])
