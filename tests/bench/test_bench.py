@@ -266,3 +266,12 @@ def test_cli_bench_step_and_attention_compile_report_compiled_beside_eager(capsy
                  "1", "--warmup", "0", "--no-memory", "--no-textbook", "--compile"]) == 0
     out = capsys.readouterr().out
     assert "tiny-dense compiled" in out and "vs eager" in out
+
+
+@pytest.mark.parametrize("bench", ["ff", "generate"])
+def test_cli_bench_without_compiled_rows_refuses_compile(bench, capsys):
+    # ff and generate time eager code only: --compile is refused rather than silently ignored.
+    with pytest.raises(SystemExit) as e:
+        main(["bench", bench, "--compile"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --compile" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def register(sub) -> None:
                     help="only these Hugging Face experts implementations (repeatable; default "
                     "all installed)")
     ff.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows")
-    _common(ff, memory=False, device=False)
+    _common(ff, memory=False, device=False, compile=False)
     ff.set_defaults(func=run_ff)
 
     ge = bsub.add_parser(
@@ -96,12 +96,12 @@ def register(sub) -> None:
     ge.add_argument("--batch", action="append", type=int, metavar="B",
                     help="sequences decoded together (repeatable; default 1 and 8)")
     ge.add_argument("--tokens", type=positive_int, default=8, help="timed decode steps per cell")
-    _common(ge, memory=False, device=False, repeats=False)
+    _common(ge, memory=False, device=False, repeats=False, compile=False)
     ge.set_defaults(func=run_generate)
 
 
 def _common(p, warmup: int = 2, memory: bool = True, device: bool = True,
-            repeats: bool = True) -> None:
+            repeats: bool = True, compile: bool = True) -> None:
     if device:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                        help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
@@ -114,8 +114,9 @@ def _common(p, warmup: int = 2, memory: bool = True, device: bool = True,
         p.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory measurements (one fresh process per case)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--compile", action="store_true",
-                   help="also time every case torch.compile'd, beside the eager one")
+    if compile:
+        p.add_argument("--compile", action="store_true",
+                       help="also time every case torch.compile'd, beside the eager one")
 
 
 def _quiet_openmp() -> None:
