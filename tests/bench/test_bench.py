@@ -6,6 +6,9 @@ Shape legend: B batch, T queries, S sources (memory + current), D d_model.
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -275,3 +278,14 @@ def test_cli_bench_without_compiled_rows_refuses_compile(bench, capsys):
         main(["bench", bench, "--compile"])
     assert e.value.code == 2
     assert "unrecognized arguments: --compile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, policy", [([], "default"), (["--omp-wait", "passive"], "PASSIVE")])
+def test_cli_bench_omp_wait_policy_is_set_before_torch_loads(flag, policy):
+    # libgomp reads the policy once, when torch loads: only a fresh process shows it taking effect.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = ("import sys; from moeify.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, "bench", "generate", "--preset", "tiny-dense",
+                          "--context", "4", "--batch", "1", "--tokens", "1", "--warmup", "0",
+                          "--json", *flag], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["omp_wait_policy"] == policy

@@ -43,8 +43,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def omp_wait_policy() -> str:
-    """The OpenMP wait policy this process runs under ("default": libgomp's spinning); see
-    moeify.cli.bench for why the benchmarks prefer PASSIVE on a shared machine."""
+    """The OpenMP wait policy this process runs under ("default": libgomp's, idle threads spin a
+    while before sleeping); moeify.cli.bench (``--omp-wait``) says when PASSIVE is the fairer
+    choice."""
     return os.environ.get("OMP_WAIT_POLICY", "default")
 
 
