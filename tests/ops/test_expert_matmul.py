@@ -130,6 +130,31 @@ def test_matches_definition(dtype, impl, contract, side, skew):
         assert chosen_impl("grouped", x, idx, w) == "grouped"
 
 
+@pytest.mark.parametrize("impl", ["pairs", "all", "auto"])
+@pytest.mark.parametrize("contract", [c for c in CONTRACTS if CONTRACTS[c].get("gated", True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_definition_without_autograd(dtype, impl, contract):
+    # Decoding runs under no_grad, where "pairs" takes its own loop (each pair one matmul adding
+    # its gate-weighted product into the output row): held to the definition like the others.
+    x, idx, w, gates, plan, kw, (want, _, _) = contract_case(contract, dtype, "gates-out", False)
+    with torch.no_grad():
+        y = expert_matmul(x, idx, w, gates, impl=impl, plan=plan, **kw)
+    assert y.dtype == x.dtype
+    assert_close(y, want, TOL[DTYPES[dtype]])
+    with torch.no_grad():  # a handful of rows, as "auto" sees them while decoding
+        few = slice(0, 2 * kw["sum_rows"] * (kw["batch"] or 1))
+        kw_few = {**kw, "plan": make_plan(idx[few], w.shape[0], group_size=plan.group_size)}
+        if impl == "auto" and kw_few["plan"].num_pairs <= kw_few["plan"].num_experts:
+            assert chosen_impl("auto", x[few], idx[few], w, group_size=plan.group_size,
+                               groups=kw["groups"]) == "pairs"
+        y = expert_matmul(x[few], idx[few], w, gates[few], impl=impl, **kw_few)
+    want = ref_expert_rows(x[few].double(), idx[few], w.double(), gates[few].double(),
+                           kw["groups"], kw["sum_rows"])
+    if kw["batch"] is not None:
+        want = want.view(kw["batch"], -1, kw["groups"], want.shape[-1]).transpose(1, 2)
+    assert_close(y, want, TOL[DTYPES[dtype]])
+
+
 # gather's backward is autograd's; "grouped" in float64 runs "segment".
 @pytest.mark.parametrize("impl,side", [(i, "gates-out") for i in ("reference", "segment")]
                          + [(i, s) for i in ("padded", "sets") for s in SIDES])

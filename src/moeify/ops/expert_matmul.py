@@ -38,8 +38,10 @@ Implementations (``impl=``):
                  handful of pairs or rows (decoding), then "sets" where
                  ``sets_eligible`` holds, else "padded" when ``padding_pays`` (several threads;
                  single-threaded only when the padding is nearly free), else "segment".
-Each call runs inside a profiler range named ``TRACE_PREFIX`` + the implementation, so that a
-benchmark can report what really ran (``moeify.bench.timing.expert_impls_run``).
+While a profiler records, each call runs inside a range named ``TRACE_PREFIX`` + the
+implementation, so that a benchmark can report what really ran
+(``moeify.bench.timing.expert_impls_run``); without one no range is opened (it costs about 10 us,
+a tenth of a decoding step's expert matmul).
 
 Under torch.compile "auto" takes a layout without host syncs (``compiled_impl``): the per-expert
 loop, the padded grid and the set layout size their work from the routing counts on the host
@@ -56,6 +58,8 @@ grad_x with one index_add over the sorted rows and grad_w per expert.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 
 import torch
@@ -90,6 +94,13 @@ SEGMENT_MIN_MACS = 1 << 26
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 # The implementations that need no ExpertPlan (callers skip building one for them).
 PLANLESS = ("reference", "gather", "pairs", "all")
+
+
+def trace(kind: str):
+    """The profiler range ``TRACE_PREFIX + kind`` while a profiler records, else nothing."""
+    if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"{TRACE_PREFIX}{kind}")
 
 
 class ExpertPlan:
@@ -152,7 +163,11 @@ def _check_ids(idx: torch.Tensor, num_experts: int) -> None:
     if idx.numel() == 0:
         return
     if idx.device.type == "cpu" and not torch.compiler.is_compiling():
-        lo, hi = int(idx.min()), int(idx.max())
+        if idx.numel() <= 64:  # decoding: one host copy instead of two reductions
+            vals = idx.reshape(-1).tolist()
+            lo, hi = min(vals), max(vals)
+        else:
+            lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(
                 f"expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]; "
@@ -298,10 +313,38 @@ def _gather(x_MD, idx_MK, w_EDF, gates_MK, groups):
     return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
 
 
-def _pairs(x_MD, idx_MK, w_EDF, gates_MK, groups):
+def _pairs(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
     M, K = idx_MK.shape
     if M * K == 0:
-        return _gather(x_MD, idx_MK, w_EDF, gates_MK, groups)
+        return _sum_rows(_gather(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
+    if gates_MK is not None and not (torch.is_grad_enabled() and (
+            x_MD.requires_grad or w_EDF.requires_grad or gates_MK.requires_grad)):
+        return _pairs_accumulate(x_MD, idx_MK.tolist(), w_EDF, gates_MK.tolist(), groups,
+                                 sum_rows)
+    return _sum_rows(_pairs_mm(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
+
+
+def _pairs_accumulate(x_MD, ids, w_EDF, gates, groups, sum_rows):
+    """``_pairs_mm`` without autograd (decoding): each pair is one matmul that adds its
+    gate-weighted product into its output row, alpha = the gate (gate, group and row sums
+    inside the BLAS call; no per-pair products, no concatenation)."""
+    M, K, Fo = len(ids), len(ids[0]), w_EDF.shape[-1]
+    per_group = K // groups
+    out = x_MD.new_empty(M // sum_rows * groups, Fo)
+    for m in range(M):
+        x_1D = x_MD[m:m + 1]
+        for j, (e, g) in enumerate(zip(ids[m], gates[m])):
+            r = m // sum_rows * groups + j // per_group
+            o_1F = out[r:r + 1]
+            if m % sum_rows == 0 and j % per_group == 0:  # the row's first term: beta = 0
+                torch.addmm(o_1F, x_1D, w_EDF[e], beta=0, alpha=g, out=o_1F)
+            else:
+                o_1F.addmm_(x_1D, w_EDF[e], alpha=g)
+    return out if groups == 1 else out.view(M // sum_rows, groups, Fo)
+
+
+def _pairs_mm(x_MD, idx_MK, w_EDF, gates_MK, groups):
+    M, K = idx_MK.shape
     ids = idx_MK.tolist()
     rows, mats = x_MD.unsqueeze(1).unbind(0), w_EDF.unbind(0)  # views: one op each
     y_NF = torch.cat([torch.mm(rows[m], mats[e]) for m in range(M) for e in ids[m]])
@@ -484,10 +527,8 @@ def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, 
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
     k = _unit_k(idx_MK, groups)
     kind = choose_impl(impl, x_MD, w_EDF, plan, k=k, gated=gates_MK is not None)
-    if torch.compiler.is_compiling():  # no profiler range inside a graph
-        return _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k)
     # Named in profiler traces, so that reports can say which implementation really ran.
-    with torch.profiler.record_function(f"{TRACE_PREFIX}{kind}"):
+    with trace(kind):
         return _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k)
 
 
@@ -495,6 +536,8 @@ def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
     if kind in _PLANLESS:
         if plan is None:  # make_plan has checked them
             _check_ids(idx_MK, w_EDF.shape[0])
+        if kind == "pairs":  # sums the rows itself
+            return _pairs(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
         fn = _PLANLESS[kind]
         return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
     K = idx_MK.shape[1]

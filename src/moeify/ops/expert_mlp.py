@@ -36,7 +36,7 @@ from moeify.ops.expert_matmul import (
     choose_impl,
     expert_matmul,
     make_plan,
-    TRACE_PREFIX,
+    trace,
 )
 from moeify.ops.padded_matmul import _block_weights, _row_dot, gather_rows, padded_layout, slot_sums
 
@@ -166,7 +166,7 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
     if plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w1 has {E} experts")
-    with torch.profiler.record_function(f"{TRACE_PREFIX}{kind}"):
+    with trace(kind):
         return _ExpertMLP.apply(x_MD, w1_EDG, w2_EGD, gates_MK, kind, _layout(kind, plan), K)
 
 
