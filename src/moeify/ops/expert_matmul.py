@@ -74,7 +74,8 @@ IMPLEMENTATIONS = ("reference", "gather", "pairs", "all", "segment", "grouped", 
 TRACE_PREFIX = "moeify.expert_matmul."
 # Decoding on CPU, where reading the weights from memory is the cost (measured at the 47M
 # SwitchHead value experts, E = 10 matrices of 412 x 76, one thread, weights not in cache,
-# microseconds per call; pairs = the per-pair loop by itself, the whole call adding about 40;
+# microseconds per call; pairs = the per-pair mm loop by itself (the one autograd runs; under
+# no_grad each pair is one addmm into its output row), the whole call adding about 40;
 # sorted = the best of segment / padded):
 #     rows (pairs)   pairs   gather   all   sorted
 #     1 (4)            82     111     192    210
