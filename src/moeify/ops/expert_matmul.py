@@ -352,11 +352,27 @@ def _pairs_mm(x_MD, idx_MK, w_EDF, gates_MK, groups):
     return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
 
 
-def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups):
-    M = x_MD.shape[0]
-    all_EMF = torch.matmul(x_MD, w_EDF)  # every row through every expert
-    rows_M1 = torch.arange(M, device=x_MD.device)[:, None]
-    return _combine(all_EMF[idx_MK.long(), rows_M1], gates_MK, groups)
+def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
+    """Every row through every expert. Gated, with the gates scattered into a dense
+    [rows, groups, E] matrix (zero for the experts a row did not select), so the pick, the
+    gate weighting and the sums are matmuls too:
+        groups = 1:  y[t] = Σ_{r,e} g[t·R + r, e] · x[t·R + r] W_e = z[t] · W.view(E·D, F),
+                     z[t, e] = Σ_r g[t·R + r, e] · x[t·R + r]  (R = sum_rows; one GEMM)
+        groups > 1:  y[m, g] = Σ_e g[m, g, e] · (x_m W_e)      (after the E products)"""
+    M, K = idx_MK.shape
+    E, D, Fo = w_EDF.shape
+    if gates_MK is None:
+        all_EMF = torch.matmul(x_MD, w_EDF)
+        return all_EMF[idx_MK.long(), torch.arange(M, device=x_MD.device)[:, None]]
+    dense_MGE = torch.zeros(M, groups, E, dtype=x_MD.dtype, device=x_MD.device).scatter_add(
+        2, idx_MK.long().reshape(M, groups, K // groups),
+        gates_MK.to(x_MD.dtype).reshape(M, groups, K // groups))
+    if groups > 1:  # (sum_rows is 1: _validate)
+        return torch.einsum("mge,emf->mgf", dense_MGE, torch.matmul(x_MD, w_EDF))
+    T = M // sum_rows
+    z_TED = torch.einsum("tre,trd->ted", dense_MGE.view(T, sum_rows, E),
+                         x_MD.reshape(T, sum_rows, D))
+    return z_TED.reshape(T, E * D) @ w_EDF.reshape(E * D, Fo)
 
 
 def _combine(y_MKF, gates_MK, groups):
@@ -537,8 +553,8 @@ def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
     if kind in _PLANLESS:
         if plan is None:  # make_plan has checked them
             _check_ids(idx_MK, w_EDF.shape[0])
-        if kind == "pairs":  # sums the rows itself
-            return _pairs(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
+        if kind in ("pairs", "all"):  # they sum the rows themselves
+            return _PLANLESS[kind](x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
         fn = _PLANLESS[kind]
         return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
     K = idx_MK.shape[1]
