@@ -356,7 +356,13 @@ def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(corpus, tmp
     monkeypatch.undo()
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
     a, b = weights(ref), weights(run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The same steps on the same data from the same state; not always bit for bit: on some
+    # machines the resumed process rounds differently (seen: most weights within 6e-8 of the
+    # uninterrupted run's, W_pos within 5e-5 after AdamW normalised round-off-sized gradient
+    # differences), so the weights are held to 1e-3, far below one step's update of a wrong
+    # state. Bit-exact resume from a periodic checkpoint: tests/train.
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-3) for k in a)
 
 
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(corpus, tmp_path, capsys,
