@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_pays
+from moeify.ops.planless_matmul import PLANLESS_FNS, combine, sum_rows_
 from moeify.ops.routing import count_ids
 from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout, sets_eligible
 
@@ -93,7 +94,7 @@ ALL_MAX_MACS = 1 << 26
 SEGMENT_MIN_MACS = 1 << 26
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 # The implementations that need no ExpertPlan (callers skip building one for them).
-PLANLESS = ("reference", "gather", "pairs", "all")
+PLANLESS = tuple(PLANLESS_FNS)  # reference, gather, pairs, all (ops/planless_matmul.py)
 
 
 def trace(kind: str):
@@ -295,94 +296,6 @@ class _SortedExpertMatmul(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Dense reference and the naive gathered baseline (autograd does their backward).
-
-
-def _reference(x_MD, idx_MK, w_EDF, gates_MK, groups):
-    # Every row through every expert, then a one-hot pick: obviously correct, E times the work.
-    all_MEF = torch.einsum("md,edf->mef", x_MD, w_EDF)
-    onehot_MKE = F.one_hot(idx_MK.long(), w_EDF.shape[0]).to(x_MD.dtype)
-    y_MKF = torch.einsum("mef,mke->mkf", all_MEF, onehot_MKE)
-    return _combine(y_MKF, gates_MK, groups)
-
-
-def _gather(x_MD, idx_MK, w_EDF, gates_MK, groups):
-    M, K = idx_MK.shape
-    w_NDF = w_EDF.index_select(0, idx_MK.reshape(-1).long())
-    y_NF = torch.bmm(x_MD.repeat_interleave(K, 0).unsqueeze(1), w_NDF).squeeze(1)
-    return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
-
-
-def _pairs(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
-    M, K = idx_MK.shape
-    if M * K == 0:
-        return _sum_rows(_gather(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
-    if gates_MK is not None and not (torch.is_grad_enabled() and (
-            x_MD.requires_grad or w_EDF.requires_grad or gates_MK.requires_grad)):
-        return _pairs_accumulate(x_MD, idx_MK.tolist(), w_EDF, gates_MK.tolist(), groups,
-                                 sum_rows)
-    return _sum_rows(_pairs_mm(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
-
-
-def _pairs_accumulate(x_MD, ids, w_EDF, gates, groups, sum_rows):
-    """``_pairs_mm`` without autograd (decoding): each pair is one matmul that adds its
-    gate-weighted product into its output row, alpha = the gate (gate, group and row sums
-    inside the BLAS call; no per-pair products, no concatenation)."""
-    M, K, Fo = len(ids), len(ids[0]), w_EDF.shape[-1]
-    per_group = K // groups
-    out = x_MD.new_empty(M // sum_rows * groups, Fo)
-    for m in range(M):
-        x_1D = x_MD[m:m + 1]
-        for j, (e, g) in enumerate(zip(ids[m], gates[m])):
-            r = m // sum_rows * groups + j // per_group
-            o_1F = out[r:r + 1]
-            if m % sum_rows == 0 and j % per_group == 0:  # the row's first term: beta = 0
-                torch.addmm(o_1F, x_1D, w_EDF[e], beta=0, alpha=g, out=o_1F)
-            else:
-                o_1F.addmm_(x_1D, w_EDF[e], alpha=g)
-    return out if groups == 1 else out.view(M // sum_rows, groups, Fo)
-
-
-def _pairs_mm(x_MD, idx_MK, w_EDF, gates_MK, groups):
-    M, K = idx_MK.shape
-    ids = idx_MK.tolist()
-    rows, mats = x_MD.unsqueeze(1).unbind(0), w_EDF.unbind(0)  # views: one op each
-    y_NF = torch.cat([torch.mm(rows[m], mats[e]) for m in range(M) for e in ids[m]])
-    return _combine(y_NF.view(M, K, w_EDF.shape[-1]), gates_MK, groups)
-
-
-def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
-    """Every row through every expert. Gated, with the gates scattered into a dense
-    [rows, groups, E] matrix (zero for the experts a row did not select), so the pick, the
-    gate weighting and the sums are matmuls too:
-        groups = 1:  y[t] = Σ_{r,e} g[t·R + r, e] · x[t·R + r] W_e = z[t] · W.view(E·D, F),
-                     z[t, e] = Σ_r g[t·R + r, e] · x[t·R + r]  (R = sum_rows; one GEMM)
-        groups > 1:  y[m, g] = Σ_e g[m, g, e] · (x_m W_e)      (after the E products)"""
-    M, K = idx_MK.shape
-    E, D, Fo = w_EDF.shape
-    if gates_MK is None:
-        all_EMF = torch.matmul(x_MD, w_EDF)
-        return all_EMF[idx_MK.long(), torch.arange(M, device=x_MD.device)[:, None]]
-    dense_MGE = torch.zeros(M, groups, E, dtype=x_MD.dtype, device=x_MD.device).scatter_add(
-        2, idx_MK.long().reshape(M, groups, K // groups),
-        gates_MK.to(x_MD.dtype).reshape(M, groups, K // groups))
-    if groups > 1:  # (sum_rows is 1: _validate)
-        return torch.einsum("mge,emf->mgf", dense_MGE, torch.matmul(x_MD, w_EDF))
-    T = M // sum_rows
-    z_TED = torch.einsum("tre,trd->ted", dense_MGE.view(T, sum_rows, E),
-                         x_MD.reshape(T, sum_rows, D))
-    return z_TED.reshape(T, E * D) @ w_EDF.reshape(E * D, Fo)
-
-
-def _combine(y_MKF, gates_MK, groups):
-    if gates_MK is None:
-        return y_MKF
-    M, K, Fo = y_MKF.shape
-    y = (y_MKF * gates_MK.to(y_MKF.dtype)[..., None]).view(M, groups, K // groups, Fo).sum(2)
-    return y.squeeze(1) if groups == 1 else y
-
-
-# ----------------------------------------------------------------------------------------------
 
 
 def _resolve_name(impl: str, x: torch.Tensor, w: torch.Tensor) -> str:
@@ -451,7 +364,7 @@ def _grouped_traced(x_MD, w_EDF, gates_MK, plan: ExpertPlan, k: int, groups: int
     rows_N = torch.div(plan.order_N, k, rounding_mode="floor")
     ys_NF = F.grouped_mm(x_MD.index_select(0, rows_N), w_EDF, offs=plan.offsets_E)
     y_MKF = ys_NF.index_select(0, plan.inverse_N).view(M, k, w_EDF.shape[-1])
-    return _combine(y_MKF, gates_MK, groups)
+    return combine(y_MKF, gates_MK, groups)
 
 
 def _unit_k(idx_MK: torch.Tensor, groups: int) -> int:
@@ -537,7 +450,7 @@ def expert_matmul(
 def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch):
     E = w_EDF.shape[0]
     if plan is None:
-        plan = None if impl in _PLANLESS else make_plan(idx_MK, E)
+        plan = None if impl in PLANLESS else make_plan(idx_MK, E)
     elif plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w has {E} experts")
@@ -549,13 +462,10 @@ def _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, 
 
 
 def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
-    if kind in _PLANLESS:
+    if kind in PLANLESS:
         if plan is None:  # make_plan has checked them
             _check_ids(idx_MK, w_EDF.shape[0])
-        if kind in ("pairs", "all"):  # they sum the rows themselves
-            return _PLANLESS[kind](x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
-        fn = _PLANLESS[kind]
-        return _sum_rows(fn(x_MD, idx_MK, w_EDF, gates_MK, groups), sum_rows)
+        return PLANLESS_FNS[kind](x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows)
     K = idx_MK.shape[1]
     if kind == "sets":
         if gates_MK is None or plan.group_size is None:
@@ -570,23 +480,14 @@ def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
             return y.view(batch, groups, M // batch, Fo)
         return y.view(M, groups, Fo) if groups > 1 else y
     if kind == "grouped" and torch.compiler.is_compiling():
-        return _sum_rows(_grouped_traced(x_MD, w_EDF, gates_MK, plan, K, groups), sum_rows)
+        return sum_rows_(_grouped_traced(x_MD, w_EDF, gates_MK, plan, K, groups), sum_rows)
     if kind == "padded":
         # The row sum happens inside: the output gradient is gathered per slot from [M / R, F].
         return PaddedExpertMatmul.apply(x_MD, w_EDF, gates_MK, padded_layout(plan), K, groups,
                                         sum_rows)
     rows_N = torch.div(plan.order_N, K, rounding_mode="floor")
-    return _sum_rows(_SortedExpertMatmul.apply(x_MD, w_EDF, gates_MK, plan.order_N,
+    return sum_rows_(_SortedExpertMatmul.apply(x_MD, w_EDF, gates_MK, plan.order_N,
                                                plan.inverse_N, rows_N, plan, kind, K, groups),
                      sum_rows)
 
 
-# Autograd does their backward.
-_PLANLESS = dict(zip(PLANLESS, (_reference, _gather, _pairs, _all_experts)))
-
-
-def _sum_rows(y_MF: torch.Tensor, sum_rows: int) -> torch.Tensor:
-    if sum_rows == 1:
-        return y_MF
-    M, Fo = y_MF.shape
-    return y_MF.view(M // sum_rows, sum_rows, Fo).sum(1)
