@@ -218,3 +218,17 @@ def test_decoding_a_model_built_under_inference_mode():
         x = torch.randn(1, 6, D, dtype=f64)
         full = m(x)[0]
         torch.testing.assert_close(decode(m, x, prompt=2), full, **tol("dense"))
+
+
+def test_cache_knows_when_every_token_is_valid():
+    # Without any validity appended the mask need not read it (decoding's mask-free path);
+    # one appended validity tensor, even all True, makes the cache consult it from then on.
+    from moeify.layers.kv_cache import KVCache
+    c = KVCache()
+    k = torch.zeros(1, 2, 3, 4)
+    c.append(k, k, torch.arange(3)[None])
+    assert c.all_valid and c.valid.all()
+    c.append(k[:, :, :1], k[:, :, :1], torch.tensor([[3]]), torch.tensor([[True]]))
+    assert not c.all_valid
+    c.reset()
+    assert c.all_valid

@@ -65,3 +65,32 @@ def test_model_reports_every_routing_record_with_its_layer_and_logged_names():
 def test_routing_record_groups():
     r = routing_record("moa", torch.tensor([[0, 1], [1, 2]]), 3, torch.ones(2, 2))
     assert r.counts.tolist() == [[1, 2, 1]] and r.gate_sum.item() == 4.0
+
+
+def test_records_count_only_when_read_and_copies_count_once(monkeypatch):
+    # Decoding never reads the records: counting is deferred to the first read, and a model's
+    # per-layer copy (with_layer) shares the one count.
+    import moeify.layers.common as common
+    calls = []
+    real = common.count_selections
+    monkeypatch.setattr(common, "count_selections", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    m = SwitchHeadConfig(d_model=8, n_heads=2, d_head=4, n_experts=3, k=2).build().eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        _, aux = m(x)
+    assert calls == []
+    r = aux.routing["src"].with_layer(4)
+    assert r.layer == 4 and r.serves == ("v",) and aux.routing["src"].layer is None
+    assert r.counts.sum().item() == 2 * 5 * 2 * 2 and len(calls) == 1
+    assert torch.equal(aux.routing["src"].counts, r.counts) and len(calls) == 1
+    with pytest.raises(AttributeError, match="immutable"):
+        r.layer = 1
+    m.train()
+    m(x)  # training reads the counts into the usage buffers
+    assert len(calls) == 3 and m.usage_v.sum().item() == 2 * 5 * 2 * 2
+
+
+def test_a_record_needs_counts_or_a_deferred_count():
+    with pytest.raises(TypeError, match="needs counts"):
+        RoutingStats("switch", None, None)

@@ -174,6 +174,46 @@ def test_expert_impls_agree(impl):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("experts", TABLE6, ids=lambda s: "".join(sorted(s)))
+@pytest.mark.parametrize("pos", ["xl", "rope"])
+def test_decoding_with_every_expert_in_the_fused_matmul_matches_eq_7_10(experts, pos):
+    # Decoding a few rows without gradients: the Q / K / V experts join the fused projection
+    # matmul for every expert ("name@all") and are gate-weighted per head afterwards. Token by
+    # token through the cache it must be the paper's layer over the whole sequence.
+    m = make(pos, experts=experts)
+    unfused = make(pos, experts=experts, expert_impl="reference")
+    unfused.load_state_dict(m.state_dict())
+    torch.manual_seed(3)
+    B, T = 3, 5  # 3 rows x 2 heads x k=2 = 12 pairs > 8 experts: "auto" takes "all"
+    x = torch.randn(B, T, D, dtype=f64)
+
+    def decode(layer):
+        cache = layer.new_cache()
+        with torch.no_grad():
+            return torch.cat([layer(x[:, t:t + 1], cache=cache)[0] for t in range(T)], 1)
+
+    y = decode(m)
+    torch.testing.assert_close(y, decode(unfused), rtol=1e-12, atol=1e-13)
+    # Against the full-sequence transcription, a float32 gate may round differently (the
+    # tolerance of tests/layers/test_kv_cache.py).
+    torch.testing.assert_close(y, switchhead_reference(m, x), rtol=1e-5, atol=1e-6)
+    folded = {key for keys in m._weight_memo for key in keys if key.endswith("@all")}
+    assert folded == {f"{n}@all" for n in experts & {"q", "k", "v"}}
+
+
+def test_expert_projections_stay_out_of_the_fused_matmul_with_gradients_or_many_rows():
+    m = make("xl", experts=frozenset("qkvo"))
+    x = torch.randn(3, 1, D, dtype=f64)
+    assert not any(n.endswith("@all") for n in m._fused_projections(x, None)[0])  # gradients
+    with torch.no_grad():
+        assert {n for n in m._fused_projections(x, None)[0] if n.endswith("@all")} == \
+            {"q@all", "k@all", "v@all"}
+        many = torch.randn(4, 16, D, dtype=f64)  # 64 rows: a sorted layout, not "all"
+        assert not any(n.endswith("@all") for n in m._fused_projections(many, None)[0])
+        m.config = SwitchHeadConfig(**{**m.config.__dict__, "expert_impl": "gather"})
+        assert not any(n.endswith("@all") for n in m._fused_projections(x, None)[0])
+
+
 # ---------------------------------------------------------------------------- behaviour
 
 

@@ -185,6 +185,8 @@ class AttentionCore(nn.Module):
         if cache is not None:
             k_BHSC, v_BHSC, pk_BS, valid = cache.append(k_BHSC, v_BHSC, pk_BS, valid_k,
                                                         default_positions=not given)
+            if cache.all_valid:  # nothing to mask out: decoding keeps its mask-free fast path
+                valid = None
         k_BHSC, v_BHSC = self._expand_groups(k_BHSC, v_BHSC)
         mask = build_mask(T, k_BHSC.shape[-2], causal=causal, device=q_BHTC.device,
                           pos_q_BT=pq_BT if explicit else None,

@@ -22,7 +22,6 @@ ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\
                  "switch": "Switch experts", "mod": "MoD fraction routed"}
 
 
-@dataclass(frozen=True)
 class RoutingStats:
     """One routing decision of one layer over one batch (detached, valid tokens only).
 
@@ -34,15 +33,46 @@ class RoutingStats:
               Mixture-of-Depths, whose choice has no gate).
     serves:   the projections a SwitchHead selection serves, sorted (("k", "v"), ("o",), ...).
     n_real:   columns past ``n_real`` are no-op experts (Switch with no-op experts), else None.
-    layer:    the block index, set by the model (None inside a layer).
+    layer:    the block index, set by the model (``with_layer``; None inside a layer).
+
+    Immutable. ``counts`` and ``gate_sum`` are given, or (``routing_record``) counted on first
+    read: decoding, which never reads them, skips the counting ops of every record and token.
     """
 
-    kind: str
-    counts: torch.Tensor
-    gate_sum: torch.Tensor | None
-    serves: tuple[str, ...] = ()
-    n_real: int | None = None
-    layer: int | None = None
+    __slots__ = ("kind", "serves", "n_real", "layer", "_values")
+
+    def __init__(self, kind: str, counts: torch.Tensor | None, gate_sum: torch.Tensor | None,
+                 serves: tuple[str, ...] = (), n_real: int | None = None,
+                 layer: int | None = None, *, _values: "_Deferred | None" = None) -> None:
+        if (counts is None) == (_values is None):
+            raise TypeError("RoutingStats needs counts (or a deferred count), not both")
+        init = object.__setattr__
+        init(self, "kind", kind)
+        init(self, "serves", tuple(serves))
+        init(self, "n_real", n_real)
+        init(self, "layer", layer)
+        init(self, "_values", _values or _Deferred(lambda: (counts, gate_sum)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"RoutingStats is immutable (tried to set {name!r})")
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._values.get()[0]
+
+    @property
+    def gate_sum(self) -> torch.Tensor | None:
+        return self._values.get()[1]
+
+    def with_layer(self, layer: int) -> "RoutingStats":
+        """The same record (sharing its counting, done at most once) for block ``layer``."""
+        return RoutingStats(self.kind, None, None, self.serves, self.n_real, layer,
+                            _values=self._values)
+
+    def __repr__(self) -> str:
+        return (f"RoutingStats(kind={self.kind!r}, counts={self.counts!r}, "
+                f"gate_sum={self.gate_sum!r}, serves={self.serves!r}, n_real={self.n_real!r}, "
+                f"layer={self.layer!r})")
 
     @property
     def label(self) -> str:
@@ -70,18 +100,35 @@ class RoutingStats:
                 "gate_mean": self.gate_sum / self.counts.sum().clamp_min(1)}
 
 
-@torch.no_grad()
+class _Deferred:
+    """A value computed by ``fn`` on the first ``get`` and kept (shared by a record's copies)."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn) -> None:
+        self.fn, self.value = fn, None
+
+    def get(self):
+        if self.fn is not None:
+            self.value, self.fn = self.fn(), None
+        return self.value
+
+
 def routing_record(kind: str, idx: torch.Tensor, num_experts: int, gates: torch.Tensor,
                    keep: torch.Tensor | None = None, *, groups: int = 1,
                    **facts) -> RoutingStats:
     """The RoutingStats of one selection: ``idx`` / ``gates`` [M, ...] the selected experts (in
     [0, groups · num_experts): group g's expert e is g · num_experts + e) and their gates;
-    ``keep`` (broadcastable to idx) False for what is not counted."""
-    counts = count_selections(idx, groups * num_experts, keep).view(groups, num_experts)
-    g = gates.detach().float()
-    if keep is not None:
-        g = g * keep.expand_as(idx).to(g.dtype)
-    return RoutingStats(kind, counts, g.sum(), **facts)
+    ``keep`` (broadcastable to idx) False for what is not counted. Counted when first read."""
+    def count():
+        with torch.no_grad():
+            counts = count_selections(idx, groups * num_experts, keep).view(groups, num_experts)
+            g = gates.detach().float()
+            if keep is not None:
+                g = g * keep.expand_as(idx).to(g.dtype)
+            return counts, g.sum()
+
+    return RoutingStats(kind, None, None, _values=_Deferred(count), **facts)
 
 
 @dataclass
@@ -127,12 +174,16 @@ def register_usage(module: nn.Module, name: str, shape: tuple[int, ...]) -> None
     module.register_buffer(name, torch.zeros(shape, dtype=torch.int64), persistent=False)
 
 
-def accumulate_usage(module: nn.Module, name: str, counts: torch.Tensor) -> None:
-    """Add ``counts`` to the buffer made by ``register_usage``, in training mode only: evaluation
-    never changes the running statistics."""
+def accumulate_usage(module: nn.Module, name: str, counts: "torch.Tensor | RoutingStats") -> None:
+    """Add ``counts`` (a tensor of the buffer's size, or a routing record's counts) to the
+    buffer made by ``register_usage``, in training mode only: evaluation never changes the
+    running statistics (nor counts a record nobody reads)."""
     if module.training:
+        if isinstance(counts, RoutingStats):
+            counts = counts.counts
+        buf = getattr(module, name)
         c = counts.detach()
-        getattr(module, name).add_((c.round() if c.is_floating_point() else c).long())
+        buf.add_((c.round() if c.is_floating_point() else c).long().view_as(buf))
 
 
 def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | None, T: int,
@@ -151,7 +202,8 @@ def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | No
 
 
 def project_by_input(pieces, memo: dict | None = None) -> dict[str, torch.Tensor]:
-    """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n])`` piece; the pieces that read
+    """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n] or [D, ...])`` piece (a w of more
+    dimensions, e.g. a permuted view of expert weights, acts as w.reshape(D, -1)); the pieces that read
     the same input tensor share one matmul ``x @ [w1 | w2 | ...]`` split back into views: one
     pass over the input and one input-gradient matmul instead of one per piece. A product that
     autograd would save as it is (RoPE attention's value) is better left out: as a view it keeps
@@ -165,27 +217,30 @@ def project_by_input(pieces, memo: dict | None = None) -> dict[str, torch.Tensor
         groups.setdefault(id(x), (x, []))[1].append((key, w))
     out: dict[str, torch.Tensor] = {}
     for x, members in groups.values():
-        if len(members) == 1:
+        if len(members) == 1 and members[0][1].dim() == 2:
             out[members[0][0]] = x @ members[0][1]
             continue
         w = _fused_weights([w for _, w in members], tuple(k for k, _ in members), memo)
         out.update(zip((key for key, _ in members),
-                       (x @ w).split([w.shape[1] for _, w in members], -1)))
+                       (x @ w).split([math.prod(w.shape[1:]) for _, w in members], -1)))
     return out
 
 
 def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> torch.Tensor:
     """[w1 | w2 | ...], from ``memo`` where no gradient is needed and nothing changed."""
+    def cat():
+        return torch.cat([w.reshape(w.shape[0], -1) for w in ws], 1)
+
     if memo is None or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
         if memo:
             memo.clear()  # training again: hold no stale copy
-        return torch.cat(ws, 1)
+        return cat()
     key = stamps(*ws)
     if key is None:
-        return torch.cat(ws, 1)
+        return cat()
     hit = memo.get(keys)
     if hit is None or hit[0] != key:
-        hit = memo[keys] = (key, torch.cat(ws, 1))
+        hit = memo[keys] = (key, cat())
     return hit[1]
 
 

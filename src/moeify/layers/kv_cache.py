@@ -33,6 +33,7 @@ class KVCache:
         self._bufs: tuple[torch.Tensor, ...] | None = None  # keys, values, positions, valid
         self._len = 0
         self._contiguous = True
+        self._all_valid = True
         # Constants derived from the layer's weights that decoding reuses from step to step,
         # by name (the attention core keeps its Transformer-XL distance table here).
         self.derived: dict[str, object] = {}
@@ -73,6 +74,13 @@ class KVCache:
         contiguous case (query i of T at S - T + i), with its fast paths."""
         return self._contiguous
 
+    @property
+    def all_valid(self) -> bool:
+        """Whether every cached token is known to be valid: no validity was ever appended
+        (a Python bool, no host sync; a given validity tensor counts as possibly partial). Masks
+        then need not read ``valid``."""
+        return self._all_valid
+
     def append(
         self,
         keys_BHSC: torch.Tensor,
@@ -92,6 +100,7 @@ class KVCache:
         if positions_BS.shape != (B, S_new):
             raise ValueError(f"positions must be [B, S_new] = [{B}, {S_new}], "
                              f"got {tuple(positions_BS.shape)}")
+        self._all_valid = self._all_valid and valid_BS is None
         if valid_BS is None:
             valid_BS = torch.ones(B, S_new, dtype=torch.bool, device=keys_BHSC.device)
         new = (keys_BHSC, values_BHSC, positions_BS.to(torch.int64), valid_BS.bool())
@@ -130,5 +139,5 @@ class KVCache:
         return buf.narrow(buf.dim() - 1 - (i < 2), 0, self._len)
 
     def reset(self) -> None:
-        self._bufs, self._len, self._contiguous = None, 0, True
+        self._bufs, self._len, self._contiguous, self._all_valid = None, 0, True, True
         self.derived = {}

@@ -222,5 +222,5 @@ class MoAAttention(nn.Module):
         keep = None if valid_M is None else valid_M[:, None]
         aux.routing["router"] = record = routing_record("moa", top.idx, E, top.gates, keep)
         aux.stats["router_entropy"] = router_entropy(top.scores, valid_M).detach()
-        accumulate_usage(self, "usage", record.counts[0])
+        accumulate_usage(self, "usage", record)
         return aux

@@ -59,7 +59,15 @@ from moeify.layers.common import (
     renorm_rows_,
 )
 from moeify.layers.kv_cache import KVCache
-from moeify.ops.expert_matmul import PLANLESS, ExpertPlan, expert_matmul, make_plan
+from moeify.ops.expert_matmul import (
+    PLANLESS,
+    ExpertPlan,
+    expert_matmul,
+    few_rows_impl,
+    make_plan,
+    trace,
+)
+from moeify.ops.planless_matmul import gated_sum_of_all
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
@@ -220,7 +228,8 @@ class SwitchHeadAttention(nn.Module):
         ids = top.idx + self.head_offset[:, None]
         plan = None
         if c.expert_impl not in PLANLESS:
-            plan = make_plan(ids, c.n_heads * c.n_experts, group_size=c.n_experts)
+            plan = make_plan(ids, c.n_heads * c.n_experts, group_size=c.n_experts,
+                             in_range=True)  # a top-k within each head, plus its offset
         return Selection(top.gates, top.idx, ids, plan)
 
     def select(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None = None, *,
@@ -248,14 +257,24 @@ class SwitchHeadAttention(nn.Module):
         self-attention without memory all of them over x); the selections are only H·E columns
         wide, too narrow for a matmul of their own. Only outside autocast, where the logits are
         in the input's precision anyway (under autocast they must stay float32). Returns
-        ({"q" / "k": [B, H, N, C]}, {"dst" / "src": logits [B, N, H·E]})."""
+        ({"q" / "k": [B, H, N, C], "q@all" / "k@all" / "v@all": [B, N, H·E·C]},
+        {"dst" / "src": logits [B, N, H·E]}).
+
+        Decoding (no gradient, a handful of rows, where "auto" runs the "all" layout): the
+        expert projections of Q, K, V go into the same matmul for every expert (``name@all``,
+        the weights as a [D, H·E·C] view, concatenated once and kept in the memo), which
+        ``_qkv`` gate-weights per head; reading the weights is then one pass, not one call per
+        projection."""
         c = self.config
         if not self.fuse_selection or torch.is_autocast_enabled(q_BTD.device.type):
             return {}, {}
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         shared_once = c.shared_selection and kv_BSD is None  # the source's selection serves both
-        pieces = [(n, x, getattr(self, f"w_{n}")) for n, x in (("k", src_BSD), ("q", q_BTD))
+        inputs = {"q": q_BTD, "k": src_BSD, "v": src_BSD}
+        pieces = [(n, inputs[n], getattr(self, f"w_{n}")) for n in ("k", "q")
                   if n not in c.experts]
+        pieces += [(f"{n}@all", inputs[n], getattr(self, f"w_{n}").permute(1, 0, 2))
+                   for n in ("q", "k", "v") if self._all_in_fused(n, inputs[n])]
         if c.source_side:
             pieces.append(("src", src_BSD, self._sel_weight("src").t()))
         if c.dest_side and not shared_once:
@@ -264,7 +283,31 @@ class SwitchHeadAttention(nn.Module):
         H, C = c.n_heads, c.d_head
         projs = {n: y.view(*y.shape[:2], H, C).transpose(1, 2) for n, y in out.items()
                  if n in ("q", "k")}
+        projs.update((n, y) for n, y in out.items() if n.endswith("@all"))
         return projs, {side: y for side, y in out.items() if side in ("src", "dst")}
+
+    def _all_in_fused(self, name: str, x_BND: torch.Tensor) -> bool:
+        """Whether expert projection ``name`` joins the fused matmul for every expert: where
+        "auto" would run it in the "all" layout anyway (CPU, a few rows), and no gradient
+        flows to its weights (the fused weights are kept in the memo between calls)."""
+        c = self.config
+        if name not in c.experts or c.expert_impl != "auto" or x_BND.device.type != "cpu":
+            return False
+        w = getattr(self, f"w_{name}")
+        if torch.is_grad_enabled() and w.requires_grad or torch.compiler.is_compiling():
+            return False
+        x_MD = x_BND.reshape(-1, x_BND.shape[-1])
+        return few_rows_impl(x_MD, w, x_MD.shape[0] * c.n_heads * c.k) == "all"
+
+    def _from_all(self, y_BNF: torch.Tensor, sel: Selection) -> torch.Tensor:
+        """Eq. 9 from every expert's product y_BNF = x · [W[h, e] for all h, e] (the "all"
+        layout): per head the gate-weighted sum over its selected experts, [B, H, N, C]."""
+        c = self.config
+        B, N = y_BNF.shape[:2]
+        H, E, C = c.n_heads, c.n_experts, c.d_head
+        with trace("all"):
+            y_MHC = gated_sum_of_all(y_BNF.reshape(B * N, H, E, C), sel.idx, sel.gates)
+        return y_MHC.view(B, N, H, C).transpose(1, 2)
 
     def _project(self, name: str, x_BND: torch.Tensor, sel: Selection | None) -> torch.Tensor:
         """Q, K or V as [B, H, N, C]: dense, or the gate-weighted expert sum per head (Eq. 9)."""
@@ -301,9 +344,10 @@ class SwitchHeadAttention(nn.Module):
         projs, logits = self._fused_projections(q_BTD, kv_BSD)
         sels = self.select(q_BTD, kv_BSD, logits=logits)
         src, dst = sels.get("src"), sels.get("dst")
-        q = projs["q"] if "q" in projs else self._project("q", q_BTD, dst)
-        k = projs["k"] if "k" in projs else self._project("k", src_BSD, src)
-        v = self._project("v", src_BSD, src)
+        q, k, v = (projs[n] if n in projs else
+                   self._from_all(projs[f"{n}@all"], sel) if f"{n}@all" in projs else
+                   self._project(n, x, sel)
+                   for n, x, sel in (("q", q_BTD, dst), ("k", src_BSD, src), ("v", src_BSD, src)))
         return q, k, v, sels
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
@@ -330,7 +374,7 @@ class SwitchHeadAttention(nn.Module):
                                     groups=c.n_heads, serves=serves)
             aux.routing[side] = record
             for p in serves:
-                accumulate_usage(self, f"usage_{p}", record.counts)
+                accumulate_usage(self, f"usage_{p}", record)
         return y_BTD, aux
 
     @torch.no_grad()

@@ -19,7 +19,6 @@ Shape legend: B batch, T tokens of this call, M memory tokens, D d_model, V voca
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -149,7 +148,7 @@ class TransformerLM(nn.Module):
             for k, v in aux.stats.items():
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
-                routing[f"layers.{i}.{k}"] = dataclasses.replace(r, layer=i)
+                routing[f"layers.{i}.{k}"] = r.with_layer(i)
         logits_BTV, loss = self._head(self.drop(self.ln_f(x_BTD)), targets_BT, valid_BT,
                                       return_logits)
         aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses

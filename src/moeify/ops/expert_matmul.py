@@ -179,16 +179,20 @@ def _check_ids(idx: torch.Tensor, num_experts: int) -> None:
         torch._assert_async(((idx >= 0) & (idx < num_experts)).all(), "expert id out of range")
 
 
-def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = None) -> ExpertPlan:
+def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = None,
+              in_range: bool = False) -> ExpertPlan:
     """The routing of ``idx`` (any shape; flattened) as an ExpertPlan, sorted by expert on first
     use. ``group_size``: the experts form groups of that many consecutive ids (see
-    ``ExpertPlan``)."""
+    ``ExpertPlan``). ``in_range``: the caller built the ids in [0, num_experts) itself (a
+    top-k over that many scores, plus group offsets), so the range check is skipped (it reads
+    every id back to the host)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     if group_size is not None and (group_size < 1 or num_experts % group_size):
         raise ValueError(f"group_size={group_size} must be a positive divisor of "
                          f"num_experts={num_experts}")
-    _check_ids(idx, num_experts)
+    if not in_range:
+        _check_ids(idx, num_experts)
     return ExpertPlan(idx.reshape(-1).to(torch.int64), num_experts, group_size)
 
 
@@ -334,11 +338,9 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
         return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x_MD, w_EDF) else "segment"
     if x_MD.device.type != "cpu" or plan is None:
         return "segment"
-    if plan.num_pairs <= min(plan.num_experts, PAIRS_MAX):
-        return "pairs"
-    M = x_MD.shape[0]
-    if M <= ALL_MAX_ROWS and M * w_EDF.shape[0] * w_EDF.shape[1] * w_EDF.shape[2] <= ALL_MAX_MACS:
-        return "all"
+    few = few_rows_impl(x_MD, w_EDF, plan.num_pairs)
+    if few is not None:
+        return few
     if gated and sets_eligible(plan.num_pairs // k, plan.group_size,
                                plan.num_experts // (plan.group_size or 1), k):
         return "sets"
@@ -346,6 +348,19 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     if per_expert >= SEGMENT_MIN_MACS:
         return "segment"
     return "padded" if padding_pays(plan) else "segment"
+
+
+def few_rows_impl(x_MD: torch.Tensor, w_EDF: torch.Tensor, num_pairs: int) -> str | None:
+    """What "auto" takes on CPU for a handful of rows, decided from the shapes before any
+    routing exists (the table at ``PAIRS_MAX``): "pairs" for at most as many pairs as there are
+    experts, "all" for a few rows, else None (a sorted layout, chosen from the plan)."""
+    E = w_EDF.shape[0]
+    if num_pairs <= min(E, PAIRS_MAX):
+        return "pairs"
+    M = x_MD.shape[0]
+    if M <= ALL_MAX_ROWS and M * E * w_EDF.shape[1] * w_EDF.shape[2] <= ALL_MAX_MACS:
+        return "all"
+    return None
 
 
 def compiled_impl(x: torch.Tensor, w: torch.Tensor) -> str:

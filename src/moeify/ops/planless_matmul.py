@@ -90,6 +90,18 @@ def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
     return z_TED.reshape(T, E * D) @ w_EDF.reshape(E * D, Fo)
 
 
+def gated_sum_of_all(y_MGEF: torch.Tensor, idx_MGK: torch.Tensor,
+                     gates_MGK: torch.Tensor) -> torch.Tensor:
+    """The gated sum of ``_all_experts`` from products already computed (e.g. in a matmul
+    fused with other projections of the same input): y_MGEF[m, g, e] is row m through expert e
+    of group g, ``idx_MGK`` the K experts row m selected in group g (within the group) and
+    ``gates_MGK`` their gates. Returns [M, G, F], Σ_k gates[m, g, k] · y[m, g, idx[m, g, k]]:
+    the gates scattered into a dense [M, G, E] matrix (zero where not selected) times y."""
+    dense_MGE = torch.zeros(y_MGEF.shape[:3], dtype=y_MGEF.dtype, device=y_MGEF.device)
+    dense_MGE.scatter_add_(2, idx_MGK.long(), gates_MGK.to(y_MGEF.dtype))
+    return torch.matmul(dense_MGE.unsqueeze(-2), y_MGEF).squeeze(-2)
+
+
 def combine(y_MKF, gates_MK, groups):
     """[M, K, F] products -> their gate-weighted sums over each of ``groups`` equal parts of K
     ([M, F] for one group, [M, G, F]); ungated: as they are."""
