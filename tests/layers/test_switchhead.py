@@ -176,10 +176,12 @@ def test_expert_impls_agree(impl):
 
 @pytest.mark.parametrize("experts", TABLE6, ids=lambda s: "".join(sorted(s)))
 @pytest.mark.parametrize("pos", ["xl", "rope"])
-def test_decoding_with_every_expert_in_the_fused_matmul_matches_eq_7_10(experts, pos):
+def test_decoding_with_every_expert_in_the_fused_matmul_matches_eq_7_10(experts, pos,
+                                                                        monkeypatch):
     # Decoding a few rows without gradients: the Q / K / V experts join the fused projection
-    # matmul for every expert ("name@all") and are gate-weighted per head afterwards. Token by
-    # token through the cache it must be the paper's layer over the whole sequence.
+    # matmul for every expert ("name@all") and are gate-weighted per head afterwards, the O
+    # experts run as one GEMM over every expert; no expert_matmul call is left. Token by token
+    # through the cache it must be the unfused layer, and the paper's over the whole sequence.
     m = make(pos, experts=experts)
     unfused = make(pos, experts=experts, expert_impl="reference")
     unfused.load_state_dict(m.state_dict())
@@ -192,8 +194,14 @@ def test_decoding_with_every_expert_in_the_fused_matmul_matches_eq_7_10(experts,
         with torch.no_grad():
             return torch.cat([layer(x[:, t:t + 1], cache=cache)[0] for t in range(T)], 1)
 
+    want = decode(unfused)
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("decoding called expert_matmul")
+
+    monkeypatch.setattr("moeify.layers.switchhead.expert_matmul", unexpected)
     y = decode(m)
-    torch.testing.assert_close(y, decode(unfused), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-13)
     # Against the full-sequence transcription, a float32 gate may round differently (the
     # tolerance of tests/layers/test_kv_cache.py).
     torch.testing.assert_close(y, switchhead_reference(m, x), rtol=1e-5, atol=1e-6)

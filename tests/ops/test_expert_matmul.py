@@ -379,3 +379,26 @@ def test_sets_needs_gates_and_a_grouped_plan():
         expert_matmul(x, ids, w, None, impl="sets", plan=make_plan(ids, 4, group_size=4))
     with pytest.raises(ValueError, match="group_size"):
         make_plan(ids, 4, group_size=3)
+
+
+def test_decoding_sums_over_every_expert_match_the_definition():
+    # SwitchHead's decoding layouts (ops/planless_matmul.py): products of every expert already
+    # computed (the fused projection), or one GEMM over every expert with the heads summed.
+    from moeify.ops.planless_matmul import gated_group_sum_all, gated_sum_of_all
+    g = torch.Generator().manual_seed(0)
+    T, G, E, K, C, F = 5, 3, 4, 2, 6, 7
+    idx_TGK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * G)]).view(T, G, K)
+    gates_TGK = torch.rand(T, G, K, generator=g, dtype=torch.float64)
+    x_TGC = torch.randn(T, G, C, generator=g, dtype=torch.float64)
+    w_XCF = torch.randn(G * E, C, F, generator=g, dtype=torch.float64)
+    ids = (idx_TGK + torch.arange(G)[:, None] * E).view(T * G, K)
+    want = expert_matmul(x_TGC.view(T * G, C), ids, w_XCF, gates_TGK.view(T * G, K),
+                         sum_rows=G, impl="reference")
+    torch.testing.assert_close(gated_group_sum_all(x_TGC, idx_TGK, gates_TGK, w_XCF), want,
+                               rtol=1e-12, atol=1e-12)
+    x_TD = torch.randn(T, C, generator=g, dtype=torch.float64)  # V: one input row, G heads
+    y_TGEF = torch.einsum("td,gedf->tgef", x_TD, w_XCF.view(G, E, C, F))
+    want = expert_matmul(x_TD, ids.view(T, G * K), w_XCF, gates_TGK.view(T, G * K), groups=G,
+                         impl="reference")
+    torch.testing.assert_close(gated_sum_of_all(y_TGEF, idx_TGK, gates_TGK), want,
+                               rtol=1e-12, atol=1e-12)

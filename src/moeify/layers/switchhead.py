@@ -67,7 +67,7 @@ from moeify.ops.expert_matmul import (
     make_plan,
     trace,
 )
-from moeify.ops.planless_matmul import gated_sum_of_all
+from moeify.ops.planless_matmul import gated_group_sum_all, gated_sum_of_all
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
@@ -274,7 +274,7 @@ class SwitchHeadAttention(nn.Module):
         pieces = [(n, inputs[n], getattr(self, f"w_{n}")) for n in ("k", "q")
                   if n not in c.experts]
         pieces += [(f"{n}@all", inputs[n], getattr(self, f"w_{n}").permute(1, 0, 2))
-                   for n in ("q", "k", "v") if self._all_in_fused(n, inputs[n])]
+                   for n in ("q", "k", "v") if self._decodes_all(n, inputs[n])]
         if c.source_side:
             pieces.append(("src", src_BSD, self._sel_weight("src").t()))
         if c.dest_side and not shared_once:
@@ -286,18 +286,21 @@ class SwitchHeadAttention(nn.Module):
         projs.update((n, y) for n, y in out.items() if n.endswith("@all"))
         return projs, {side: y for side, y in out.items() if side in ("src", "dst")}
 
-    def _all_in_fused(self, name: str, x_BND: torch.Tensor) -> bool:
-        """Whether expert projection ``name`` joins the fused matmul for every expert: where
-        "auto" would run it in the "all" layout anyway (CPU, a few rows), and no gradient
-        flows to its weights (the fused weights are kept in the memo between calls)."""
+    def _decodes_all(self, name: str, x: torch.Tensor) -> bool:
+        """Whether expert projection ``name`` runs every expert for its rows outside
+        expert_matmul (Q / K / V: in the fused matmul; O: ``_output``): where "auto" would run
+        the "all" layout anyway (CPU, a few rows) and no gradient flows to the weights (the
+        fused weights are kept in the memo between calls). ``x``: the projection's input,
+        [..., D] (O: the attention output [B, H, T, C])."""
         c = self.config
-        if name not in c.experts or c.expert_impl != "auto" or x_BND.device.type != "cpu":
+        if name not in c.experts or c.expert_impl != "auto" or x.device.type != "cpu":
             return False
         w = getattr(self, f"w_{name}")
         if torch.is_grad_enabled() and w.requires_grad or torch.compiler.is_compiling():
             return False
-        x_MD = x_BND.reshape(-1, x_BND.shape[-1])
-        return few_rows_impl(x_MD, w, x_MD.shape[0] * c.n_heads * c.k) == "all"
+        x_MD = x.reshape(-1, x.shape[-1])
+        pairs = x_MD.shape[0] * c.k * (c.n_heads if name != "o" else 1)
+        return few_rows_impl(x_MD, w, pairs) == "all"
 
     def _from_all(self, y_BNF: torch.Tensor, sel: Selection) -> torch.Tensor:
         """Eq. 9 from every expert's product y_BNF = x · [W[h, e] for all h, e] (the "all"
@@ -330,6 +333,11 @@ class SwitchHeadAttention(nn.Module):
         o_BTHC = o_BHTC.transpose(1, 2)
         if "o" not in c.experts:
             return o_BTHC.reshape(B, T, H * C) @ self.w_o
+        if self._decodes_all("o", o_BHTC):
+            with trace("all"):
+                y = gated_group_sum_all(o_BTHC.reshape(B * T, H, C), sel.idx, sel.gates,
+                                        self.w_o)
+            return y.view(B, T, c.d_model)
         M = B * T * H
         # Rows are (token, head); sum_rows=H sums the heads inside the expert matmul.
         y = expert_matmul(o_BTHC.reshape(M, C), sel.ids.view(M, c.k), self.w_o,

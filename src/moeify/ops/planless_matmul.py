@@ -102,6 +102,21 @@ def gated_sum_of_all(y_MGEF: torch.Tensor, idx_MGK: torch.Tensor,
     return torch.matmul(dense_MGE.unsqueeze(-2), y_MGEF).squeeze(-2)
 
 
+def gated_group_sum_all(x_TGC: torch.Tensor, idx_TGK: torch.Tensor, gates_TGK: torch.Tensor,
+                        w_XCF: torch.Tensor) -> torch.Tensor:
+    """Σ_g Σ_k gates[t, g, k] · x[t, g] W[g·E + idx[t, g, k]], [T, F], for a few rows: each
+    group g of x routes over its own E experts (``idx`` within the group; W stacks the G·E
+    matrices group-major, [G·E, C, F]). The gates scattered into a dense [T, G, E] matrix times
+    x give every (group, expert) input at once, then one GEMM with every matrix: the "all"
+    layout of ``expert_matmul(..., sum_rows=G)`` without its id-space detour."""
+    T, G, C = x_TGC.shape
+    E = w_XCF.shape[0] // G
+    dense_TGE = torch.zeros(T, G, E, dtype=x_TGC.dtype, device=x_TGC.device)
+    dense_TGE.scatter_add_(2, idx_TGK.long(), gates_TGK.to(x_TGC.dtype))
+    z_TGEC = dense_TGE.unsqueeze(-1) * x_TGC.unsqueeze(2)
+    return z_TGEC.reshape(T, G * E * C) @ w_XCF.reshape(G * E * C, w_XCF.shape[-1])
+
+
 def combine(y_MKF, gates_MK, groups):
     """[M, K, F] products -> their gate-weighted sums over each of ``groups`` equal parts of K
     ([M, F] for one group, [M, G, F]); ungated: as they are."""
