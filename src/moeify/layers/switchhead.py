@@ -28,6 +28,11 @@ tokens × heads and ``sum_rows=H``, so the sum over heads happens inside the exp
 selection logits that read the same input share one matmul (``_fused_projections``). The
 attention core stays on scaled_dot_product_attention for RoPE and no positions; XL runs the
 fused core of moeify.ops.xl_attention.
+
+Decoding (a handful of rows, no gradient, where "auto" takes the "all" layout): the Q / K / V
+experts join that fused matmul for every expert and are gate-weighted per head afterwards
+(``gated_sum_of_all``), and the O experts are one GEMM over every expert
+(``gated_group_sum_all``): a decode step calls no expert matmul.
 """
 
 from __future__ import annotations
@@ -297,6 +302,8 @@ class SwitchHeadAttention(nn.Module):
             return False
         w = getattr(self, f"w_{name}")
         if torch.is_grad_enabled() and w.requires_grad or torch.compiler.is_compiling():
+            return False
+        if w.is_inference():  # no version counter: the memo could not keep the fused weights
             return False
         x_MD = x.reshape(-1, x.shape[-1])
         pairs = x_MD.shape[0] * c.k * (c.n_heads if name != "o" else 1)
