@@ -73,7 +73,8 @@ def test_records_count_only_when_read_and_copies_count_once(monkeypatch):
     import moeify.layers.common as common
     calls = []
     real = common.count_selections
-    monkeypatch.setattr(common, "count_selections", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(common, "count_selections",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     m = SwitchHeadConfig(d_model=8, n_heads=2, d_head=4, n_experts=3, k=2).build().eval()
     x = torch.randn(2, 5, 8)

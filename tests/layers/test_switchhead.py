@@ -7,6 +7,7 @@ Shape legend: B batch, T destination tokens, S source tokens, D d_model, H heads
 head, K kept experts, C d_head.
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -218,7 +219,7 @@ def test_expert_projections_stay_out_of_the_fused_matmul_with_gradients_or_many_
             {"q@all", "k@all", "v@all"}
         many = torch.randn(4, 16, D, dtype=f64)  # 64 rows: a sorted layout, not "all"
         assert not any(n.endswith("@all") for n in m._fused_projections(many, None)[0])
-        m.config = SwitchHeadConfig(**{**m.config.__dict__, "expert_impl": "gather"})
+        m.config = dataclasses.replace(m.config, expert_impl="gather")
         assert not any(n.endswith("@all") for n in m._fused_projections(x, None)[0])
 
 

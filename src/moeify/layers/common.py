@@ -202,12 +202,12 @@ def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | No
 
 
 def project_by_input(pieces, memo: dict | None = None) -> dict[str, torch.Tensor]:
-    """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n] or [D, ...])`` piece (a w of more
-    dimensions, e.g. a permuted view of expert weights, acts as w.reshape(D, -1)); the pieces that read
-    the same input tensor share one matmul ``x @ [w1 | w2 | ...]`` split back into views: one
-    pass over the input and one input-gradient matmul instead of one per piece. A product that
-    autograd would save as it is (RoPE attention's value) is better left out: as a view it keeps
-    the whole fused output alive.
+    """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n] or [D, ...])`` piece (a w of
+    more dimensions, e.g. a permuted view of expert weights, acts as w.reshape(D, -1)); the
+    pieces that read the same input tensor share one matmul ``x @ [w1 | w2 | ...]`` split back
+    into views: one pass over the input and one input-gradient matmul instead of one per piece.
+    A product that autograd would save as it is (RoPE attention's value) is better left out: as
+    a view it keeps the whole fused output alive.
 
     ``memo`` (a dict the calling layer owns) keeps the concatenated weights between calls that
     need no gradient for them (evaluation, decoding: otherwise every call, every token, copies

@@ -79,9 +79,8 @@ def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
     if gates_MK is None:
         all_EMF = torch.matmul(x_MD, w_EDF)
         return all_EMF[idx_MK.long(), torch.arange(M, device=x_MD.device)[:, None]]
-    dense_MGE = torch.zeros(M, groups, E, dtype=x_MD.dtype, device=x_MD.device).scatter_add(
-        2, idx_MK.long().reshape(M, groups, K // groups),
-        gates_MK.to(x_MD.dtype).reshape(M, groups, K // groups))
+    dense_MGE = dense_gates(idx_MK.reshape(M, groups, K // groups),
+                            gates_MK.reshape(M, groups, K // groups), E, x_MD)
     if groups > 1:  # (sum_rows is 1: _validate)
         return torch.einsum("mge,emf->mgf", dense_MGE, torch.matmul(x_MD, w_EDF))
     T = M // sum_rows
@@ -90,15 +89,23 @@ def _all_experts(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows=1):
     return z_TED.reshape(T, E * D) @ w_EDF.reshape(E * D, Fo)
 
 
+def dense_gates(idx_MGK: torch.Tensor, gates_MGK: torch.Tensor, num_experts: int,
+                like: torch.Tensor) -> torch.Tensor:
+    """The gates scattered over every expert, [M, G, num_experts] in ``like``'s dtype and
+    device: gates[m, g, k] at expert idx[m, g, k], zero where not selected (repeated ids add)."""
+    M, G, _ = idx_MGK.shape
+    dense_MGE = torch.zeros(M, G, num_experts, dtype=like.dtype, device=like.device)
+    return dense_MGE.scatter_add_(2, idx_MGK.long(), gates_MGK.to(like.dtype))
+
+
 def gated_sum_of_all(y_MGEF: torch.Tensor, idx_MGK: torch.Tensor,
                      gates_MGK: torch.Tensor) -> torch.Tensor:
     """The gated sum of ``_all_experts`` from products already computed (e.g. in a matmul
     fused with other projections of the same input): y_MGEF[m, g, e] is row m through expert e
     of group g, ``idx_MGK`` the K experts row m selected in group g (within the group) and
     ``gates_MGK`` their gates. Returns [M, G, F], Σ_k gates[m, g, k] · y[m, g, idx[m, g, k]]:
-    the gates scattered into a dense [M, G, E] matrix (zero where not selected) times y."""
-    dense_MGE = torch.zeros(y_MGEF.shape[:3], dtype=y_MGEF.dtype, device=y_MGEF.device)
-    dense_MGE.scatter_add_(2, idx_MGK.long(), gates_MGK.to(y_MGEF.dtype))
+    the gates scattered into a dense [M, G, E] matrix (``dense_gates``) times y."""
+    dense_MGE = dense_gates(idx_MGK, gates_MGK, y_MGEF.shape[2], y_MGEF)
     return torch.matmul(dense_MGE.unsqueeze(-2), y_MGEF).squeeze(-2)
 
 
@@ -111,8 +118,7 @@ def gated_group_sum_all(x_TGC: torch.Tensor, idx_TGK: torch.Tensor, gates_TGK: t
     layout of ``expert_matmul(..., sum_rows=G)`` without its id-space detour."""
     T, G, C = x_TGC.shape
     E = w_XCF.shape[0] // G
-    dense_TGE = torch.zeros(T, G, E, dtype=x_TGC.dtype, device=x_TGC.device)
-    dense_TGE.scatter_add_(2, idx_TGK.long(), gates_TGK.to(x_TGC.dtype))
+    dense_TGE = dense_gates(idx_TGK, gates_TGK, E, x_TGC)
     z_TGEC = dense_TGE.unsqueeze(-1) * x_TGC.unsqueeze(2)
     return z_TGEC.reshape(T, G * E * C) @ w_XCF.reshape(G * E * C, w_XCF.shape[-1])
 
