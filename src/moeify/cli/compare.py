@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 
 CHILD_RESULT = "compare_child.json"
+# The training time of a child whose training finished, written before it scores the model: a
+# child stopped while scoring resumes at the scoring, with this time.
+CHILD_TRAINED = "compare_trained.json"
 CHILD_LOG = "train.log"
 SPEC_FILE = "compare_spec.json"
 
@@ -387,6 +390,32 @@ def run(args) -> int:
 # ---------------------------------------------------------------------------- child
 
 
+def _train_child(spec: dict, cfg, run_dir: Path) -> tuple[dict | None, int]:
+    """Train (or resume) the child's run: (its training time {"train_wall_s",
+    "trainer_tokens_per_s"}, 0), or (None, the trainer's exit code) when a signal stopped the
+    training (the trainer has then checkpointed the step it finished; the next sweep or
+    compare resumes from there, and no result is written for a half-trained model). A run whose
+    checkpoints already hold every step (its child was stopped while scoring) is not trained
+    again: its time is the one recorded when its training finished (None if that record is
+    missing)."""
+    from moeify.train.checkpoint import latest_checkpoint, step_of
+    from moeify.train.trainer import train
+
+    trained = run_dir / CHILD_TRAINED
+    if spec.get("resume"):
+        last = latest_checkpoint(run_dir)
+        if last is not None and step_of(last) >= cfg.steps:
+            if trained.is_file():
+                return json.loads(trained.read_text()), 0
+            return {"train_wall_s": None, "trainer_tokens_per_s": None}, 0
+    result = train(cfg, run_dir, quiet=True, resume=bool(spec.get("resume")))
+    if result.interrupted:
+        return None, result.exit_code
+    timing = {"train_wall_s": result.wall_s, "trainer_tokens_per_s": result.tokens_per_s}
+    _write_json(trained, timing)
+    return timing, 0
+
+
 def child_main(spec_path: str) -> int:
     """Train one preset, score it, write CHILD_RESULT into its run directory."""
     import torch
@@ -396,7 +425,6 @@ def child_main(spec_path: str) -> int:
     from moeify.eval.blimp import blimp_accuracy, load_blimp
     from moeify.train.config import TrainConfig
     from moeify.train.rundir import load_trained
-    from moeify.train.trainer import train
     from moeify.eval.adapters import evaluate_stream, stateless_logits_fn
 
     spec = json.loads(Path(spec_path).read_text())
@@ -404,7 +432,9 @@ def child_main(spec_path: str) -> int:
     cfg = TrainConfig.from_dict(spec["train_config"])
     run_dir = Path(spec["run_dir"])
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    result = train(cfg, run_dir, quiet=True, resume=bool(spec.get("resume")))
+    timing, code = _train_child(spec, cfg, run_dir)
+    if timing is None:
+        return code
     tm = load_trained(run_dir)
     device = next(tm.model.parameters()).device
     tokens = tokenize_split(load_corpus(cfg.data), tm.tokenizer, "valid")
@@ -428,7 +458,7 @@ def child_main(spec_path: str) -> int:
         listops = listops_accuracy(stateless_logits_fn(tm.model, device), tm.tokenizer,
                                    load_examples(corpus, "valid"), train_expressions=seen)
     out = {"preset": spec["preset"], "final_valid": final, "blimp": blimp, "listops": listops,
-           "train_wall_s": result.wall_s, "trainer_tokens_per_s": result.tokens_per_s,
+           **timing,
            "device": str(device), "torch": torch.__version__, "threads": spec["threads"],
            "load_avg": None if load0 is None else [round(load0, 2), round(os.getloadavg()[0], 2)],
            "cuda_peak_bytes": (torch.cuda.max_memory_allocated(device)

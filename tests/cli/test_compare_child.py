@@ -1,0 +1,102 @@
+"""A compare / sweep child stopped part-way. Stopped by a signal while training, it writes no
+result for the half-trained model, and the next attempt resumes from the checkpoint of the step
+it finished. Stopped while scoring a finished training, the next attempt scores it without
+training it again, with the training time recorded when the training finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from moeify.cli import compare
+from moeify.train.checkpoint import latest_checkpoint, step_of
+from moeify.train.config import TrainConfig
+from moeify.train.trainer import Trainer
+
+STEPS = 3
+
+
+@pytest.fixture
+def child(tmp_path, monkeypatch):
+    """(run_dir, spec path) of a tiny run, planned as compare plans it."""
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(5)
+    words = "a small dog saw the big red ball near our old house today".split()
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 9))
+                                                   for _ in range(200)))
+    cfg = TrainConfig(preset="tiny-dense", data=str(tmp_path / "corpus.txt"), steps=STEPS,
+                      seed=0).with_overrides(
+        ["tokenizer=byte", "batch_size=2", "model.d_model=32", "model.n_layers=2",
+         "model.context_length=16", "eval_every=1", "eval_tokens=64", "log_every=1",
+         "checkpoint_every=1"])
+    run_dir = tmp_path / "run"
+    spec = {"name": "tiny-dense", "preset": "tiny-dense", "train_config": cfg.to_dict(),
+            "run_dir": str(run_dir), "threads": 1, "final_eval_tokens": 128,
+            "blimp_per_paradigm": 0, "blimp_data": None}
+    return run_dir, spec
+
+
+def _plan_and_write(run_dir, spec):
+    """What the scheduler does before starting a child: plan the directory, write the spec."""
+    assert compare.plan_run(run_dir, spec, reuse=True) is None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / compare.SPEC_FILE
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def _trained_steps(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)["step"] for x in lines if x.startswith('{"kind": "train"')]
+
+
+def test_a_signal_while_training_leaves_no_result_and_the_run_resumes(child, monkeypatch):
+    run_dir, spec = child
+    one_step = Trainer._one_step
+
+    def step_then_sigterm(self, *args, **kwargs):
+        one_step(self, *args, **kwargs)
+        if self.step == 1:  # what the scheduler's stop() sends a running child
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "_one_step", step_then_sigterm)
+    assert compare.child_main(_plan_and_write(run_dir, spec)) == 128 + signal.SIGTERM
+    assert not (run_dir / compare.CHILD_RESULT).exists()  # a half-trained model is no result
+    assert step_of(latest_checkpoint(run_dir)) == 1
+    monkeypatch.setattr(Trainer, "_one_step", one_step)
+
+    path = _plan_and_write(run_dir, spec)
+    assert spec["resume"] is True
+    assert compare.child_main(path) == 0
+    assert _trained_steps(run_dir) == list(range(1, STEPS + 1))  # each step once
+    result = json.loads((run_dir / compare.CHILD_RESULT).read_text())
+    assert result["final_valid"]["tokens"] > 0
+
+
+def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
+    run_dir, spec = child
+    import moeify.eval.adapters as adapters
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt("stopped while scoring")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(adapters, "evaluate_stream", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            compare.child_main(_plan_and_write(run_dir, spec))
+    assert not (run_dir / compare.CHILD_RESULT).exists()
+    assert step_of(latest_checkpoint(run_dir)) == STEPS
+    recorded = json.loads((run_dir / compare.CHILD_TRAINED).read_text())
+    assert recorded["train_wall_s"] > 0 and recorded["trainer_tokens_per_s"] > 0
+
+    path = _plan_and_write(run_dir, spec)
+    assert spec["resume"] is True
+    assert compare.child_main(path) == 0  # not "already trained 3 steps: nothing to do"
+    assert _trained_steps(run_dir) == list(range(1, STEPS + 1))  # not trained again
+    result = json.loads((run_dir / compare.CHILD_RESULT).read_text())
+    assert result["train_wall_s"] == recorded["train_wall_s"]
+    assert result["trainer_tokens_per_s"] == recorded["trainer_tokens_per_s"]
