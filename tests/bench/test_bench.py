@@ -289,3 +289,65 @@ def test_cli_bench_omp_wait_policy_is_set_before_torch_loads(flag, policy):
                           "--context", "4", "--batch", "1", "--tokens", "1", "--warmup", "0",
                           "--json", *flag], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["omp_wait_policy"] == policy
+
+
+# ---------------------------------------------------------------------------- by operation
+
+
+def test_op_times_counts_every_dispatched_operation_backward_included():
+    from moeify.bench.op_times import GEMM_OPS, op_times
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    a, b = torch.randn(2, 4, 6), torch.randn(2, 6, 7)
+
+    def fn():
+        (x @ w).sum().backward()  # forward mm, then the two gradient mms
+        torch.bmm(a, b)
+        for _ in range(3):
+            torch.softmax(b, -1)
+        x.grad = w.grad = None
+
+    res = op_times(fn, repeats=2, top=50)
+    calls = {}
+    for t in res["top"]:
+        calls[t["op"]] = calls.get(t["op"], 0) + t["calls"]
+    assert calls["mm"] == 3 and calls["bmm"] == 1 and calls["_softmax"] == 3
+    by_shape = {(t["op"], tuple(map(tuple, t["shapes"]))) for t in res["top"]}
+    assert ("bmm", ((2, 4, 6), (2, 6, 7))) in by_shape and ("mm", ((4, 3), (3, 5))) in by_shape
+    gemm = sum(t["ms"] for t in res["top"] if t["op"] in GEMM_OPS)
+    assert res["gemm ms"] == pytest.approx(gemm)  # every operation is in the top 50 here
+    assert res["ops ms"] == pytest.approx(sum(t["ms"] for t in res["top"]))
+    assert res["other ms"] == pytest.approx(res["ops ms"] - res["gemm ms"])
+    assert [t["ms"] for t in res["top"]] == sorted((t["ms"] for t in res["top"]), reverse=True)
+    assert 0 < res["ops ms"] <= res["wall ms"]
+    assert len(op_times(fn, repeats=1, top=2)["top"]) == 2
+    with pytest.raises(ValueError, match="repeats"):
+        op_times(fn, repeats=0)
+
+
+def test_bench_attention_splits_each_case_by_operation():
+    from moeify.bench.attention import table
+
+    res = bench_attention([tiny("tiny-dense"), tiny("tiny-switchhead")], batch=1, repeats=1,
+                          warmup=0, memory=False, textbook=False, ops=4)
+    rows = {r["case"]: r for r in res["groups"][0]["rows"]}
+    base = rows["tiny-dense"]["ops"]
+    for r in rows.values():
+        assert len(r["ops"]["top"]) == 4
+        assert 0 < r["ops"]["gemm ms"] < r["ops"]["ops ms"]
+        assert r["GEMM x"] == pytest.approx(r["ops"]["gemm ms"] / base["ops ms"])
+    assert rows["tiny-dense"]["GEMM x"] < 1
+    text = table(res)
+    assert "fwd+bwd by operation" in text and "slowest operations of tiny-switchhead" in text
+    assert "ops" not in bench_attention([tiny("tiny-dense")], batch=1, repeats=1, warmup=0,
+                                        memory=False, textbook=False)["groups"][0]["rows"][0]
+
+
+def test_cli_bench_attention_ops_json(capsys):
+    assert main(["bench", "attention", "--preset", "tiny-dense", "--preset", "tiny-switchhead",
+                 "--batch", "1", "--repeats", "1", "--warmup", "0", "--no-memory",
+                 "--no-textbook", "--ops", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ops"] == 3
+    assert all(len(r["ops"]["top"]) == 3 for r in res["groups"][0]["rows"])

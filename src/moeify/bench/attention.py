@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from moeify.bench.memory import peak_memory
+from moeify.bench.op_times import op_times
 from moeify.bench.textbook import textbook_attention
 from moeify.bench.timing import format_table, interleaved_median_times
 from moeify.layers.attention import DenseAttentionConfig
@@ -179,16 +180,21 @@ def _ratio(a, b):
 def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
                     tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
                     textbook: bool = True, memory: bool = True, warmup: int = 2,
-                    repeats: int = 5, seed: int = 0, compile: bool = False) -> dict:
+                    repeats: int = 5, seed: int = 0, compile: bool = False, ops: int = 0) -> dict:
     """Time (and measure) every case; one result group per shape (see the module docstring).
+    ``ops`` > 0: also split each eager case's forward+backward by operation
+    (``moeify.bench.op_times``, after the timing, ``repeats`` calls): its GEMMs, the rest, and
+    its ``ops`` slowest operations; "GEMM x" is the case's GEMM time over the baseline's
+    operation time (what the layer would take against the baseline if nothing but its GEMMs
+    cost anything).
     ``batch`` fixes the batch of every group, else it is ``tokens // T`` (at least 1).
     ``compile``: every layer is also timed torch.compile'd, as the row "NAME compiled" in the
     same interleaved repeats ("vs eager": compiled / eager time of the same layer); compilation
     happens in the warm-up (at least two calls of each phase)."""
     if batch is not None and batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch}")
-    if tokens < 1 or repeats < 1 or warmup < 0:
-        raise ValueError("tokens and repeats must be positive and warmup non-negative")
+    if tokens < 1 or repeats < 1 or warmup < 0 or ops < 0:
+        raise ValueError("tokens and repeats must be positive, warmup and ops non-negative")
     autocast_for(device, dtype)  # validates dtype
     groups = []
     for members in group_by_shape(add_dense_baselines(resolve_cases(presets))):
@@ -212,6 +218,13 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
         times = interleaved_median_times(fns, warmup=max(warmup, 2) if compile else warmup,
                                          repeats=repeats, device=device)
         del fns
+        split = {}
+        if ops:
+            for label, _, cfg, tb, c in cases:
+                if not c:  # the timer sees the eager operations, not a compiled graph
+                    split[label] = op_times(layer_phases(
+                        cfg.to_json(), batch=B, textbook=tb, device=device, dtype=dtype,
+                        seed=seed)["fwd+bwd"], repeats=repeats, top=ops)
 
         peaks = {}
         if memory:
@@ -243,9 +256,13 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
                 "peak x": _ratio(peak, peaks[base_name]["fwd+bwd"]["working"] if mem else None),
                 "Mem x": cost.memory / base_cost.memory,
             })
+            if label in split:
+                rows[-1]["ops"] = split[label]
+                rows[-1]["GEMM x"] = split[label]["gemm ms"] / split[base_name]["ops ms"]
         groups.append({"baseline": base_name, "batch": B, "T": T, "S": C * T, "xl_memory": xl,
                        "d_model": base_cfg.d_model, "rows": rows})
     return {"bench": "attention", "device": str(device), "dtype": dtype, "compile": compile,
+            "ops": ops,
             "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
             "warmup": warmup, "repeats": repeats, "groups": groups}
 
@@ -271,4 +288,23 @@ def table(result: dict) -> str:
         else:
             columns = [c for c in COLUMNS if c != "vs eager"]
         parts.append(head + "\n" + format_table(g["rows"], columns))
+        if any("ops" in r for r in g["rows"]):
+            parts.append(_ops_table(g, result["repeats"]))
     return "\n\n".join(parts)
+
+
+def _ops_table(group: dict, repeats: int) -> str:
+    rows = [r for r in group["rows"] if "ops" in r]
+    split = [{"case": r["case"], "ops ms": r["ops"]["ops ms"], "GEMM ms": r["ops"]["gemm ms"],
+              "other ms": r["ops"]["other ms"], "GEMM x": r["GEMM x"]} for r in rows]
+    out = [f"fwd+bwd by operation (each ATen operation timed as dispatched, mean of {repeats} "
+           "calls; ops = their sum, without the Python between them; GEMM x = GEMM ms / the "
+           "baseline's ops ms)",
+           format_table(split, ["case", "ops ms", "GEMM ms", "other ms", "GEMM x"])]
+    for r in rows:
+        top = [{"op": t["op"], "shapes": " ".join("x".join(map(str, s)) or "scalar"
+                                                  for s in t["shapes"]),
+                "ms": t["ms"], "calls": t["calls"]} for t in r["ops"]["top"]]
+        out.append(f"slowest operations of {r['case']}:\n"
+                   + format_table(top, ["op", "shapes", "ms", "calls"]))
+    return "\n\n".join(out)

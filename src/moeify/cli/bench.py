@@ -42,6 +42,9 @@ def register(sub) -> None:
                     help="tokens per batch when --batch is not given (default 2048: 8 x 256, "
                     "4 x 512)")
     at.add_argument("--no-textbook", action="store_true", help="skip the textbook dense row")
+    at.add_argument("--ops", type=nonnegative_int, default=0, metavar="N",
+                    help="also split each case's forward+backward by ATen operation (timed as "
+                    "dispatched): GEMMs vs the rest, and the N slowest operations")
     _common(at)
     at.set_defaults(func=run_attention)
 
@@ -156,7 +159,7 @@ def run_attention(args) -> int:
     res = bench_attention(args.preset or DEFAULT_PRESETS, batch=args.batch, tokens=args.tokens,
                           device=args.device, dtype=args.dtype, textbook=not args.no_textbook,
                           memory=not args.no_memory, warmup=args.warmup, repeats=args.repeats,
-                          compile=args.compile)
+                          compile=args.compile, ops=args.ops)
     emit(res, table(res), args.json)
     return 0
 
