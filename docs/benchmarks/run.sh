@@ -5,7 +5,8 @@
 #     bash docs/benchmarks/run.sh [RUNS [FIRST]]
 # Each benchmark measures its cases side by side in one process; RUNS (default 5) repeats
 # the whole set, so each ratio has a median over runs; FIRST (default 1) numbers the first
-# run, to add runs to those already here. About 3-4 minutes per run on 2 cores. A file is
+# run, to add runs to those already here (the files here: `run.sh`, then `run.sh 5 6` a day
+# later). About 3-4 minutes per run on 2 cores. A file is
 # written only once its benchmark has finished.
 set -euo pipefail
 out=docs/benchmarks
@@ -36,5 +37,9 @@ for r in $(seq "$first" $((first + runs - 1))); do
       --repeats 3 --warmup 1 --no-memory "${threads[@]}"
   fi
 done
+# Where the 47M layers' forward+backward goes, by operation (GEMMs vs the rest), once.
+"$moeify" bench attention --preset wt103-47m-dense --preset wt103-47m-switchhead --no-textbook \
+  --no-memory --repeats 5 --ops 15 "${threads[@]}" --json > "$out/attention-ops.tmp"
+mv "$out/attention-ops.tmp" "$out/attention-ops.json"
 .venv/bin/python docs/benchmarks/summary.py > "$out/summary.md.tmp"
 mv "$out/summary.md.tmp" "$out/summary.md"
