@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,3 +34,15 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def text_corpus(tmp_path, monkeypatch) -> Path:
+    """A directory holding corpus.txt, 200 lines of random words (a corpus for tiny training
+    runs), with MOEIFY_CACHE_DIR pointed inside it."""
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(2)
+    words = "the cat sat on a warm mat by the door".split()
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 8))
+                                                    for _ in range(200)))
+    return tmp_path

@@ -125,16 +125,6 @@ def test_exact_parameter_counts_in_markdown(compared):
         assert f"| {r['preset']} | {r['params']:,} |" in md
 
 
-@pytest.fixture()
-def text_corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    rng = np.random.default_rng(2)
-    words = "the cat sat on a warm mat by the door".split()
-    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 8))
-                                                    for _ in range(200)))
-    return tmp_path
-
-
 def _small(root, presets="tiny-dense", *extra):
     return ["compare", "--presets", presets, "--data", str(root / "corpus.txt"), "--steps", "2",
             "--out", str(root / "out"), "--set", "batch_size=2", "--set", "model.d_model=32",

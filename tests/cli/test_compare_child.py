@@ -9,7 +9,6 @@ import json
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from moeify.cli import compare
@@ -21,19 +20,14 @@ STEPS = 3
 
 
 @pytest.fixture
-def child(tmp_path, monkeypatch):
-    """(run_dir, spec path) of a tiny run, planned as compare plans it."""
-    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    rng = np.random.default_rng(5)
-    words = "a small dog saw the big red ball near our old house today".split()
-    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 9))
-                                                   for _ in range(200)))
-    cfg = TrainConfig(preset="tiny-dense", data=str(tmp_path / "corpus.txt"), steps=STEPS,
+def child(text_corpus):
+    """(run_dir, spec) of a tiny run, not yet planned."""
+    cfg = TrainConfig(preset="tiny-dense", data=str(text_corpus / "corpus.txt"), steps=STEPS,
                       seed=0).with_overrides(
         ["tokenizer=byte", "batch_size=2", "model.d_model=32", "model.n_layers=2",
          "model.context_length=16", "eval_every=1", "eval_tokens=64", "log_every=1",
          "checkpoint_every=1"])
-    run_dir = tmp_path / "run"
+    run_dir = text_corpus / "run"
     spec = {"name": "tiny-dense", "preset": "tiny-dense", "train_config": cfg.to_dict(),
             "run_dir": str(run_dir), "threads": 1, "final_eval_tokens": 128,
             "blimp_per_paradigm": 0, "blimp_data": None}
