@@ -55,6 +55,8 @@ def test_a_signal_while_training_leaves_no_result_and_the_run_resumes(child, mon
     def step_then_sigterm(self, *args, **kwargs):
         one_step(self, *args, **kwargs)
         if self.step == 1:  # what the scheduler's stop() sends a running child
+            # Only with the trainer's handler installed: the default action would end pytest.
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(Trainer, "_one_step", step_then_sigterm)
@@ -86,6 +88,7 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     assert step_of(latest_checkpoint(run_dir)) == STEPS
     recorded = json.loads((run_dir / compare.CHILD_TRAINED).read_text())
     assert recorded["train_wall_s"] > 0 and recorded["trainer_tokens_per_s"] > 0
+    assert recorded["max_rss_bytes"] > 50 * 2 ** 20  # the training process, torch loaded
 
     path = _plan_and_write(run_dir, spec)
     assert spec["resume"] is True
@@ -94,3 +97,20 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     result = json.loads((run_dir / compare.CHILD_RESULT).read_text())
     assert result["train_wall_s"] == recorded["train_wall_s"]
     assert result["trainer_tokens_per_s"] == recorded["trainer_tokens_per_s"]
+    assert result["max_rss_bytes"] == recorded["max_rss_bytes"]  # the training's, not scoring's
+
+
+def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):
+    from moeify.errors import MoeifyError
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / compare.CHILD_LOG).write_text("stopped by SIGTERM after step 1 of 3\n")
+    spec = {"name": "tiny-dense", "run_dir": str(run_dir)}
+    sched = compare._Scheduler([], jobs=1)
+    for code, says in ((128 + signal.SIGTERM, "run the same command again to resume"),
+                       (1, r"failed \(exit 1\)")):
+        sched.running[4242] = (compare.subprocess.Popen.__new__(compare.subprocess.Popen),
+                               spec, 0.0)
+        with pytest.raises(MoeifyError, match=says):
+            sched._reap(4242, code << 8, None)  # a wait status: exit code in the high byte

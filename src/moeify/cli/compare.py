@@ -6,12 +6,19 @@ so that its peak memory is its own (the child's max RSS from wait4 on CPU, its C
 on a GPU) and a crash in one run is reported without losing the others. After training, the
 child scores the validation split (``--final-eval-tokens``; 0 = all of it) with XL memory
 carried, and BLiMP when its data is found. The comparison itself is moeify.analysis.compare.
+
+Interrupted (Ctrl-C, SIGTERM, a failed run), the parent sends each running child one SIGTERM
+(the children run in their own session, so a Ctrl-C at the terminal reaches only the parent):
+the child's trainer finishes its step, checkpoints it and exits without a result, and the next
+invocation resumes it. A child stopped while scoring a finished training is scored again, not
+retrained.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -165,7 +172,10 @@ class _Scheduler:
         log = open(run_dir / CHILD_LOG, "a" if spec.get("resume") else "w")
         proc = subprocess.Popen([sys.executable, "-m", "moeify.cli.compare", "--child",
                                  str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
-                                env=_child_env(spec["threads"]))
+                                # Own session: a terminal's Ctrl-C reaches only the parent,
+                                # whose stop() then sends one SIGTERM (a second signal would
+                                # stop the trainer before it checkpoints).
+                                env=_child_env(spec["threads"]), start_new_session=True)
         log.close()
         self.running[proc.pid] = (proc, spec, time.time())
         n = self.total - len(self.queue)
@@ -214,6 +224,10 @@ class _Scheduler:
         proc.returncode = os.waitstatus_to_exitcode(status)
         run_dir = Path(spec["run_dir"])
         log = run_dir / CHILD_LOG
+        if proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            raise MoeifyError(f"training {spec['name']} was stopped by a signal (exit "
+                              f"{proc.returncode}) after checkpointing its last step; run the "
+                              "same command again to resume it")
         if proc.returncode != 0:
             tail = log.read_text(errors="replace").strip().splitlines()[-15:]
             raise MoeifyError(f"training {spec['name']} failed (exit {proc.returncode}); the "
@@ -391,13 +405,14 @@ def run(args) -> int:
 
 
 def _train_child(spec: dict, cfg, run_dir: Path) -> tuple[dict | None, int]:
-    """Train (or resume) the child's run: (its training time {"train_wall_s",
-    "trainer_tokens_per_s"}, 0), or (None, the trainer's exit code) when a signal stopped the
-    training (the trainer has then checkpointed the step it finished; the next sweep or
-    compare resumes from there, and no result is written for a half-trained model). A run whose
+    """Train (or resume) the child's run: (its training time and memory {"train_wall_s",
+    "trainer_tokens_per_s", "max_rss_bytes"}, 0), or (None, the trainer's exit code) when a
+    signal stopped the training (the trainer has then checkpointed the step it finished; the
+    next sweep or compare resumes from there, and no result is written for a half-trained
+    model). A run whose
     checkpoints already hold every step (its child was stopped while scoring) is not trained
-    again: its time is the one recorded when its training finished (None if that record is
-    missing)."""
+    again: its time and peak memory are the ones recorded when its training finished (None if
+    that record is missing), not those of the child that only scores it."""
     from moeify.train.checkpoint import latest_checkpoint, step_of
     from moeify.train.trainer import train
 
@@ -407,17 +422,22 @@ def _train_child(spec: dict, cfg, run_dir: Path) -> tuple[dict | None, int]:
         if last is not None and step_of(last) >= cfg.steps:
             if trained.is_file():
                 return json.loads(trained.read_text()), 0
-            return {"train_wall_s": None, "trainer_tokens_per_s": None}, 0
+            return {"train_wall_s": None, "trainer_tokens_per_s": None, "max_rss_bytes": None}, 0
     result = train(cfg, run_dir, quiet=True, resume=bool(spec.get("resume")))
     if result.interrupted:
         return None, result.exit_code
-    timing = {"train_wall_s": result.wall_s, "trainer_tokens_per_s": result.tokens_per_s}
+    import resource
+
+    timing = {"train_wall_s": result.wall_s, "trainer_tokens_per_s": result.tokens_per_s,
+              "max_rss_bytes": _max_rss_bytes(resource.getrusage(resource.RUSAGE_SELF))}
     _write_json(trained, timing)
     return timing, 0
 
 
 def child_main(spec_path: str) -> int:
-    """Train one preset, score it, write CHILD_RESULT into its run directory."""
+    """Train one preset, score it, write CHILD_RESULT into its run directory (``_train_child``:
+    a child stopped by a signal while training returns 128 + the signal without a result, and
+    a run whose checkpoints already hold every step is scored without training)."""
     import torch
 
     from moeify.data import load_corpus, tokenize_split
