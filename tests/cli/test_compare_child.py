@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import types
 
 import pytest
 
@@ -110,7 +111,6 @@ def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):
     sched = compare._Scheduler([], jobs=1)
     for code, says in ((128 + signal.SIGTERM, "run the same command again to resume"),
                        (1, r"failed \(exit 1\)")):
-        sched.running[4242] = (compare.subprocess.Popen.__new__(compare.subprocess.Popen),
-                               spec, 0.0)
+        sched.running[4242] = (types.SimpleNamespace(), spec, 0.0)  # _reap sets returncode
         with pytest.raises(MoeifyError, match=says):
             sched._reap(4242, code << 8, None)  # a wait status: exit code in the high byte

@@ -4,7 +4,7 @@ as it runs (a ``TorchDispatchMode``), summed by operation and input shapes.
 ``torch.profiler`` is the usual tool, but on a 2-core CPU it distorts exactly what is asked
 here: it adds half again to a SwitchHead layer's forward+backward and charges most of the extra
 to the batched matmuls. Timed one by one, the operations' sum stays close to the call's untimed
-time (5-10% above it for the 47M attention layers, dense and SwitchHead alike); it leaves out
+time (3-10% above it for the 47M attention layers, dense and SwitchHead alike); it leaves out
 the Python between the operations, and the timer's own bookkeeping makes the wall time under
 it ("wall ms") much longer than either.
 

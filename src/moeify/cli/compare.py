@@ -7,7 +7,7 @@ on a GPU) and a crash in one run is reported without losing the others. After tr
 child scores the validation split (``--final-eval-tokens``; 0 = all of it) with XL memory
 carried, and BLiMP when its data is found. The comparison itself is moeify.analysis.compare.
 
-Interrupted (Ctrl-C, SIGTERM, a failed run), the parent sends each running child one SIGTERM
+Interrupted (Ctrl-C, or a run that failed), the parent sends each running child one SIGTERM
 (the children run in their own session, so a Ctrl-C at the terminal reaches only the parent):
 the child's trainer finishes its step, checkpoints it and exits without a result, and the next
 invocation resumes it. A child stopped while scoring a finished training is scored again, not
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 CHILD_RESULT = "compare_child.json"
-# The training time of a child whose training finished, written before it scores the model: a
-# child stopped while scoring resumes at the scoring, with this time.
+# The training time and peak memory of a child whose training finished, written before it
+# scores the model: a child stopped while scoring resumes at the scoring, with these.
 CHILD_TRAINED = "compare_trained.json"
 CHILD_LOG = "train.log"
 SPEC_FILE = "compare_spec.json"
@@ -409,10 +409,11 @@ def _train_child(spec: dict, cfg, run_dir: Path) -> tuple[dict | None, int]:
     "trainer_tokens_per_s", "max_rss_bytes"}, 0), or (None, the trainer's exit code) when a
     signal stopped the training (the trainer has then checkpointed the step it finished; the
     next sweep or compare resumes from there, and no result is written for a half-trained
-    model). A run whose
-    checkpoints already hold every step (its child was stopped while scoring) is not trained
-    again: its time and peak memory are the ones recorded when its training finished (None if
+    model). A run whose checkpoints already hold every step (its child was stopped while
+    scoring) is not trained again: its time and peak memory are the ones recorded when its training finished (None if
     that record is missing), not those of the child that only scores it."""
+    import resource
+
     from moeify.train.checkpoint import latest_checkpoint, step_of
     from moeify.train.trainer import train
 
@@ -426,8 +427,6 @@ def _train_child(spec: dict, cfg, run_dir: Path) -> tuple[dict | None, int]:
     result = train(cfg, run_dir, quiet=True, resume=bool(spec.get("resume")))
     if result.interrupted:
         return None, result.exit_code
-    import resource
-
     timing = {"train_wall_s": result.wall_s, "trainer_tokens_per_s": result.tokens_per_s,
               "max_rss_bytes": _max_rss_bytes(resource.getrusage(resource.RUSAGE_SELF))}
     _write_json(trained, timing)
