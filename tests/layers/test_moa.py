@@ -211,3 +211,9 @@ def test_runs_under_autocast():
         y = m(x)[0]
     assert y.dtype == torch.bfloat16
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_moa_with_its_zero_router_routes_every_token_to_the_first_experts():
+    layer = MoAConfig(d_model=16, d_head=8, n_experts=6, k=3, n_layers=2).build()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    assert layer.inspect(x)["heads_BTK"].reshape(-1, 3).tolist() == [[0, 1, 2]] * 10

@@ -163,3 +163,39 @@ def test_router_logits_stay_float32_under_autocast():
     assert got.dtype == torch.float32 and got_bf16_input.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_bf16_input, x.bfloat16().float() @ w.T, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- ties
+
+
+def _by_score_then_id(row, k):
+    """The definition of the tie-break: largest score first, equal scores by lowest index."""
+    return sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]
+
+
+@pytest.mark.parametrize("route", [sigmoid_topk, softmax_topk])
+def test_tied_scores_go_to_the_lowest_expert_id_largest_first(route):
+    # Logits on a coarse grid of 3 values over 8 experts: nearly every row has ties at the cut.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-1, 2, (64, 8), generator=g).float()
+    top = route(logits, 3)
+    scores = top.scores.tolist()
+    for m in range(64):
+        assert top.idx[m].tolist() == _by_score_then_id(scores[m], 3), m
+    # A router that starts at zero (MoA) ties every expert: every token takes experts 0..k-1.
+    assert route(torch.zeros(5, 6), 2).idx.tolist() == [[0, 1]] * 5
+
+
+def test_excluded_experts_are_skipped_by_the_tie_break():
+    exclude = torch.tensor([[True, False, True, False, False]])
+    assert sigmoid_topk(torch.zeros(1, 5), 2, exclude=exclude).idx.tolist() == [[1, 3]]
+
+
+def test_expert_choice_ties_keep_the_earliest_positions():
+    scores = torch.tensor([[0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    idx, selected = expert_choice(scores, 0.5)  # 4 of 8: the two 1s, then positions 0 and 2
+    assert idx.tolist() == [[0, 1, 2, 4]]
+    valid = torch.tensor([[False, True, True, True, True, True, True, True]])
+    idx, selected = expert_choice(scores, 0.5, valid_BS=valid)  # 4 of 7 valid: 1, 4, 2, 3
+    assert selected[0].nonzero().view(-1).tolist() == [1, 2, 3, 4]
+

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moeify.ops.amp import amp_backward, amp_forward
 from moeify.ops.aux_losses import masked_mean
 
 IMPLS = ("auto", "fused", "reference")
@@ -41,6 +42,7 @@ def reference_linear_cross_entropy(h_ND, w_VD, b_V, targets_N, valid_N=None) -> 
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx, h_ND, w_VD, b_V, targets_N, valid_N, rows: int):
         N, V = h_ND.shape[0], w_VD.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -77,6 +79,7 @@ class _FusedLinearCE(torch.autograd.Function):
         return total / n
 
     @staticmethod
+    @amp_backward
     @once_differentiable
     def backward(ctx, g):
         grads = ctx.grads

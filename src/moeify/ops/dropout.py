@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.amp import amp_backward, amp_forward
+
 IMPLS = ("auto", "fast", "reference")
 
 
@@ -44,6 +46,7 @@ def _kept_scale(p: float, like: torch.Tensor) -> torch.Tensor:
 
 class _MaskDropout(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx, x, p: float):
         noise = torch.empty_like(x).bernoulli_(1 - p)  # torch's CPU recipe, same draws
         keep = noise.bool()
@@ -53,6 +56,7 @@ class _MaskDropout(torch.autograd.Function):
         return x * noise
 
     @staticmethod
+    @amp_backward
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
         return g * keep.to(g.dtype).div_(1 - ctx.p), None
@@ -60,6 +64,7 @@ class _MaskDropout(torch.autograd.Function):
 
 class _ReluDropout(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx, x, p: float):
         y = F.dropout(F.relu(x), p, True)
         ctx.p = p
@@ -67,6 +72,7 @@ class _ReluDropout(torch.autograd.Function):
         return y
 
     @staticmethod
+    @amp_backward
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         # = where(y > 0, g · s, 0), with one temporary as large as g instead of two

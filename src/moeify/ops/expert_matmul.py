@@ -64,6 +64,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.amp import amp_backward, amp_forward, autocast_cast, autocast_off
 from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_pays
 from moeify.ops.planless_matmul import PLANLESS_FNS, combine, sum_rows_
 from moeify.ops.routing import count_ids
@@ -250,6 +251,7 @@ class _SortedExpertMatmul(torch.autograd.Function):
     """y = sorted-dispatch expert matmul (see module docstring). Inputs are pre-validated."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_MD, w_EDF, gates_MK, order_N, inverse_N, rows_N, plan, kind, k, groups):
         M, D = x_MD.shape
         N, Fo = order_N.shape[0], w_EDF.shape[-1]
@@ -270,6 +272,7 @@ class _SortedExpertMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad_y):
         xs_ND, w_EDF, ys_NF, g_N, order_N, inverse_N, rows_N = ctx.saved_tensors
         plan, kind, M, k, groups, N, gated, gate_dtype = ctx.meta
@@ -447,13 +450,12 @@ def expert_matmul(
     [B, G, S, F], group-major per sequence as attention takes it (contiguous from "sets", a
     view otherwise). ``plan`` (from ``make_plan(idx_MK, E)``) lets several calls share one sort.
     """
-    dev = x_MD.device.type
-    if torch.is_autocast_enabled(dev):
-        # A custom autograd Function is invisible to autocast: apply its matmul policy here.
-        dt = torch.get_autocast_dtype(dev)
-        x_MD, w_EDF = x_MD.to(dt), w_EDF.to(dt)
+    # Autocast's matmul policy applied to the operands, then every implementation runs in
+    # their dtype with autocast off (moeify.ops.amp: the same result dtype on every device).
+    x_MD, w_EDF = autocast_cast(x_MD, w_EDF)
     _validate(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, batch)
-    y = _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch)
+    with autocast_off(x_MD.device.type):
+        y = _expert_matmul(x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, impl, plan, batch)
     if batch is None:
         return y
     if y.dim() == 4:  # laid out by the implementation

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.amp import amp_backward, amp_forward, autocast_cast, autocast_off
 from moeify.ops.expert_matmul import (
     PLANLESS,
     ExpertPlan,
@@ -81,6 +82,7 @@ class _ExpertMLP(torch.autograd.Function):
     """y = expert MLP over a sorted or padded layout (module docstring). Pre-validated inputs."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_MD, w1_EDG, w2_EGD, gates_MK, kind, lay, k):
         row_P = torch.div(lay.pair_P, k, rounding_mode="floor")
         xs_PD = gather_rows(x_MD, lay, row_P)
@@ -93,6 +95,7 @@ class _ExpertMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad_y):
         x_MD, w1_EDG, w2_EGD, gate_N, a_PG, row_P = ctx.saved_tensors
         kind, lay, k, gate_dtype = ctx.meta
@@ -145,11 +148,9 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
     x @ w1[e] before the ReLU; the upcycled models' experts) and an ``activation`` other than
     ReLU (None; an elementwise function such as GELU in place of the ReLU, for experts upcycled
     from a GELU MLP)."""
-    dev = x_MD.device.type
-    if torch.is_autocast_enabled(dev):
-        # A custom autograd Function is invisible to autocast: apply its matmul policy here.
-        dt = torch.get_autocast_dtype(dev)
-        x_MD, w1_EDG, w2_EGD = x_MD.to(dt), w1_EDG.to(dt), w2_EGD.to(dt)
+    # Autocast's matmul policy applied to the operands; the paths below run with autocast off
+    # (moeify.ops.amp), the composite one included, so every device returns that dtype.
+    x_MD, w1_EDG, w2_EGD = autocast_cast(x_MD, w1_EDG, w2_EGD)
     _validate(x_MD, idx_MK, w1_EDG, gates_MK, 1)
     want = (w1_EDG.shape[0], w1_EDG.shape[2], w1_EDG.shape[1])
     if tuple(w2_EGD.shape) != want or w2_EGD.dtype != x_MD.dtype:
@@ -161,8 +162,9 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
     kind = choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True)
     if (kind not in FUSED or M == 0 or (training and dropout > 0) or bias_EG is not None
             or activation is not None):
-        return _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, kind, plan, dropout, training,
-                          bias_EG, activation)
+        with autocast_off(x_MD.device.type):
+            return _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, kind, plan, dropout,
+                              training, bias_EG, activation)
     if plan.num_experts != E or plan.num_pairs != idx_MK.numel():
         raise ValueError(f"plan was built for {plan.num_pairs} pairs over {plan.num_experts} "
                          f"experts, but idx has {idx_MK.numel()} pairs and w1 has {E} experts")

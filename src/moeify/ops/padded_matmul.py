@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.amp import amp_backward, amp_forward
+
 # Largest padding (padded slots / routed pairs) for which one block per expert is used.
 CAPACITY_SLACK = 1.25
 # ``padding_pays`` single-threaded: there is no thread wake-up to save, so pad only when it is
@@ -183,6 +185,7 @@ class PaddedExpertMatmul(torch.autograd.Function):
     (module docstring of moeify.ops.expert_matmul). Inputs are pre-validated."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_MD, w_EDF, gates_MK, lay: PaddedLayout, k: int, groups: int,
                 sum_rows: int = 1):
         M, D = x_MD.shape
@@ -205,6 +208,7 @@ class PaddedExpertMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad_y):
         x_MD, w_EDF, gate_N, row_P = ctx.saved_tensors
         lay, k, groups, sum_rows, gate_dtype = ctx.meta

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeify.ops.amp import amp_backward, amp_forward
 from moeify.ops.memo import stamp
 
 ROPE_BASE = 10000.0
@@ -82,12 +83,14 @@ class _Rope(torch.autograd.Function):
     multiplies, the subtraction and the concatenation one by one."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x, cos, sin, half, n_rot):
         ctx.save_for_backward(cos, sin)
         ctx.dims = (half, n_rot)
         return _rotate_into(torch.empty_like(x), x, cos, sin, half, n_rot)
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         half, n_rot = ctx.dims

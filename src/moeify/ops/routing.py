@@ -2,6 +2,8 @@
 
 Shape legend: M tokens (rows), E experts, K experts kept per token, B batch, S sequence, C kept.
 
+Ties between equal scores go to the lowest index, on every device (``top_indices``).
+
 Scores are always computed in float32 whatever the input dtype (Switch Transformer's "selective
 precision"; SwitchHead and sigma-MoE do the same), also under autocast: ``router_logits``
 computes a router's logits that way. Expert indices carry no gradient; the gate values do,
@@ -45,12 +47,21 @@ def _check_k(k: int, num_experts: int) -> None:
         raise ValueError(f"k must lie in [1, {num_experts}] (the number of experts), got {k}")
 
 
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k largest scores along the last dimension, largest first, and among
+    equal scores the lowest index first: the one tie-break of every router in moeify, on every
+    device. ``torch.topk`` leaves ties unspecified, and its CPU and CUDA kernels break them
+    differently (a zero-initialised router ties every expert: MoA then routed differently on
+    each device). A stable descending sort keeps equal scores in index order."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+
+
 def _topk(scores: torch.Tensor, k: int, exclude: torch.Tensor | None) -> TopK:
     _check_k(k, scores.shape[-1])
     ranked = scores.detach()
     if exclude is not None:
         ranked = ranked.masked_fill(exclude, float("-inf"))
-    idx = ranked.topk(k, dim=-1, sorted=False).indices
+    idx = top_indices(ranked, k)
     return TopK(scores.gather(-1, idx), idx, scores)
 
 
@@ -96,14 +107,14 @@ def expert_choice(
     c = expert_choice_count(S, capacity)
     ranked = scores_BS.detach().float()
     if valid_BS is None:
-        idx = ranked.topk(c, dim=-1, sorted=False).indices.sort(dim=-1).values
+        idx = top_indices(ranked, c).sort(dim=-1).values
         selected = torch.zeros_like(scores_BS, dtype=torch.bool).scatter_(-1, idx, True)
         return idx, selected
     valid_BS = valid_BS.bool()
     ranked = ranked.masked_fill(~valid_BS, float("-inf"))
     n_B = valid_BS.sum(-1, keepdim=True)
     c_B = torch.ceil(capacity * n_B - 1e-9).clamp_min(1)  # expert_choice_count per row
-    by_score = ranked.topk(c, dim=-1, sorted=True).indices
+    by_score = top_indices(ranked, c)
     keep = torch.arange(c, device=scores_BS.device) < c_B
     keep &= valid_BS.gather(-1, by_score)
     selected = torch.zeros_like(valid_BS).scatter_(-1, by_score, keep)

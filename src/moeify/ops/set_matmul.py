@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeify.ops.amp import amp_backward, amp_forward
 from moeify.ops.padded_matmul import blocked_block, gather_rows, slot_sums, sum_by_id
 
 # Largest number of sets per group the layout takes (C(E, K) must not exceed it).
@@ -259,6 +260,7 @@ class SetExpertMatmul(torch.autograd.Function):
     (u_of_o, o_of_u) from ``head_major_order`` to emit the units in that order."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, x_MD, w_XDF, gates_UK, lay: SetLayout, per_row: int, sum_rows: int,
                 order=None):
         X, D, Fo = w_XDF.shape
@@ -285,6 +287,7 @@ class SetExpertMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad_y):
         x_MD, w_XDF, gates_UK, ys_P = ctx.saved_tensors
         lay, per_row, sum_rows, U, order = ctx.meta

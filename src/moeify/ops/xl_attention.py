@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from moeify.ops.amp import amp_backward, amp_forward, autocast_dtype
+
 _NEG_INF = float("-inf")
 
 
@@ -51,6 +53,7 @@ def _block_strides(B: int, H: int, Hp: int, block: int) -> tuple[int, int]:
 
 class _XLAttention(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx, qc, qp, k, v, p_HRC, blocked, causal_square):
         B, H, T, C = qc.shape
         Hk, S = k.shape[1], k.shape[2]
@@ -84,6 +87,7 @@ class _XLAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @amp_backward
     def backward(ctx, grad_out):
         Q, K, V, qp_GNC, p_HRC, probs = ctx.saved_tensors
         B, H, T, S, C, Hk, Hp, R, shared_kv = ctx.shape
@@ -140,9 +144,9 @@ def xl_attention(qc_BHTC: torch.Tensor, qp_BHTC: torch.Tensor, k_BHSC: torch.Ten
         raise ValueError(f"the position table must cover distances S-1 down to 0 (causal) or "
                          f"1-T (cross-attention): got R={R} rows for S={S}, T={T}")
     blocked = None if allowed_BTS is None else ~allowed_BTS[:, None]
-    dev = qc_BHTC.device.type
-    # A custom Function is invisible to autocast: apply its matmul policy to the operands here.
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else qc_BHTC.dtype
+    # A custom Function is invisible to autocast: its matmul policy applied to the operands here
+    # (moeify.ops.amp).
+    dt = autocast_dtype(qc_BHTC.device.type) or qc_BHTC.dtype
     return _XLAttention.apply(qc_BHTC.to(dt), qp_BHTC.to(dt), k_BHSC.to(dt), v_BHSC.to(dt),
                               p_HRC.to(dt), blocked, causal_square)
 
