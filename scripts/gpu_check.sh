@@ -1,73 +1,102 @@
 #!/usr/bin/env bash
-# The GPU check: the CUDA test suite, then the paper's Table 5 measurements in bf16 on this GPU:
-# one attention layer (`moeify bench attention`) and a whole training step (`moeify bench step`)
-# of the WT103 47M and 262M presets, SwitchHead against its dense baseline, with time and memory
-# ratios to dense printed beside the paper's (47M: 0.72x time, 0.65x memory on an RTX 3090;
-# 262M: 0.65x, 0.61x on 8 V100s).
+# The GPU check, one command: the CUDA test suite, then the benchmarks in bf16 on this GPU, each
+# phase under its own time limit, then one JSON and one markdown table of every ratio beside the
+# paper's (SwitchHead Table 5: 47M 0.72x time, 0.65x memory; 262M 0.65x, 0.61x) and moeify's
+# targets (scripts/gpu_summary.py).
 #
-#   scripts/gpu_check.sh                 everything (about 10 minutes on one H100/H200)
-#   SKIP_SUITE=1 scripts/gpu_check.sh    benchmarks only
-#   BATCH=32 COMPILE=1 ...               step batch (default 64, the paper's), compiled rows too
+#   scripts/gpu_check.sh                        everything (about 6 minutes on one H100/H200)
+#   SKIP_SUITE=1 scripts/gpu_check.sh           benchmarks only
+#   BATCH=32 REPEATS=5 COMPILE=1 ...            step batch (default 64, the paper's), repeats
+#                                               (default 3), compiled step rows too
+#   DEVICE=cpu SMALL=1 SKIP_SUITE=1 ...         the script itself on a CPU, at tiny shapes
 #
-# JSON results and logs go to $OUT_DIR (default gpu-check/). Exit status: the suite's.
+# Python: .venv/bin/python when there is one, else python3, with this checkout's src/ on
+# PYTHONPATH (a lent GPU machine has its own python3 with torch and no package index: nothing
+# is installed). JSON results and logs go to $OUT_DIR (default gpu-check/). Exit status: the
+# suite's (0 when skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-MOEIFY=${MOEIFY:-.venv/bin/moeify}
+if [ -z "${PY:-}" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT_DIR=${OUT_DIR:-gpu-check}
+DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-64}
+REPEATS=${REPEATS:-3}
 mkdir -p "$OUT_DIR"
+MOEIFY=("$PY" -m moeify.cli.main)
 
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu_check: no CUDA device visible to $PY; nothing to check" >&2
+if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to $PY; nothing to check (DEVICE=cpu checks the script)" >&2
     exit 2
 fi
-"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)" | tee "$OUT_DIR/device.txt"
+"$PY" - "$DEVICE" > "$OUT_DIR/device.json" <<'PYEOF'
+import json, sys, torch
+dev = sys.argv[1]
+try:
+    import triton
+    tri = triton.__version__
+except ImportError:
+    tri = None
+cuda = dev == "cuda"
+print(json.dumps({"name": torch.cuda.get_device_name(0) if cuda else "cpu",
+                  "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+                  "torch": torch.__version__, "cuda": torch.version.cuda, "triton": tri}))
+PYEOF
+cat "$OUT_DIR/device.json"
+
+# phase NAME SECONDS OUTFILE COMMAND...: stdout to OUTFILE, stderr to NAME.err, limited in time.
+phase() {
+    local name=$1 limit=$2 out=$3
+    shift 3
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$out" 2> "$OUT_DIR/$name.err"
+    local rc=$?
+    if [ $rc -eq 124 ]; then
+        echo "== $name: stopped after its limit of ${limit}s (see $OUT_DIR/$name.err)"
+    elif [ $rc -ne 0 ]; then
+        echo "== $name: failed with exit $rc (see $OUT_DIR/$name.err)"
+    else
+        echo "== $name: done in $((SECONDS - t0))s"
+    fi
+    return $rc
+}
 
 suite=0
 if [ -z "${SKIP_SUITE:-}" ]; then
-    echo "== pytest -m cuda"
-    timeout 900 "$PY" -m pytest -m cuda tests/train/test_cuda.py -q -p no:cacheprovider 2>&1 \
-        | tee "$OUT_DIR/suite.txt"
-    suite=${PIPESTATUS[0]}
+    echo "== pytest -m cuda (limit ${SUITE_LIMIT:-300}s)"
+    MOEIFY_SUITE_DEVICE=$DEVICE phase suite "${SUITE_LIMIT:-300}" "$OUT_DIR/suite.txt" \
+        "$PY" -m pytest -m cuda tests/train/test_cuda.py -q -p no:cacheprovider -rfs
+    suite=$?
+    tail -n 15 "$OUT_DIR/suite.txt"
 fi
 
+if [ -n "${SMALL:-}" ]; then  # the script's own check at tiny shapes
+    em=(-M 512 -D 40 -E 4 -K 2 -F 24) step=(tiny-dense tiny-switchhead) att=("${step[@]}")
+    sizes=(47m) ff=(--tokens 256 --d-model 32 --experts 4 --expert-size 16 --no-hf)
+    batch=2
+else  # the 47M SwitchHead value experts: [memory ; x] rows, 2 heads x 5 experts, 4 picks, F 76
+    em=(-M 32768 -D 412 -E 10 -K 4 -F 76) sizes=(47m 262m) ff=() batch=$BATCH
+fi
+common=(--device "$DEVICE" --dtype bfloat16 --json)
+phase expert-matmul 90 "$OUT_DIR/expert-matmul.json" \
+    "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --repeats "$REPEATS" "${common[@]}"
 compile_flag=()
 [ -n "${COMPILE:-}" ] && compile_flag=(--compile)
-for size in 47m 262m; do
-    presets=(--preset "wt103-$size-dense" --preset "wt103-$size-switchhead")
-    echo "== bench attention $size (bf16)"
-    timeout 900 "$MOEIFY" bench attention --device cuda --dtype bfloat16 "${presets[@]}" \
-        --no-textbook --json > "$OUT_DIR/attention-$size.json" 2> "$OUT_DIR/attention-$size.err" \
-        || echo "bench attention $size failed: see $OUT_DIR/attention-$size.err"
-    echo "== bench step $size (bf16, batch $BATCH)"
-    timeout 900 "$MOEIFY" bench step --device cuda --dtype bfloat16 --batch "$BATCH" \
-        "${presets[@]}" "${compile_flag[@]}" --json > "$OUT_DIR/step-$size.json" \
-        2> "$OUT_DIR/step-$size.err" || echo "bench step $size failed: see $OUT_DIR/step-$size.err"
+for size in "${sizes[@]}"; do
+    if [ -z "${SMALL:-}" ]; then
+        att=("wt103-$size-dense" "wt103-$size-switchhead") step=("${att[@]}")
+    fi
+    presets=()
+    for p in "${att[@]}"; do presets+=(--preset "$p"); done
+    phase "attention-$size" 120 "$OUT_DIR/attention-$size.json" \
+        "${MOEIFY[@]}" bench attention "${presets[@]}" --no-textbook --repeats "$REPEATS" "${common[@]}"
+    phase "step-$size" 180 "$OUT_DIR/step-$size.json" \
+        "${MOEIFY[@]}" bench step "${presets[@]}" --batch "$batch" --repeats "$REPEATS" \
+        "${compile_flag[@]}" "${common[@]}"
 done
+phase ff 120 "$OUT_DIR/ff.json" "${MOEIFY[@]}" bench ff "${ff[@]}" --repeats "$REPEATS" "${common[@]}"
 
-"$PY" - "$OUT_DIR" <<'PYEOF'
-import json, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-paper = {"47m": (0.72, 0.65), "262m": (0.65, 0.61)}  # switchhead.md §7, Table 5
-print("\nratios to dense (bf16 on GPU); paper Table 5 = whole training step")
-print(f"{'bench':<10} {'size':<5} {'case':<34} {'time x':>7} {'memory x':>9}  paper (time, memory)")
-for size in ("47m", "262m"):
-    for kind in ("attention", "step"):
-        f = out / f"{kind}-{size}.json"
-        try:
-            res = json.loads(f.read_text())
-        except (OSError, ValueError):
-            print(f"{kind:<10} {size:<5} (no result: {f})")
-            continue
-        rows = res["rows"] if kind == "step" else [r for g in res["groups"] for r in g["rows"]]
-        for r in rows:
-            t = r.get("time x", r.get("fwd+bwd x"))
-            m = r.get("peak x")
-            ref = paper[size] if kind == "step" and "switchhead" in r["case"] else ""
-            fmt = lambda v: "-" if v is None else f"{v:.3f}"
-            print(f"{kind:<10} {size:<5} {r['case']:<34} {fmt(t):>7} {fmt(m):>9}  {ref}")
-PYEOF
+"$PY" scripts/gpu_summary.py "$OUT_DIR"
 exit "$suite"

@@ -11,10 +11,11 @@ expert 3·D·I (SwiGLU: gate, up and down projections), so I = 2·G / 3; the den
 d_ff = K·G. Every router is D·E. The "expert MACs" column states what each case does.
 
 Every case runs in training mode on the same input [1, M, D] with the same fixed output
-gradient; "fwd" runs under ``torch.no_grad``, "fwd+bwd" is a training call whose backward also
+gradient, on ``device``, in float32 or under autocast to ``dtype`` (weights stay float32, as
+training runs); "fwd" runs under ``torch.no_grad``, "fwd+bwd" is a training call whose backward also
 takes moeify's auxiliary losses (Mixtral's block has none: its balance loss is computed by the
-model). Times are medians of interleaved repeats (``interleaved_median_times``), wall time and,
-for forward+backward, also the process's CPU time (on a machine shared by more jobs than cores,
+model). Times are medians of interleaved repeats (``interleaved_median_times``: CUDA events on a
+GPU, else wall time) and, for forward+backward, also the process's CPU time (on a machine shared by more jobs than cores,
 wall time favours code with fewer parallel regions, which waits less for a core). The "impl"
 column names the expert-matmul implementations that really ran (read from a profiled call,
 ``expert_impls_run``), or the Hugging Face experts implementation.
@@ -26,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from moeify.bench.attention import omp_wait_policy
+from moeify.bench.attention import autocast_for, omp_wait_policy
 from moeify.bench.timing import expert_impls_run, format_table, interleaved_median_times
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.sigma_moe import SigmaMoEConfig
@@ -100,14 +101,15 @@ def _hf_cases(D, G, E, K, M, seed, hf_impls):
     return out, skipped, I
 
 
-def _phases(module, x, grad_y, returns_aux: bool):
+def _phases(module, x, grad_y, returns_aux: bool, device: str, dtype: str):
     params = list(module.parameters())
 
     def call():
-        if returns_aux:
-            y, aux = module(x)
-            return y, list(aux.losses.values())
-        return module(x), []
+        with autocast_for(device, dtype):
+            if returns_aux:
+                y, aux = module(x)
+                return y, list(aux.losses.values())
+            return module(x), []
 
     def fwd():
         with torch.no_grad():
@@ -115,7 +117,8 @@ def _phases(module, x, grad_y, returns_aux: bool):
 
     def fwd_bwd():
         y, losses = call()
-        torch.autograd.backward([y, *losses], [grad_y] + [torch.ones_like(v) for v in losses])
+        torch.autograd.backward([y, *losses],
+                                [grad_y.to(y.dtype)] + [torch.ones_like(v) for v in losses])
         x.grad = None
         for p in params:
             p.grad = None
@@ -134,7 +137,7 @@ def _check_runs(label: str, fwd_bwd) -> str | None:
 def bench_ff(*, tokens: int = 4096, d_model: int = 512, n_experts: int = 8, k: int = 2,
              expert_size: int = 384, impls: Sequence[str] = ("auto",), hf: bool = True,
              hf_impls: Sequence[str] | None = None, warmup: int = 2, repeats: int = 5,
-             seed: int = 0) -> dict:
+             seed: int = 0, device: str = "cpu", dtype: str = "float32") -> dict:
     """Time every case (module docstring); ratios to the dense MLP and to the fastest Hugging
     Face experts implementation of the same phase."""
     if min(tokens, d_model, n_experts, expert_size, repeats) < 1 or warmup < 0:
@@ -146,6 +149,7 @@ def bench_ff(*, tokens: int = 4096, d_model: int = 512, n_experts: int = 8, k: i
     if bad:
         raise ValueError(f"unknown feedforward expert implementation(s) {bad}; choose from auto, "
                          + ", ".join(i for i in IMPLEMENTATIONS if i != "sets"))
+    autocast_for(device, dtype)  # validates dtype
     D, G, E, K, M = d_model, expert_size, n_experts, k, tokens
     torch.manual_seed(seed)
     cases = [(DENSE, DenseFFConfig(d_model=D, d_ff=K * G).build(), 2 * D * G * K, True)]
@@ -161,12 +165,12 @@ def bench_ff(*, tokens: int = 4096, d_model: int = 512, n_experts: int = 8, k: i
         hf_cases, skipped, I = _hf_cases(D, G, E, K, M, seed, wanted)
         cases += hf_cases
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(1, M, D, generator=g).requires_grad_()
-    grad_y = torch.randn(1, M, D, generator=g)
+    x = torch.randn(1, M, D, generator=g).to(device).requires_grad_()
+    grad_y = torch.randn(1, M, D, generator=g).to(device)
     fns, ran = {}, {}
     for label, module, _, ours in cases:
-        module.train()
-        fwd, fwd_bwd = _phases(module, x, grad_y, ours)
+        module.to(device).train()
+        fwd, fwd_bwd = _phases(module, x, grad_y, ours, device, dtype)
         why = _check_runs(label, fwd_bwd)
         if why is not None:
             skipped[label] = why
@@ -175,13 +179,15 @@ def bench_ff(*, tokens: int = 4096, d_model: int = 512, n_experts: int = 8, k: i
         ran[label] = ("+".join(expert_impls_run(fwd_bwd)) or "-") if ours else \
             label.removeprefix(HF_PREFIX)
     cpu: dict = {}
-    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, cpu_times=cpu)
+    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, cpu_times=cpu,
+                                     device=device)
     return _result(cases, times, cpu, ran, skipped, dict(tokens=M, d_model=D, experts=E, k=K,
                                                     expert_size=G, hf_intermediate=I),
-                   warmup, repeats, available)
+                   warmup, repeats, available, device, dtype)
 
 
-def _result(cases, times, cpu, ran, skipped, shape, warmup, repeats, available) -> dict:
+def _result(cases, times, cpu, ran, skipped, shape, warmup, repeats, available, device,
+            dtype) -> dict:
     labels = [c[0] for c in cases if c[0] in ran]
     hf = [lb for lb in labels if lb.startswith(HF_PREFIX)]
     best = {ph: min((times[(lb, ph)] for lb in hf), default=None) for ph in ("fwd", "fwd+bwd")}
@@ -201,7 +207,7 @@ def _result(cases, times, cpu, ran, skipped, shape, warmup, repeats, available) 
         row["cpu x dense"] = c / cpu[(DENSE, "fwd+bwd")]
         row["cpu x HF best"] = None if best_cpu is None else c / best_cpu
         rows.append(row)
-    return {"bench": "ff", "device": "cpu", "dtype": "float32",
+    return {"bench": "ff", "device": str(device), "dtype": dtype,
             "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
             "warmup": warmup, "repeats": repeats, "shape": shape,
             "hf_implementations": available, "skipped": skipped, "rows": rows}
@@ -217,7 +223,8 @@ def table(result: dict) -> str:
     hf = (f"Mixtral I={s['hf_intermediate']}" if s["hf_intermediate"] else
           "transformers not installed (pip install 'moeify[hf]' for the Mixtral rows)")
     head = (f"feedforward MoEs, {s['tokens']} tokens, d={s['d_model']}, E={s['experts']}, "
-            f"k={s['k']}, G={s['expert_size']}, {hf}; float32 on cpu ({result['threads']} "
+            f"k={s['k']}, G={s['expert_size']}, {hf}; {result['dtype']} on {result['device']} "
+            f"({result['threads']} "
             f"threads, OpenMP {result['omp_wait_policy']}), median of {result['repeats']}; "
             "expert MACs per token; x = time ratio; cpu: this process's CPU time per fwd+bwd call")
     out = head + "\n" + format_table(result["rows"], COLUMNS)

@@ -33,6 +33,8 @@ import sys
 
 import torch
 
+from moeify.bench.timing import release_cached_memory
+
 _MIB = 1024 * 1024
 _MARK = "moeify.bench.phase."
 
@@ -123,7 +125,12 @@ def run_phases(factory: str, kwargs: dict, *, device: str = "cpu",
 def peak_memory(factory: str, kwargs: dict, *, device: str = "cpu",
                 baseline: str = "after_setup", threads: int | None = None,
                 timeout: float = 1800.0) -> dict[str, dict[str, float]]:
-    """``run_phases`` in a fresh Python process (inheriting this one's environment)."""
+    """``run_phases`` in a fresh Python process (inheriting this one's environment). On CUDA
+    this process first hands its cached blocks back (``release_cached_memory``): the fresh
+    process shares the GPU with it, and a parent that timed a large model could otherwise hold
+    most of the GPU's memory in its allocator's cache."""
+    if torch.device(device).type == "cuda":
+        release_cached_memory(device)
     spec = {"factory": factory, "kwargs": kwargs, "device": str(device), "baseline": baseline,
             "threads": threads or torch.get_num_threads()}
     r = subprocess.run([sys.executable, "-m", "moeify.bench.memory", json.dumps(spec)],

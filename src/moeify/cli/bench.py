@@ -22,7 +22,8 @@ def register(sub) -> None:
     em.add_argument("-D", type=int, default=512, help="input width")
     em.add_argument("-F", type=int, default=64, help="output width")
     em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    em.add_argument("--device", default="cpu")
+    em.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
     em.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     em.add_argument("--repeats", type=positive_int, default=7)
     em.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -80,7 +81,7 @@ def register(sub) -> None:
                     help="only these Hugging Face experts implementations (repeatable; default "
                     "all installed)")
     ff.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows")
-    _common(ff, memory=False, device=False, compile=False)
+    _common(ff, memory=False, compile=False)
     ff.set_defaults(func=run_ff)
 
     ge = bsub.add_parser(
@@ -99,16 +100,16 @@ def register(sub) -> None:
     ge.add_argument("--batch", action="append", type=int, metavar="B",
                     help="sequences decoded together (repeatable; default 1 and 8)")
     ge.add_argument("--tokens", type=positive_int, default=8, help="timed decode steps per cell")
-    _common(ge, memory=False, device=False, repeats=False, compile=False)
+    _common(ge, memory=False, repeats=False, compile=False)
     ge.set_defaults(func=run_generate)
 
 
-def _common(p, warmup: int = 2, memory: bool = True, device: bool = True,
-            repeats: bool = True, compile: bool = True) -> None:
-    if device:
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
-        p.add_argument("--device", default="cpu")
+def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,
+            compile: bool = True) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--omp-wait", choices=["default", "passive"], default="default",
                    help="OpenMP wait policy: libgomp's default (idle threads spin a while, as "
@@ -140,10 +141,26 @@ def _openmp_policy(args) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible to torch "
+                         f"{torch.__version__}; run on a machine with an NVIDIA GPU and a CUDA "
+                         "build of torch, or use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: the benchmarks run on cpu or cuda")
+
+
 def _setup_threads(args) -> None:
     _openmp_policy(args)
     import torch
 
+    _check_device(args.device)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
@@ -183,6 +200,8 @@ def run_expert_matmul(args) -> int:
     from moeify.bench.expert_matmul import bench_expert_matmul, table
     from moeify.bench.timing import emit
 
+    _check_device(args.device)
+
     res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F,
                               dtype=getattr(torch, args.dtype), device=args.device,
                               impls=args.impl, repeats=args.repeats)
@@ -198,7 +217,8 @@ def run_ff(args) -> int:
     _setup_threads(args)
     res = bench_ff(tokens=args.tokens, d_model=args.d_model, n_experts=args.experts, k=args.k,
                    expert_size=args.expert_size, impls=args.impl or ["auto"], hf=not args.no_hf,
-                   hf_impls=args.hf_impl, warmup=args.warmup, repeats=args.repeats)
+                   hf_impls=args.hf_impl, warmup=args.warmup, repeats=args.repeats,
+                   device=args.device, dtype=args.dtype)
     emit(res, table(res), args.json)
     return 0
 
@@ -218,6 +238,6 @@ def run_generate(args) -> int:
     res = bench_generate(args.preset or DEFAULT_GENERATE_PRESETS,
                          contexts=args.context or DEFAULT_CONTEXTS,
                          batches=args.batch or DEFAULT_BATCHES, tokens=args.tokens,
-                         warmup=args.warmup)
+                         warmup=args.warmup, device=args.device, dtype=args.dtype)
     emit(res, table(res), args.json)
     return 0
