@@ -15,36 +15,7 @@ import pytest
 import torch
 
 from amp_policy import cuda_autocast_policy
-from moeify.models.presets import get_preset
-from moeify.ops.expert_matmul import IMPLEMENTATIONS
-from moeify.train.config import apply_model_overrides
-
-# Which parts of each family route through the expert matmul.
-FAMILIES = {"tiny-switchhead": ("attention",), "tiny-moa": ("attention",),
-            "tiny-sigmamoe": ("feedforward",), "tiny-switch": ("feedforward",),
-            "tiny-switchall": ("attention", "feedforward"), "tiny-mode": ("feedforward",)}
-IMPLS = IMPLEMENTATIONS + ("auto",)
-
-
-def _cases():
-    for preset, parts in FAMILIES.items():
-        for impl in IMPLS:
-            if impl == "sets" and preset not in ("tiny-switchhead", "tiny-switchall"):
-                continue  # the set layout is SwitchHead's (experts in per-head groups)
-            yield preset, impl
-
-
-def _model(preset, impl):
-    parts = FAMILIES[preset]
-    overrides = ["model.n_layers=2", "model.context_length=16"]
-    for part in parts:
-        # "sets" only where the layer routes in groups (SwitchHead); the sigma-MoE of SwitchAll
-        # keeps "auto" then.
-        if impl != "sets" or part == "attention":
-            overrides.append(f"model.{part}.expert_impl={impl}")
-    cfg = apply_model_overrides(get_preset(preset), overrides)
-    torch.manual_seed(0)
-    return cfg, cfg.build().train()
+from impl_matrix import every_impl_cases, every_impl_model
 
 
 def _ids(cfg):
@@ -66,14 +37,14 @@ _REFERENCE = {}
 
 def _reference(preset):
     if preset not in _REFERENCE:
-        cfg, model = _model(preset, "reference")
+        cfg, model = every_impl_model(preset, "reference")
         _REFERENCE[preset] = _step(model, _ids(cfg), amp=False)
     return _REFERENCE[preset]
 
 
-@pytest.mark.parametrize("preset,impl", list(_cases()))
+@pytest.mark.parametrize("preset,impl", list(every_impl_cases()))
 def test_a_training_step_in_fp32_and_bf16(preset, impl):
-    cfg, model = _model(preset, impl)
+    cfg, model = every_impl_model(preset, impl)
     ids = _ids(cfg)
     loss, grads = _step(model, ids, amp=False)
     want_loss, want_grads = _reference(preset)

@@ -18,6 +18,7 @@ from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
 from moeify.train.config import TrainConfig, apply_model_overrides
 from moeify.train.trainer import train
 from references import english_corpus
+from impl_matrix import every_impl_cases, every_impl_model
 
 DEVICE = os.environ.get("MOEIFY_SUITE_DEVICE", "cuda")
 
@@ -129,6 +130,35 @@ def test_every_family_forward_backward_matches_cpu(preset):
     loss_b, _, grads_b = _fwd_bwd(model, ids, DEVICE, amp=torch.bfloat16)
     assert torch.isfinite(loss_b) and all(torch.isfinite(g).all() for g in grads_b.values())
     assert abs(float(loss_b - loss_c)) < 0.05 * float(loss_c)
+
+
+def test_tied_router_scores_route_as_on_the_cpu():
+    from moeify.ops.routing import expert_choice, sigmoid_topk, softmax_topk
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-1, 2, (512, 10), generator=g).float()  # ties in nearly every row
+    for route in (sigmoid_topk, softmax_topk):
+        want = route(logits, 3).idx
+        assert torch.equal(route(logits.to(DEVICE), 3).idx.cpu(), want)
+    assert route(torch.zeros(64, 8, device=DEVICE), 2).idx.cpu().tolist() == [[0, 1]] * 64
+    scores = torch.randint(0, 3, (4, 64), generator=g).float()
+    assert torch.equal(expert_choice(scores.to(DEVICE), 0.25)[0].cpu(),
+                       expert_choice(scores, 0.25)[0])
+
+
+@pytest.mark.parametrize("preset,impl", list(every_impl_cases()))
+def test_every_family_with_every_expert_impl_trains_in_bf16_autocast(preset, impl):
+    """The matrix that failed on the first GPU run (SwitchHead, MoA, SwitchAll x segment,
+    grouped, auto in bf16): a forward and backward under autocast on the device, close to the
+    float32 loss on the CPU."""
+    cfg, model = every_impl_model(preset, impl)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length + 1),
+                        generator=torch.Generator().manual_seed(1))
+    loss_c, _, _ = _fwd_bwd(model, ids, "cpu")
+    model.zero_grad(set_to_none=True)
+    loss_b, _, grads_b = _fwd_bwd(model, ids, DEVICE, amp=torch.bfloat16)
+    assert torch.isfinite(loss_b) and all(torch.isfinite(g).all() for g in grads_b.values())
+    assert abs(float(loss_b - loss_c)) < 0.03 * float(loss_c)
 
 
 # Mixture-of-Depths is left out: it decodes with its causal router, not the expert-choice top-k of
