@@ -173,6 +173,9 @@ def _check(kind: str, m: _Model) -> None:
               "its feedforward is not a biased two-layer MLP")
         _need(m.dense.activation in _GPT2_ACT, f"its MLP activation is {m.dense.activation}")
         return
+    if kind in MOE_TYPES:  # the experts first: for an MoE model their form matters most
+        _experts(m, renormalize=True if kind == "mixtral" else None,
+                 shared=kind == "qwen2_moe", dense_ok=kind in ("qwen2_moe", "qwen3_moe"))
     _rms_llama(m, {"qwen3_moe": "head", "olmoe": "full"}.get(kind, "none"))
     if kind == "llama":
         _need(a.qkv_bias == a.out_bias, "its attention has Q/K/V biases but no output bias")
@@ -185,15 +188,12 @@ def _check(kind: str, m: _Model) -> None:
         _dense_swiglu(m, bias_ok=False)
     elif kind == "mixtral":
         _need(not a.qkv_bias and not a.out_bias, "its attention has biases")
-        _experts(m, renormalize=True, shared=False, dense_ok=False)
     elif kind == "qwen2_moe":
         _need(not a.out_bias, "its attention has an output bias")
-        _experts(m, renormalize=None, shared=True, dense_ok=True)
     elif kind in ("qwen3_moe", "olmoe"):
         _need(a.qkv_bias == a.out_bias, "its attention has Q/K/V biases but no output bias")
         _need(kind != "olmoe" or a.n_heads * a.d_head == m.cfg.d_model,
               "its heads are not d_model / n_heads wide (OLMoE's query/key norms assume it)")
-        _experts(m, renormalize=None, shared=False, dense_ok=kind == "qwen3_moe")
     else:
         raise AssertionError(kind)
 
@@ -216,11 +216,15 @@ def native_type(cfg, hf_source: dict | None = None) -> str:
             return kind
         except Mismatch as e:
             why[kind] = str(e)
-    if source in why:
-        detail = f"it no longer matches its source's model_type {source}: {why[source]}"
-    else:
-        family = MOE_TYPES if m.moe is not None else DENSE_TYPES
-        detail = "; ".join(f"not {t}: {why[t]}" for t in family)
+    parts = [f"it no longer matches its source's model_type {source}: {why[source]}"] \
+        if source in why else []
+    family = MOE_TYPES if m.moe is not None else DENSE_TYPES
+    if source not in family:  # a dense source turned MoE (upcycled): say what the MoE types want
+        by_reason: dict[str, list[str]] = {}
+        for t in family:
+            by_reason.setdefault(why[t], []).append(t)
+        parts += [f"not {' / '.join(ts)}: {reason}" for reason, ts in by_reason.items()]
+    detail = "; ".join(parts)
     raise MoeifyError(f"the model has no native Hugging Face form ({detail}); export it with "
                       "--format moeify")
 
