@@ -303,6 +303,52 @@ def test_mistral_sliding_window_survives_the_round_trip(tmp_path):
         assert (back(ids).logits - hf_model(ids).logits).abs().max() < TOL
 
 
+def _native_moeify_model(kind: str):
+    """A moeify model built in Python, never imported, with a native type's semantics."""
+    from moeify.layers.gqa import GroupedQueryAttentionConfig
+    from moeify.layers.mlp import GatedMLPConfig
+    from moeify.layers.norm import NormConfig
+    from moeify.layers.switch_ff import SwitchFFConfig
+    from moeify.models.config import ModelConfig
+
+    qwen3 = kind == "qwen3_moe"
+    attn = GroupedQueryAttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, d_head=8,
+                                       n_layers=2, qk_norm="head" if qwen3 else "none",
+                                       qk_norm_eps=1e-5)
+    moe = SwitchFFConfig(d_model=32, d_ff=24, n_experts=4, k=2, gated=True, activation="silu",
+                         dropless=True, renormalize=not qwen3)
+    ff = (GatedMLPConfig(d_model=32, d_ff=40, n_layers=2), moe) if qwen3 else moe
+    return ModelConfig(vocab_size=256, d_model=32, n_layers=2, context_length=32,
+                       attention=attn, feedforward=ff, xl_memory=False,
+                       norm=NormConfig(kind="rmsnorm", eps=1e-5, bias=False),
+                       output_bias=False)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
+    from moeify.data.tokenizers import ByteTokenizer
+    from moeify.train.checkpoint import save_checkpoint
+    from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
+    from moeify.train.rundir import model_config_dict, write_run_files
+
+    cfg = _native_moeify_model(kind)
+    model = cfg.build()
+    _randomise(model, 4)
+    run = tmp_path / "run"
+    write_run_files(run, TrainConfig(preset=RUN_MODEL_PRESET, tokenizer="byte256"), cfg,
+                    ByteTokenizer())
+    save_checkpoint(run, 1, model.state_dict(), {"step": 1},
+                    meta={"preset": RUN_MODEL_PRESET, "model_config": model_config_dict(cfg)})
+    back = _load_native(export_hf(run, tmp_path / "hf", format="native"), kind)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = load_trained(run).model(ids).logits
+        diff = (back(ids).logits - want).abs().max().item()
+    assert want.abs().max() > 1.0
+    MAX_DIFF[f"native export of a moeify-built {kind}"] = diff
+    assert diff < TOL, diff
+
+
 # ---------------------------------------------------------------------- refusals
 
 def _preset_run(root: Path, preset: str, *overrides: str) -> Path:

@@ -278,7 +278,9 @@ def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
         is_moe = [isinstance(x, SwitchFFConfig) for x in m.ffs]
         out.update(num_experts_per_tok=f.k, router_jitter_noise=0.0,
                    output_router_logits=False,
-                   router_aux_loss_coef=f.balance_coef or out.get("router_aux_loss_coef", 0.0))
+                   router_aux_loss_coef=f.balance_coef)
+        for key in ("num_local_experts", "num_experts"):  # Qwen3-MoE's config maps one on the other
+            out.pop(key, None)
         out["num_local_experts" if kind == "mixtral" else "num_experts"] = f.n_experts
         if kind == "mixtral":
             out["intermediate_size"] = f.d_ff
@@ -300,9 +302,30 @@ def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
 def native_state(kind: str, cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The moeify state dict under transformers' names and layouts for ``kind`` (the inverse of
     moeify.interop.hf_import's conversion), float32 and contiguous."""
+    sd = _Tracked({k: v.detach().float().cpu() for k, v in state.items()})
+    out = _native_tensors(kind, cfg, sd)
+    unused = sorted(set(sd) - sd.read)
+    if unused:  # a tensor the mapping does not know: an export without it would be wrong
+        raise MoeifyError(f"the model's tensor {unused[0]} has no place in a native {kind} "
+                          "checkpoint; export it with --format moeify")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+class _Tracked(dict):
+    """A state dict that remembers which tensors were read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _native_tensors(kind: str, cfg, sd: _Tracked) -> dict[str, torch.Tensor]:
     from moeify.layers.switch_ff import SwitchFFConfig
 
-    sd = {k: v.detach().float().cpu() for k, v in state.items()}
     out: dict[str, torch.Tensor] = {}
     if kind == "gpt2":
         out.update({"transformer.wte.weight": sd["embedding.weight"],
@@ -327,7 +350,7 @@ def native_state(kind: str, cfg, state: dict[str, torch.Tensor]) -> dict[str, to
                 out[h + f"{hf_ln}.bias"] = sd[b + f"{ln}.bias"]
         if not cfg.tie_embeddings:
             out["lm_head.weight"] = sd["output.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+        return out
 
     out["model.embed_tokens.weight"] = sd["embedding.weight"]
     out["model.norm.weight"] = sd["ln_f.weight"]
@@ -358,7 +381,7 @@ def native_state(kind: str, cfg, state: dict[str, torch.Tensor]) -> dict[str, to
         if f.shared is not None:
             out.update(_swiglu(sd, ff + "shared.", h + block + "shared_expert."))
             out[h + block + "shared_expert_gate.weight"] = sd[ff + "shared_gate.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return out
 
 
 def _swiglu(sd, ours: str, theirs: str) -> dict[str, torch.Tensor]:
