@@ -434,6 +434,17 @@ def test_native_export_names_what_a_changed_import_no_longer_matches(imported, t
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
 
 
+def test_new_layer_options_leave_existing_run_files_as_they_were(imported, tmp_path):
+    """The options added for the MoE imports are left out of model.json at their defaults, so
+    runs written before they existed (and their checkpoints' records) still load."""
+    dense = (imported["llama"] / "model.json").read_text()
+    switch = (_preset_run(tmp_path, "tiny-switch") / "model.json").read_text()
+    for key in ("qk_norm", "gated", "renormalize", "shared"):
+        assert f'"{key}' not in dense and f'"{key}' not in switch, key
+    moe = json.loads((imported["qwen2_moe"] / "model.json").read_text())
+    assert moe["feedforward"][0]["shared"]["type"] == "GatedMLPConfig"
+
+
 def test_report_measured_differences():
     """Prints the largest logit differences measured above (pytest -s shows them)."""
     print("\nmax |logit difference|:", json.dumps({k: f"{v:.2e}" for k, v in MAX_DIFF.items()}))

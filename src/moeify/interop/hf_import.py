@@ -208,7 +208,7 @@ def _llama_config(hf: dict) -> ModelConfig:
     attn = GroupedQueryAttentionConfig(
         d_model=D, n_heads=H, n_kv_heads=Hk, d_head=C, pos="rope", rope_base=base,
         rope_fraction=fraction, qkv_bias=qkv_bias, out_bias=out_bias, n_layers=L,
-        qk_norm=qk_norm, qk_norm_eps=eps)
+        qk_norm=qk_norm, qk_norm_eps=eps if qk_norm != "none" else 1e-6)
     if kind in MOE_ARCHITECTURES:
         ff = _moe_layers(hf, D, L, act)
     else:

@@ -67,6 +67,7 @@ from moeify.layers.common import (
     check_positive,
     check_probability,
     check_token_input,
+    later_option,
     register_usage,
     routing_record,
     trunc_normal_,
@@ -121,10 +122,10 @@ class SwitchFFConfig:
     expert_impl: str = "auto"
     bias: bool = False
     activation: str = "relu"
-    gated: bool = False
-    renormalize: bool = False
-    shared: GatedMLPConfig | None = None
-    shared_gate: bool = False
+    gated: bool = later_option(False)
+    renormalize: bool = later_option(False)
+    shared: GatedMLPConfig | None = later_option(None)
+    shared_gate: bool = later_option(False)
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
