@@ -268,6 +268,13 @@ def test_import_eval_train_export_native_round_trip(name, checkpoints, tmp_path,
     assert diff < TOL, diff
     with torch.no_grad():  # the training moved the weights transformers now holds
         assert (got - hf_model(ids2, attention_mask=mask).logits)[mask.bool()].abs().max() > 1e-3
+    from moeify.eval.generate import generate  # greedy decoding, each with its own cache
+
+    prompt = ids2[0, :5].tolist()
+    new_ids = back.generate(ids2[:1, :5], max_new_tokens=6, do_sample=False,
+                            attention_mask=torch.ones(1, 5, dtype=torch.long))
+    assert new_ids[0, 5:].tolist() == generate(trained.model, prompt, max_new_tokens=6,
+                                               temperature=0.0)
     readme = (out / "README.md").read_text()
     assert "without moeify" in readme and "trust_remote_code" not in readme
     tok = transformers.AutoTokenizer.from_pretrained(out)
