@@ -172,7 +172,7 @@ def test_count_prices_imported_moe_exactly(name, checkpoints, imported):
         hf_model.num_parameters()
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe"])
 def test_imported_moe_cached_decoding_equals_full_forward(name, imported):
     model = load_trained(imported[name]).model
     ids, _ = _batch(2)
