@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "import", help="import a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2) as a run",
+        "import", help="import a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Mixtral, "
+        "Qwen2-MoE, Qwen3-MoE, OLMoE) as a run",
         description="Convert a local Hugging Face checkpoint directory (written by "
         "save_pretrained: config.json, model.safetensors, tokenizer.json) into a moeify run "
         "directory that eval, generate, plot, count and train --resume accept. Nothing is "

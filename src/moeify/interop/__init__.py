@@ -1,6 +1,8 @@
-"""Interoperability with other tools: Hugging Face checkpoints in (``import_hf``) and out
-(``export_hf``), and lm-evaluation-harness (``moeify.interop.harness``: the model type ``moeify``
-and task definitions that read local files). Optional dependencies (transformers, tokenizers:
+"""Interoperability with other tools: Hugging Face checkpoints in (``import_hf``: GPT-2, the
+Llama family, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and out (``export_hf``: the moeify format with
+remote code, or ``format="native"``, transformers' own model types, ``hf_native``), and
+lm-evaluation-harness (``moeify.interop.harness``: the model type ``moeify`` and task
+definitions that read local files). Optional dependencies (transformers, tokenizers:
 ``pip install 'moeify[hf]'``; lm-eval: ``pip install 'moeify[harness]'``) are imported lazily;
 the rest of moeify never needs this package."""
 

@@ -1,4 +1,15 @@
-"""Export a moeify run as a Hugging Face model directory (``moeify export``).
+"""Export a moeify run as a Hugging Face model directory (``moeify export``), in one of two
+formats:
+
+    moeify  (the default) every moeify model, loaded through remote code that imports moeify:
+    native  (``--format native``) a model that is exactly one of transformers' own architectures
+            (GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: imported
+            checkpoints, and models trained or fine-tuned from them without changing their
+            structure) as that ``model_type``, loadable by plain transformers without moeify;
+            any other model is refused in one line naming the difference
+            (moeify.interop.hf_native).
+
+The moeify format:
 
     out/ config.json              model_type "moeify", auto_map, the moeify ModelConfig
          configuration_moeify.py  the transformers config class   } loaded with
@@ -108,6 +119,41 @@ def _tokenizer_config(tm) -> dict:
     return cfg
 
 
+def _native_readme(run_dir: Path, kind: str, model_cfg, has_tokenizer: bool) -> str:
+    from moeify.interop.hf_native import ARCHITECTURE
+
+    tok = ("tokenizer.json (AutoTokenizer.from_pretrained(DIR)) is the run's tokenizer.\n"
+           if has_tokenizer else "The run's tokenizer (SentencePiece) has no Hugging Face form "
+           "here: its moeify files are in moeify_tokenizer/.\n")
+    return (f"# {ARCHITECTURE[kind]}\n\nExported by `moeify export --format native` from the run "
+            f"{run_dir.name} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
+            f"vocabulary {model_cfg.vocab_size}) as transformers' own model_type `{kind}`: it "
+            "loads without moeify.\n\n```python\nfrom transformers import AutoModelForCausalLM"
+            "\nmodel = AutoModelForCausalLM.from_pretrained(DIR)\n```\n\n" + tok)
+
+
+def _write_tokenizer(tmp: Path, tm) -> bool:
+    tok = tokenizer_json(tm.tokenizer)
+    if tok is not None:
+        (tmp / "tokenizer.json").write_bytes(tok)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tm), indent=2)
+                                                    + "\n")
+    else:
+        tm.tokenizer.save(tmp / "moeify_tokenizer")
+    return tok is not None
+
+
+def _write_native(tmp: Path, tm, native) -> None:
+    from safetensors.torch import save_file
+
+    kind, config, state = native
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    has_tok = _write_tokenizer(tmp, tm)
+    (tmp / "README.md").write_text(_native_readme(tm.run_dir, kind, tm.model_config, has_tok))
+
+
 def _write(tmp: Path, tm, hf_source: dict | None) -> None:
     from safetensors.torch import save_file
 
@@ -119,23 +165,25 @@ def _write(tmp: Path, tm, hf_source: dict | None) -> None:
     state = {f"model.{k}": v.detach().float().cpu().contiguous()
              for k, v in tm.model.state_dict().items()}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tok = tokenizer_json(tm.tokenizer)
-    if tok is not None:
-        (tmp / "tokenizer.json").write_bytes(tok)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tm), indent=2)
-                                                    + "\n")
-    else:
-        tm.tokenizer.save(tmp / "moeify_tokenizer")
-    (tmp / "README.md").write_text(_readme(tm.run_dir, tm.model_config, tok is not None))
+    has_tok = _write_tokenizer(tmp, tm)
+    (tmp / "README.md").write_text(_readme(tm.run_dir, tm.model_config, has_tok))
 
 
-def export_hf(run: str | Path, out: str | Path) -> Path:
+EXPORT_FORMATS = ("moeify", "native")
+
+
+def export_hf(run: str | Path, out: str | Path, *, format: str = "moeify") -> Path:
     """Write the Hugging Face directory ``out`` (new or empty) from the run (or checkpoint)
-    ``run``. The directory appears complete or not at all (written beside it, then renamed)."""
+    ``run``, in ``format`` "moeify" (remote code) or "native" (transformers' own model_type;
+    module docstring). The directory appears complete or not at all (written beside it, then
+    renamed); a model without a native form is refused before anything is written."""
     from moeify.interop.hf_import import HF_CONFIG_COPY, offline
     from moeify.train.rundir import load_trained
 
     offline()
+    if format not in EXPORT_FORMATS:
+        raise MoeifyError(f"unknown export format {format!r}; choose one of "
+                          f"{', '.join(EXPORT_FORMATS)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
@@ -143,6 +191,13 @@ def export_hf(run: str | Path, out: str | Path) -> Path:
     tm = load_trained(run)
     src = tm.run_dir / HF_CONFIG_COPY
     hf_source = json.loads(src.read_text()) if src.is_file() else None
+    if format == "native":
+        from moeify.interop.hf_native import native_export
+
+        native = native_export(tm.model_config, tm.model.state_dict(), hf_source)
+        with atomic_directory(out, "export") as tmp:
+            _write_native(tmp, tm, native)
+        return out
     with atomic_directory(out, "export") as tmp:
         _write(tmp, tm, hf_source)
     return out

@@ -4,10 +4,12 @@
                              hf_config.json (the source config), hf_tokenizer_config.json
                              (its special tokens), checkpoints/step-00000000/ (weights only)
 
-Supported: GPT-2 (``GPT2LMHeadModel``) and the Llama family (``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM``). The conversion preserves the function: the moeify
-model computes the same logits as the transformers model for any batch within the context
-(float32 weights; tests/interop/test_hf.py holds both families to 1e-4, padded batches too):
+Supported: GPT-2 (``GPT2LMHeadModel``), the Llama family (``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``) and its MoE relatives (``MixtralForCausalLM``,
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``OlmoeForCausalLM``). The conversion preserves
+the function: the moeify model computes the same logits as the transformers model for any batch
+within the context (float32 weights; tests/interop/test_hf.py holds the dense families to 1e-4,
+tests/interop/test_hf_moe.py the MoE families to 1e-5, padded batches too):
 
     GPT-2  learned absolute positions, LayerNorm (eps from the config), multi-head attention
            with Q/K/V and output biases (Conv1D [in, out] weights transposed, c_attn split into
@@ -15,11 +17,25 @@ model computes the same logits as the transformers model for any batch within th
     Llama  RMSNorm (eps from the config), grouped-query attention with full-width RoPE of the
            config's base (Hugging Face's rotate-half layout is moeify's: no permutation),
            optional biases (Qwen2: Q/K/V), SwiGLU MLP, tied or untied embeddings.
+    MoE    the Llama body with a Switch feedforward (moeify.layers.switch_ff) whose options
+           state the checkpoint's routing: router logits and softmax over the E experts in
+           float32, top-k, the k gates renormalised to sum 1 (Mixtral always; Qwen2-MoE,
+           Qwen3-MoE and OLMoE when ``norm_topk_prob``), SwiGLU experts (gated=True), dropless
+           (Hugging Face's MoE blocks drop no token). Per family: Mixtral no attention biases;
+           Qwen2-MoE Q/K/V biases (``qkv_bias``), a shared SwiGLU expert scaled by
+           sigmoid(shared_expert_gate · x), dense SwiGLU layers where ``decoder_sparse_step``
+           / ``mlp_only_layers`` say so; Qwen3-MoE RMSNorm of each query and key head
+           (qk_norm="head"), the same dense layers; OLMoE RMSNorm over the whole query and key
+           projections (qk_norm="full"). Training after the import uses moeify's Switch
+           balance loss (the top-1 form) weighted by the checkpoint's ``router_aux_loss_coef``
+           and no z-loss; Hugging Face's load-balancing loss counts all k choices.
 
 Not preserved: dropout rates (the imported model has none), the weights' dtype (stored as
 float32), and anything the config marks as a variant moeify does not implement (RoPE scaling,
-GPT-2's layer-index attention scaling...), which is refused. Mistral's sliding window is not
-applied: the context length is capped at the window instead. Nothing is downloaded: the
+GPT-2's layer-index attention scaling, OLMoE's ``clip_qkv``, Mixtral's ``router_jitter_noise``...),
+which is refused in one line. A sliding window (Mistral, Mixtral, Qwen-MoE with
+``use_sliding_window``) is not applied: the context length is capped at the window instead, where
+windowed and full attention agree. Nothing is downloaded: the
 directory must hold config.json, the weights (model.safetensors, or shards with
 model.safetensors.index.json) and tokenizer.json.
 """
@@ -38,10 +54,14 @@ from moeify.errors import MoeifyError
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.norm import NormConfig
+from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.models.config import ModelConfig
 
+MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                     "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                           "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+                           "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           **MOE_ARCHITECTURES}
 HF_CONFIG_COPY = "hf_config.json"
 # The special tokens and chat template of tokenizer_config.json, kept for the export.
 HF_TOKENIZER_CONFIG_COPY = "hf_tokenizer_config.json"
@@ -145,24 +165,55 @@ def _rope(hf: dict) -> tuple[float, float]:
     return float(base), float(fraction)
 
 
-def _llama_config(hf: dict) -> ModelConfig:
+_ACTS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def _act(hf: dict) -> str:
     act = _need(hf, "hidden_act", "silu")
-    if act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-        raise MoeifyError(f"config.json: hidden_act {act!r} is not supported; moeify has silu, "
-                          "gelu, gelu_pytorch_tanh, relu")
+    if act not in _ACTS:
+        raise MoeifyError(f"config.json: hidden_act {act!r} is not supported; moeify has "
+                          f"{', '.join(_ACTS)}")
+    return _ACTS[act]
+
+
+def _attention_biases(hf: dict) -> tuple[bool, bool]:
+    """(Q/K/V bias, output bias) as each family's attention code builds them."""
+    kind = hf["model_type"]
+    if kind == "qwen2":
+        return True, False
+    if kind == "qwen2_moe":  # its own key; Qwen1.5-MoE configs, without it, have the biases
+        return bool(hf.get("qkv_bias", True)), False
+    if kind == "mixtral":
+        return False, False
+    bias = bool(hf.get("attention_bias", False))  # llama, mistral, qwen3_moe, olmoe: all four
+    return bias, bias
+
+
+def _llama_config(hf: dict) -> ModelConfig:
+    """The Llama family (Llama, Mistral, Qwen2) and its MoE relatives (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE): RMSNorm, RoPE, grouped-query attention, SwiGLU MLPs or experts."""
+    kind = hf["model_type"]
+    act = _act(hf)
     D, L = _need(hf, "hidden_size"), _need(hf, "num_hidden_layers")
     H = _need(hf, "num_attention_heads")
     Hk = hf.get("num_key_value_heads") or H
     C = hf.get("head_dim") or D // H
-    qwen = hf["model_type"] == "qwen2"
-    bias = bool(hf.get("attention_bias", False))
+    qkv_bias, out_bias = _attention_biases(hf)
+    eps = float(hf.get("rms_norm_eps", 1e-6))
     base, fraction = _rope(hf)
+    qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(kind, "none")
+    if kind == "olmoe" and hf.get("clip_qkv") is not None:
+        raise MoeifyError(f"config.json sets clip_qkv={hf['clip_qkv']} (OLMoE's clamping of "
+                          "queries, keys and values), which moeify does not implement")
     attn = GroupedQueryAttentionConfig(
         d_model=D, n_heads=H, n_kv_heads=Hk, d_head=C, pos="rope", rope_base=base,
-        rope_fraction=fraction, qkv_bias=qwen or bias, out_bias=bias and not qwen, n_layers=L)
-    ff = GatedMLPConfig(d_model=D, d_ff=_need(hf, "intermediate_size"),
-                        activation="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
-                        bias=bool(hf.get("mlp_bias", False)), n_layers=L)
+        rope_fraction=fraction, qkv_bias=qkv_bias, out_bias=out_bias, n_layers=L,
+        qk_norm=qk_norm, qk_norm_eps=eps if qk_norm != "none" else 1e-6)
+    if kind in MOE_ARCHITECTURES:
+        ff = _moe_layers(hf, D, L, act)
+    else:
+        ff = GatedMLPConfig(d_model=D, d_ff=_need(hf, "intermediate_size"), activation=act,
+                            bias=bool(hf.get("mlp_bias", False)), n_layers=L)
     T = min(int(_need(hf, "max_position_embeddings", MAX_IMPORTED_CONTEXT)),
             MAX_IMPORTED_CONTEXT)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
@@ -171,9 +222,55 @@ def _llama_config(hf: dict) -> ModelConfig:
     tied = bool(hf.get("tie_word_embeddings", False))
     return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,
                        context_length=T, attention=attn, feedforward=ff, xl_memory=False,
-                       norm=NormConfig(kind="rmsnorm", eps=float(hf.get("rms_norm_eps", 1e-6)),
-                                       bias=False),
+                       norm=NormConfig(kind="rmsnorm", eps=eps, bias=False),
                        tie_embeddings=tied, output_bias=False)
+
+
+def moe_layer_indices(hf: dict) -> list[bool]:
+    """Which layers of a Hugging Face MoE config hold experts (the others a dense SwiGLU MLP):
+    Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``; every layer elsewhere."""
+    L = int(_need(hf, "num_hidden_layers"))
+    if hf["model_type"] not in ("qwen2_moe", "qwen3_moe"):
+        return [True] * L
+    E = _n_experts(hf)
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
+
+
+def _n_experts(hf: dict) -> int:
+    key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
+    return int(_need(hf, key))
+
+
+def _moe_layers(hf: dict, D: int, L: int, act: str) -> tuple:
+    """The feedforward of every layer: a Switch feedforward with the checkpoint's routing
+    (softmax over the experts in float32, top-k, renormalised as the family defines, no
+    capacity limit: Hugging Face's MoE blocks drop no token) or, in Qwen-MoE's dense layers,
+    a SwiGLU MLP."""
+    kind = hf["model_type"]
+    if float(hf.get("router_jitter_noise") or 0.0) > 0:
+        raise MoeifyError(f"config.json sets router_jitter_noise={hf['router_jitter_noise']} "
+                          "(multiplicative router noise in training), which moeify does not "
+                          "implement")
+    qwen = kind in ("qwen2_moe", "qwen3_moe")
+    F = int(_need(hf, "moe_intermediate_size" if qwen else "intermediate_size"))
+    shared = None
+    if kind == "qwen2_moe" and int(_need(hf, "shared_expert_intermediate_size")) > 0:
+        shared = GatedMLPConfig(d_model=D, d_ff=int(hf["shared_expert_intermediate_size"]),
+                                activation=act, n_layers=L)
+    moe = SwitchFFConfig(
+        d_model=D, d_ff=F, n_experts=_n_experts(hf), k=int(_need(hf, "num_experts_per_tok")),
+        dropless=True, gated=True, activation=act,
+        renormalize=True if kind == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        shared=shared, shared_gate=shared is not None,
+        balance_coef=float(hf.get("router_aux_loss_coef") or 0.0), z_coef=0.0)
+    dense = None
+    layers = moe_layer_indices(hf)
+    if not all(layers):
+        dense = GatedMLPConfig(d_model=D, d_ff=int(_need(hf, "intermediate_size")),
+                               activation=act, n_layers=L)
+    return tuple(moe if is_moe else dense for is_moe in layers)
 
 
 # ---------------------------------------------------------------------- weights
@@ -210,8 +307,8 @@ def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
 class _Weights:
     """The checkpoint's tensors by name, with a clear error for a missing one."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str):
-        self.tensors, self.prefix = tensors, prefix
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, model_type: str = ""):
+        self.tensors, self.prefix, self.model_type = tensors, prefix, model_type
 
     def __call__(self, name: str) -> torch.Tensor:
         key = self.prefix + name
@@ -245,22 +342,66 @@ def _gpt2_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _llama_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     sd = {"embedding.weight": w("embed_tokens.weight"), "ln_f.weight": w("norm.weight")}
-    a, f = cfg.attention[0], cfg.feedforward[0]
+    a = cfg.attention[0]
     names = [("w_q", "self_attn.q_proj", a.qkv_bias), ("w_k", "self_attn.k_proj", a.qkv_bias),
              ("w_v", "self_attn.v_proj", a.qkv_bias), ("w_o", "self_attn.o_proj", a.out_bias)]
-    ff = [("w_gate", "mlp.gate_proj"), ("w_up", "mlp.up_proj"), ("w_down", "mlp.down_proj")]
-    for i in range(cfg.n_layers):
+    for i, f in enumerate(cfg.feedforward_layers()):
         h, b = f"layers.{i}.", f"blocks.{i}."
         for ours, theirs, bias in names:
             sd[b + f"attention.{ours}.weight"] = w(h + theirs + ".weight")
             if bias:
                 sd[b + f"attention.{ours}.bias"] = w(h + theirs + ".bias")
-        for ours, theirs in ff:
-            sd[b + f"feedforward.{ours}.weight"] = w(h + theirs + ".weight")
-            if f.bias:
-                sd[b + f"feedforward.{ours}.bias"] = w(h + theirs + ".bias")
+        if a.qk_norm != "none":
+            sd[b + "attention.q_norm.weight"] = w(h + "self_attn.q_norm.weight")
+            sd[b + "attention.k_norm.weight"] = w(h + "self_attn.k_norm.weight")
+        if isinstance(f, SwitchFFConfig):
+            sd.update(_experts_state(w, f, h, b + "feedforward."))
+        else:
+            sd.update(_gated_mlp_state(w, h + "mlp.", b + "feedforward.", f.bias))
         sd[b + "ln1.weight"] = w(h + "input_layernorm.weight")
         sd[b + "ln2.weight"] = w(h + "post_attention_layernorm.weight")
+    return sd
+
+
+def _gated_mlp_state(w: _Weights, theirs: str, ours: str, bias: bool = False):
+    sd = {}
+    for o, t in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        sd[f"{ours}{o}.weight"] = w(f"{theirs}{t}.weight")
+        if bias:
+            sd[f"{ours}{o}.bias"] = w(f"{theirs}{t}.bias")
+    return sd
+
+
+# Where each family keeps its MoE block, and its experts' per-expert names (gate, up, down), as
+# save_pretrained writes them; transformers' fused in-memory form (experts.gate_up_proj
+# [E, 2F, D], experts.down_proj [E, D, F]) is read too.
+_MOE_BLOCK = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
+_MOE_DEFAULT = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _experts_state(w: _Weights, f: SwitchFFConfig, h: str, ours: str):
+    """A Switch feedforward's tensors from a Hugging Face MoE block: the router [E, D] as is,
+    expert e's gate / up [F, D] and down [D, F] matrices transposed into [E, D, F] / [E, F, D]."""
+    block, (g, u, d) = _MOE_BLOCK.get(w.model_type, _MOE_DEFAULT)
+    if (w.prefix + h + "mlp.experts.down_proj") in w.tensors:  # fused form
+        block = "mlp."
+    sd = {ours + "w_router_RD": w(h + block + "gate.weight")}
+    fused = h + block + "experts.gate_up_proj"
+    if (w.prefix + fused) in w.tensors:
+        gate_up = w(fused)  # [E, 2F, D]: gate rows first, then up
+        F = gate_up.shape[1] // 2
+        sd[ours + "w_gate_EDF"] = gate_up[:, :F].transpose(1, 2)
+        sd[ours + "w_in_EDF"] = gate_up[:, F:].transpose(1, 2)
+        sd[ours + "w_out_EFD"] = w(h + block + "experts.down_proj").transpose(1, 2)
+    else:
+        def stack(name):
+            return torch.stack([w(f"{h}{block}experts.{e}.{name}.weight").t()
+                                for e in range(f.n_experts)])
+        sd[ours + "w_gate_EDF"], sd[ours + "w_in_EDF"], sd[ours + "w_out_EFD"] = (
+            stack(g), stack(u), stack(d))
+    if f.shared is not None:
+        sd.update(_gated_mlp_state(w, h + block + "shared_expert.", ours + "shared."))
+        sd[ours + "shared_gate.weight"] = w(h + block + "shared_expert_gate.weight")
     return sd
 
 
@@ -271,7 +412,7 @@ def state_from_hf(tensors: dict[str, torch.Tensor], hf: dict, cfg: ModelConfig,
     gpt2 = hf["model_type"] == "gpt2"
     body = "transformer." if gpt2 else "model."
     prefix = body if any(k.startswith(body) for k in tensors) else ""
-    sd = (_gpt2_state if gpt2 else _llama_state)(_Weights(tensors, prefix), cfg)
+    sd = (_gpt2_state if gpt2 else _llama_state)(_Weights(tensors, prefix, hf["model_type"]), cfg)
     if not cfg.tie_embeddings:
         head = tensors.get("lm_head.weight")
         if head is None:

@@ -305,6 +305,13 @@ def init_scale(n_layers: int) -> float:
 
 
 @torch.no_grad()
+def later_option(default):
+    """A layer-config field added after run directories were written: a dataclass field whose
+    default is left out of the config's JSON (moeify.models.config), so that model.json and the
+    checkpoints of existing runs, written without it, still read back equal."""
+    return field(default=default, metadata={"omit_default": True})
+
+
 def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:
     """Truncated normal at two standard deviations of the untruncated normal ``std`` (the Switch
     initialiser, as Mesh TensorFlow's truncated_normal_initializer: the values' actual standard

@@ -16,6 +16,11 @@ convention of Hugging Face's Llama code, so its checkpoints need no channel perm
 "absolute" leaves positions to the model's learned embedding (ModelConfig.max_positions, GPT-2),
 so inside the layer it is "none", no positional information.
 
+Query/key normalisation (``qk_norm``, before RoPE), as the MoE families moeify imports define it:
+"head" is an RMSNorm over each head's C channels, one weight [C] shared by the heads (Qwen3,
+Qwen3-MoE); "full" an RMSNorm over the whole projection, q over H·C and k over Hk·C channels
+(OLMoE, OLMo 2); "none" (the default) is the Llama family's plain projection.
+
 Positions, masks, the KV cache (keys after RoPE, Hk heads), dropout and the kernel are the
 attention core's (moeify.layers.attention_core), so cached decoding, padding and Mixture-of-Depths
 positions behave as in every other moeify attention; the core repeats the key/value heads over
@@ -31,16 +36,21 @@ from torch import nn
 
 from moeify.layers.attention import check_inputs, core_config
 from moeify.layers.attention_core import AttentionCore, check_core_fields
-from moeify.layers.common import Aux, check_positive, init_scale, trunc_normal_exact_std_
+from moeify.layers.common import (Aux, check_positive, init_scale, later_option,
+                                  trunc_normal_exact_std_)
 from moeify.layers.kv_cache import KVCache
+from moeify.layers.norm import RMSNorm
 
 GQA_POSITIONAL = ("rope", "none", "absolute")
+QK_NORMS = ("none", "head", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
 class GroupedQueryAttentionConfig:
     """n_kv_heads: key/value heads Hk (must divide n_heads); qkv_bias / out_bias: biases of the
-    Q, K, V and of the output projection; rope_fraction 1.0 = the full head width (Llama)."""
+    Q, K, V and of the output projection; rope_fraction 1.0 = the full head width (Llama);
+    qk_norm: "none", "head" or "full" RMSNorm of queries and keys (module docstring), with
+    ``qk_norm_eps``."""
 
     d_model: int
     n_heads: int
@@ -54,10 +64,18 @@ class GroupedQueryAttentionConfig:
     n_layers: int = 1
     attn_dropout: float = 0.0
     attn_impl: str = "auto"
+    qk_norm: str = later_option("none")
+    qk_norm_eps: float = later_option(1e-6)
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "n_kv_heads", "d_head", "n_layers")
         check_core_fields(self, GQA_POSITIONAL)
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"GroupedQueryAttentionConfig.qk_norm must be one of "
+                             f"{', '.join(QK_NORMS)}, got {self.qk_norm!r}")
+        if not self.qk_norm_eps > 0:
+            raise ValueError(f"GroupedQueryAttentionConfig.qk_norm_eps must be positive, "
+                             f"got {self.qk_norm_eps}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"GroupedQueryAttentionConfig: n_kv_heads={self.n_kv_heads} must "
                              f"divide n_heads={self.n_heads}")
@@ -69,6 +87,10 @@ class GroupedQueryAttentionConfig:
             n += (H + 2 * Hk) * C
         if self.out_bias:
             n += D
+        if self.qk_norm == "head":
+            n += 2 * C
+        elif self.qk_norm == "full":
+            n += (H + Hk) * C
         return n
 
     def build(self) -> "GroupedQueryAttention":
@@ -84,6 +106,10 @@ class GroupedQueryAttention(nn.Module):
         self.w_k = nn.Linear(D, Hk * C, bias=c.qkv_bias)
         self.w_v = nn.Linear(D, Hk * C, bias=c.qkv_bias)
         self.w_o = nn.Linear(H * C, D, bias=c.out_bias)
+        if c.qk_norm != "none":
+            full = c.qk_norm == "full"
+            self.q_norm = RMSNorm(H * C if full else C, eps=c.qk_norm_eps)
+            self.k_norm = RMSNorm(Hk * C if full else C, eps=c.qk_norm_eps)
         self.core = AttentionCore(core_config(c, n_heads=H, n_kv_heads=Hk))
         self.reset_parameters()
 
@@ -111,8 +137,13 @@ class GroupedQueryAttention(nn.Module):
         B, T, _ = q_BTD.shape
         S = src_BSD.shape[1]
         H, Hk, C = c.n_heads, c.n_kv_heads, c.d_head
-        return (self.w_q(q_BTD).view(B, T, H, C).transpose(1, 2),
-                self.w_k(src_BSD).view(B, S, Hk, C).transpose(1, 2),
+        q, k = self.w_q(q_BTD), self.w_k(src_BSD)
+        if c.qk_norm == "full":  # over the whole projection, before the split into heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, H, C), k.view(B, S, Hk, C)
+        if c.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (q.transpose(1, 2), k.transpose(1, 2),
                 self.w_v(src_BSD).view(B, S, Hk, C).transpose(1, 2))
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,

@@ -10,6 +10,17 @@ Per token (moe-family.md, Switch):
 (``bias`` and ``activation`` generalise the expert to W_out,i · act(W_in,i · x + b_i), plus an
 ungated output bias: the form of a dense MLP with biases and another activation, for upcycling.)
 
+The options of the Hugging Face MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), each an
+exact form of the checkpoint's computation (moeify.interop.hf_import):
+
+    gated        a SwiGLU expert, W_out,i · (act(W_gate,i · x) ⊙ W_in,i · x) (Shazeer 2020, Eq. 6)
+    renormalize  the k kept gates divided by their sum (Mixtral always; the others when the
+                 checkpoint's ``norm_topk_prob`` says so); without it they are the raw softmax
+                 probabilities, as in Switch
+    shared       an always-on dense expert added to every token (Qwen2-MoE's shared expert),
+                 y += σ(w_sg · x) · shared(x) with ``shared_gate`` (its scalar sigmoid gate), or
+                 y += shared(x) without
+
 Capacity: each expert takes at most ceil(M · k / (E + Z) · capacity_factor) (token, choice) pairs
 of the batch (M = B·T rows, padding included in M so that shapes stay static; padding itself
 takes no capacity). Priority is by position: all first choices before any second choice, and
@@ -56,14 +67,18 @@ from moeify.layers.common import (
     check_positive,
     check_probability,
     check_token_input,
+    later_option,
     register_usage,
     routing_record,
     trunc_normal_,
 )
-from moeify.layers.ff_common import check_activation, expert_activation, routing_stats
+from moeify.layers.ff_common import (ACTIVATIONS, check_activation, expert_activation,
+                                     routing_stats)
+from moeify.layers.mlp import GatedMLPConfig
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
 from moeify.ops.expert_matmul import make_plan
 from moeify.ops.expert_mlp import expert_mlp
+from moeify.ops.gated_expert_mlp import gated_expert_mlp
 from moeify.ops.routing import capacity_mask, expert_capacity, router_logits, softmax_topk
 
 
@@ -82,6 +97,14 @@ class SwitchFFConfig:
     activation:     the experts' hidden activation, one of moeify.layers.ff_common.ACTIVATIONS:
                     "relu" is the paper's (T5's); "gelu_tanh" / "gelu" / "silu" hold copies
                     of a dense MLP with that activation (GPT-2's is "gelu_tanh").
+    gated:          SwiGLU experts: a second input matrix ``w_gate_EDF`` [E, D, F], hidden
+                    units act(x · w_gate) ⊙ (x · w_in) (Mixtral, Qwen-MoE, OLMoE; no biases).
+    renormalize:    the k kept softmax gates are rescaled to sum to 1 (Mixtral; Qwen-MoE and
+                    OLMoE with ``norm_topk_prob``).
+    shared:         a GatedMLPConfig: a dense expert every token goes through (Qwen2-MoE), its
+                    output added to the routed experts'; None = none.
+    shared_gate:    the shared expert's output is scaled by σ(w · x), a learned scalar per
+                    token (``shared_gate.weight`` [1, D]; Qwen2-MoE's ``shared_expert_gate``).
     The initialisation is the Switch paper's 0.1x scale, std sqrt(0.1 / fan_in), which does not
     depend on the model depth."""
 
@@ -99,12 +122,26 @@ class SwitchFFConfig:
     expert_impl: str = "auto"
     bias: bool = False
     activation: str = "relu"
+    gated: bool = later_option(False)
+    renormalize: bool = later_option(False)
+    shared: GatedMLPConfig | None = later_option(None)
+    shared_gate: bool = later_option(False)
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
         check_activation(self)
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"SwitchFFConfig.bias must be True or False, got {self.bias!r}")
+        for name in ("bias", "gated", "renormalize", "shared_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SwitchFFConfig.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")
+        if self.gated and self.bias:
+            raise ValueError("SwitchFFConfig: gated experts have no biases; set bias=False")
+        if self.shared is not None and (not isinstance(self.shared, GatedMLPConfig)
+                                        or self.shared.d_model != self.d_model):
+            raise ValueError(f"SwitchFFConfig.shared must be a GatedMLPConfig with d_model="
+                             f"{self.d_model} (or None), got {self.shared!r}")
+        if self.shared_gate and self.shared is None:
+            raise ValueError("SwitchFFConfig: shared_gate=True needs a shared expert (shared=)")
         if self.noop_experts < 0:
             raise ValueError(f"SwitchFFConfig.noop_experts must be >= 0, got {self.noop_experts}")
         choices = self.n_experts + self.noop_experts
@@ -138,6 +175,12 @@ class SwitchFeedForward(nn.Module):
         self.w_router_RD = nn.Parameter(torch.empty(R, D))
         self.w_in_EDF = nn.Parameter(torch.empty(E, D, Fh))
         self.w_out_EFD = nn.Parameter(torch.empty(E, Fh, D))
+        if config.gated:
+            self.w_gate_EDF = nn.Parameter(torch.empty(E, D, Fh))
+        if config.shared is not None:
+            self.shared = config.shared.build()
+            if config.shared_gate:
+                self.shared_gate = nn.Linear(D, 1, bias=False)
         if config.bias:
             self.bias_EF = nn.Parameter(torch.zeros(E, Fh))
             self.bias_D = nn.Parameter(torch.zeros(D))
@@ -152,6 +195,10 @@ class SwitchFeedForward(nn.Module):
         trunc_normal_(self.w_router_RD, (0.1 / c.d_model) ** 0.5)
         trunc_normal_(self.w_in_EDF, (0.1 / c.d_model) ** 0.5)
         trunc_normal_(self.w_out_EFD, (0.1 / c.d_ff) ** 0.5)
+        if c.gated:
+            trunc_normal_(self.w_gate_EDF, (0.1 / c.d_model) ** 0.5)
+        if c.shared_gate:
+            trunc_normal_(self.shared_gate.weight, (0.1 / c.d_model) ** 0.5)
         if c.bias:
             self.bias_EF.zero_()
             self.bias_D.zero_()
@@ -175,7 +222,7 @@ class SwitchFeedForward(nn.Module):
         valid_M = None if valid_BT is None else valid_BT.reshape(M)
 
         logits_MR = router_logits(x_MD, self.w_router_RD)  # float32, also under autocast (§2.4)
-        top = softmax_topk(logits_MR, K)
+        top = softmax_topk(logits_MR, K, renormalize=c.renormalize)
         # Best choice first: position priority puts every first choice before any second one.
         gates_MK, order_MK = top.gates.sort(-1, descending=True)
         idx_MK = top.idx.gather(-1, order_MK)
@@ -193,6 +240,11 @@ class SwitchFeedForward(nn.Module):
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
+        if c.shared is not None:
+            s_BTD, _ = self.shared(x_BTD, valid_BT=valid_BT)
+            if c.shared_gate:
+                s_BTD = torch.sigmoid(self.shared_gate(x_BTD)) * s_BTD
+            y_BTD = y_BTD + s_BTD
 
         aux = Aux()
         if c.balance_coef != 0:
@@ -246,6 +298,11 @@ class SwitchFeedForward(nn.Module):
     def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
         # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto".
         c = self.config
+        if c.gated:
+            return gated_expert_mlp(x_RD, ids_RK, self.w_gate_EDF, self.w_in_EDF, self.w_out_EFD,
+                                    gates_RK, activation=ACTIVATIONS[c.activation],
+                                    impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
+                                    dropout=c.expert_dropout, training=self.training)
         return expert_mlp(x_RD, ids_RK, self.w_in_EDF, self.w_out_EFD, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
                           dropout=c.expert_dropout, training=self.training,

@@ -222,7 +222,10 @@ def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {"type": type(value).__name__}
         for f in dataclasses.fields(value):
-            out[f.name] = _encode(getattr(value, f.name))
+            v = getattr(value, f.name)
+            if f.metadata.get("omit_default") and v == f.default:
+                continue  # moeify.layers.common.later_option: JSON as before the field existed
+            out[f.name] = _encode(v)
         return out
     if isinstance(value, (set, frozenset)):
         return sorted(_encode(v) for v in value)

@@ -1,0 +1,416 @@
+"""Native Hugging Face export (``moeify export --format native``): a moeify model whose
+computation is exactly one of transformers' own architectures is written as that ``model_type``,
+with transformers' tensor names and config keys, so plain transformers loads it without moeify
+and without remote code.
+
+    gpt2       learned positions, LayerNorm, multi-head attention with biases, a biased MLP
+    llama      RMSNorm, RoPE, grouped-query attention (Q/K/V and output biases both or neither),
+               SwiGLU MLPs (biases or not)
+    mistral    the same without any bias (kept as mistral when the run was imported from one)
+    qwen2      the same with Q/K/V biases and no other
+    mixtral    the Llama body with Switch feedforwards: gated (SwiGLU) experts, softmax top-k
+               gates renormalised to sum 1, dropless; no attention biases
+    qwen2_moe  Q/K/V biases or none; experts with a sigmoid-gated shared SwiGLU expert, gates
+               renormalised or not; dense SwiGLU layers allowed (``mlp_only_layers``)
+    qwen3_moe  per-head RMSNorm of queries and keys; experts without a shared one; dense layers
+               allowed
+    olmoe      full-width RMSNorm of queries and keys; experts without a shared one
+
+``native_export(cfg, hf_source)`` picks the type: the imported checkpoint's own ``model_type``
+when the model still matches it, else the first of the list above that matches; when none does
+it raises a one-line error naming, per type, the first difference (e.g. a sigma-MoE's sigmoid
+router, a Switch model's ReLU experts or capacity limit, XL memory). Dropout, which these types
+apply differently or not at all, must be 0 (it changes training, not the logits, but an export
+that trained differently in transformers would not be the same model).
+
+Config: the source's config.json (same type) is the base, so token ids, the sliding window (the
+moeify run's context was capped at it: within the context both agree), the initializer range and
+the aux-loss coefficient survive a round trip; every structural key is then set from the moeify
+model. Weights: float32, the per-expert layout save_pretrained writes (transformers fuses the
+experts on load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moeify.errors import MoeifyError
+
+DENSE_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+NATIVE_TYPES = DENSE_TYPES + MOE_TYPES
+ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+_HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+_GPT2_ACT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+# Keys of a source config that describe a structure the export sets itself (or drops).
+_DROP = ("rope_theta", "rope_scaling", "architectures", "auto_map", "transformers_version",
+         "torch_dtype", "dtype", "_name_or_path", "quantization_config", "layer_types")
+
+
+class Mismatch(Exception):
+    """The model is not exactly this native type: the message says why."""
+
+
+def _need(ok: bool, why: str) -> None:
+    if not ok:
+        raise Mismatch(why)
+
+
+@dataclass
+class _Model:
+    """What the native types are told apart by, read once from a ModelConfig."""
+
+    cfg: Any
+    attn: Any  # the one GroupedQueryAttentionConfig of every layer
+    ffs: list  # the feedforward config of each layer
+    moe: Any  # the one SwitchFFConfig of every MoE layer (None: dense model)
+    dense: Any  # the one dense MLP config of every dense layer (None: none)
+
+
+def _read(cfg) -> _Model:
+    from moeify.layers.gqa import GroupedQueryAttentionConfig
+    from moeify.layers.mlp import GatedMLPConfig, MLPConfig
+    from moeify.layers.switch_ff import SwitchFFConfig
+
+    _need(not cfg.xl_memory, "it carries Transformer-XL memory (xl_memory=True)")
+    _need(all(d is None for d in cfg.depth), "it routes depth (Mixture-of-Depths)")
+    _need(cfg.dropout == 0, f"its residual dropout is {cfg.dropout} (needs 0)")
+    _need(not cfg.output_bias, "its output layer has a bias")
+    attns = cfg.attention_layers()
+    _need(all(isinstance(a, GroupedQueryAttentionConfig) for a in attns),
+          f"its attention is {type(attns[0]).__name__}, not grouped-query attention" if not
+          isinstance(attns[0], GroupedQueryAttentionConfig) else
+          "some layers' attention is not grouped-query attention")
+    _need(all(a == attns[0] for a in attns), "its layers' attention configs differ")
+    attn = attns[0]
+    _need(attn.attn_dropout == 0, f"its attention dropout is {attn.attn_dropout} (needs 0)")
+    ffs = cfg.feedforward_layers()
+    moes = [f for f in ffs if isinstance(f, SwitchFFConfig)]
+    denses = [f for f in ffs if isinstance(f, (GatedMLPConfig, MLPConfig))]
+    for f in ffs:
+        _need(isinstance(f, (SwitchFFConfig, GatedMLPConfig, MLPConfig)),
+              f"its feedforward is {type(f).__name__}" + (
+                  " (a sigmoid router without renormalisation: every native MoE type routes "
+                  "by softmax)" if type(f).__name__ == "SigmaMoEConfig" else ""))
+    _need(all(m == moes[0] for m in moes), "its MoE layers' configs differ")
+    _need(all(d == denses[0] for d in denses), "its dense layers' MLP configs differ")
+    for d in denses:
+        _need(d.dropout == 0, f"its MLP dropout is {d.dropout} (needs 0)")
+    return _Model(cfg, attn, ffs, moes[0] if moes else None, denses[0] if denses else None)
+
+
+def _rms_llama(m: _Model, qk_norm: str = "none") -> None:
+    c, a = m.cfg, m.attn
+    _need(c.norm.kind == "rmsnorm", f"its norm is {c.norm.kind}, not RMSNorm")
+    _need(c.max_positions == 0, "it has learned absolute positions")
+    _need(a.pos == "rope" and a.rope_fraction == 1.0,
+          f"its attention positions are {a.pos!r} (rope_fraction {a.rope_fraction}), not "
+          "full-width RoPE")
+    _need(a.qk_norm == qk_norm, f"its query/key norm is {a.qk_norm!r}, not {qk_norm!r}")
+    if qk_norm != "none":
+        _need(a.qk_norm_eps == c.norm.eps, f"its query/key norm eps {a.qk_norm_eps} differs "
+              f"from the model's RMSNorm eps {c.norm.eps} (one rms_norm_eps in transformers)")
+
+
+def _dense_swiglu(m: _Model, bias_ok: bool) -> None:
+    from moeify.layers.mlp import GatedMLPConfig
+
+    _need(m.moe is None, "it has MoE feedforwards")
+    _need(isinstance(m.dense, GatedMLPConfig), f"its MLP is {type(m.dense).__name__}, not SwiGLU")
+    _need(m.dense.activation in _HF_ACT, f"its MLP activation is {m.dense.activation}")
+    _need(bias_ok or not m.dense.bias, "its MLP has biases")
+
+
+def _experts(m: _Model, *, renormalize: bool | None, shared: bool, dense_ok: bool) -> None:
+    from moeify.layers.mlp import GatedMLPConfig
+
+    f = m.moe
+    _need(f is not None, "it has no MoE feedforward")
+    _need(f.gated, "its experts are not gated (SwiGLU): act(W_in x) alone, as in Switch, has "
+          "no native form")
+    _need(f.activation in _HF_ACT and not f.bias, "its experts have biases or activation "
+          f"{f.activation}")
+    _need(f.noop_experts == 0, "it has no-op experts (integrated MoDE)")
+    _need(f.dropless, "its routing has a capacity limit (dropless=False) that drops tokens; "
+          "transformers' MoE blocks drop none")
+    _need(f.expert_dropout == 0, f"its expert dropout is {f.expert_dropout} (needs 0)")
+    if renormalize is not None:
+        _need(f.renormalize == renormalize, "its top-k gates are " +
+              ("not renormalised" if renormalize else "renormalised to sum 1"))
+    _need((f.shared is not None) == shared, "it has a shared expert" if f.shared is not None
+          else "it has no shared expert")
+    if shared:
+        _need(f.shared_gate, "its shared expert has no sigmoid gate")
+        _need(f.shared.activation == f.activation and not f.shared.bias
+              and f.shared.dropout == 0, "its shared expert differs from the experts' SwiGLU")
+    if m.dense is not None:
+        _need(dense_ok, "some of its layers are dense")
+        _need(isinstance(m.dense, GatedMLPConfig) and not m.dense.bias
+              and m.dense.activation == f.activation,
+              "its dense layers are not SwiGLU MLPs like the experts")
+
+
+def _check(kind: str, m: _Model) -> None:
+    """Raises Mismatch unless the model is exactly ``kind``."""
+    a = m.attn
+    if kind == "gpt2":
+        from moeify.layers.mlp import MLPConfig
+
+        c = m.cfg
+        _need(c.norm.kind == "layernorm" and c.norm.bias, "its norm is not LayerNorm with bias")
+        _need(c.max_positions > 0 and a.pos == "absolute", "it has no learned absolute positions")
+        _need(a.n_kv_heads == a.n_heads and a.n_heads * a.d_head == c.d_model,
+              "its attention is not plain multi-head with H · d_head = d_model")
+        _need(a.qkv_bias and a.out_bias and a.qk_norm == "none",
+              "its attention is not GPT-2's (biases everywhere, no query/key norm)")
+        _need(m.moe is None and isinstance(m.dense, MLPConfig) and m.dense.bias,
+              "its feedforward is not a biased two-layer MLP")
+        _need(m.dense.activation in _GPT2_ACT, f"its MLP activation is {m.dense.activation}")
+        return
+    if kind in MOE_TYPES:  # the experts first: for an MoE model their form matters most
+        _experts(m, renormalize=True if kind == "mixtral" else None,
+                 shared=kind == "qwen2_moe", dense_ok=kind in ("qwen2_moe", "qwen3_moe"))
+    _rms_llama(m, {"qwen3_moe": "head", "olmoe": "full"}.get(kind, "none"))
+    if kind == "llama":
+        _need(a.qkv_bias == a.out_bias, "its attention has Q/K/V biases but no output bias")
+        _dense_swiglu(m, bias_ok=True)
+    elif kind == "mistral":
+        _need(not a.qkv_bias and not a.out_bias, "its attention has biases")
+        _dense_swiglu(m, bias_ok=False)
+    elif kind == "qwen2":
+        _need(a.qkv_bias and not a.out_bias, "its attention is not Q/K/V-biased only")
+        _dense_swiglu(m, bias_ok=False)
+    elif kind == "mixtral":
+        _need(not a.qkv_bias and not a.out_bias, "its attention has biases")
+    elif kind == "qwen2_moe":
+        _need(not a.out_bias, "its attention has an output bias")
+    elif kind in ("qwen3_moe", "olmoe"):
+        _need(a.qkv_bias == a.out_bias, "its attention has Q/K/V biases but no output bias")
+        _need(kind != "olmoe" or a.n_heads * a.d_head == m.cfg.d_model,
+              "its heads are not d_model / n_heads wide (OLMoE's query/key norms assume it)")
+    else:
+        raise AssertionError(kind)
+
+
+def native_type(cfg, hf_source: dict | None = None) -> str:
+    """The native ``model_type`` the model is exactly (module docstring), or a one-line
+    MoeifyError naming each type's first difference."""
+    source = (hf_source or {}).get("model_type")
+    try:
+        m = _read(cfg)
+    except Mismatch as e:
+        raise MoeifyError(f"the model has no native Hugging Face form: {e}; export it with "
+                          "--format moeify") from None
+    order = ([source] if source in NATIVE_TYPES else []) + [
+        t for t in NATIVE_TYPES if t != source]
+    why = {}
+    for kind in order:
+        try:
+            _check(kind, m)
+            return kind
+        except Mismatch as e:
+            why[kind] = str(e)
+    parts = [f"it no longer matches its source's model_type {source}: {why[source]}"] \
+        if source in why else []
+    family = MOE_TYPES if m.moe is not None else DENSE_TYPES
+    if source not in family:  # a dense source turned MoE (upcycled): say what the MoE types want
+        by_reason: dict[str, list[str]] = {}
+        for t in family:
+            by_reason.setdefault(why[t], []).append(t)
+        parts += [f"not {' / '.join(ts)}: {reason}" for reason, ts in by_reason.items()]
+    detail = "; ".join(parts)
+    raise MoeifyError(f"the model has no native Hugging Face form ({detail}); export it with "
+                      "--format moeify")
+
+
+# ---------------------------------------------------------------------- config.json
+
+def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
+    """The config.json entries of the native export (the transformers config class fills in
+    the rest)."""
+    m = _read(cfg)
+    a = m.attn
+    src = dict(hf_source or {})
+    base = {k: v for k, v in src.items() if k not in _DROP} if src.get("model_type") == kind \
+        else {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        base.setdefault(k, None)  # never a type's default id, which may lie past the vocabulary
+    out = {**base, "model_type": kind, "architectures": [ARCHITECTURE[kind]],
+           "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+           "use_cache": True}
+    L, D = cfg.n_layers, cfg.d_model
+    if kind == "gpt2":
+        out.update(n_embd=D, n_layer=L, n_head=a.n_heads, n_positions=cfg.max_positions,
+                   n_inner=m.dense.d_ff, activation_function=_GPT2_ACT[m.dense.activation],
+                   layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
+                   attn_pdrop=0.0, scale_attn_weights=True,
+                   scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+        return out
+    out.update(hidden_size=D, num_hidden_layers=L, num_attention_heads=a.n_heads,
+               num_key_value_heads=a.n_kv_heads, head_dim=a.d_head, rms_norm_eps=cfg.norm.eps,
+               rope_parameters={"rope_type": "default", "rope_theta": a.rope_base},
+               attention_dropout=0.0,
+               max_position_embeddings=base.get("max_position_embeddings", cfg.context_length))
+    ff = m.moe or m.dense
+    out["hidden_act"] = _HF_ACT[ff.activation]
+    if kind in ("llama", "qwen3_moe", "olmoe"):
+        out["attention_bias"] = a.qkv_bias
+    if kind == "llama":
+        out["mlp_bias"] = m.dense.bias
+    if kind in DENSE_TYPES:
+        out["intermediate_size"] = m.dense.d_ff
+    if kind in ("mistral", "mixtral"):
+        out.setdefault("sliding_window", None)
+    if kind in ("qwen2", "qwen2_moe", "qwen3_moe"):
+        out.setdefault("use_sliding_window", False)
+    if kind == "qwen2_moe":
+        out["qkv_bias"] = a.qkv_bias
+    if kind in MOE_TYPES:
+        from moeify.layers.switch_ff import SwitchFFConfig
+
+        f = m.moe
+        is_moe = [isinstance(x, SwitchFFConfig) for x in m.ffs]
+        out.update(num_experts_per_tok=f.k, router_jitter_noise=0.0,
+                   output_router_logits=False,
+                   router_aux_loss_coef=f.balance_coef)
+        for key in ("num_local_experts", "num_experts"):  # Qwen3-MoE's config maps one on the other
+            out.pop(key, None)
+        out["num_local_experts" if kind == "mixtral" else "num_experts"] = f.n_experts
+        if kind == "mixtral":
+            out["intermediate_size"] = f.d_ff
+        elif kind == "olmoe":
+            out.update(intermediate_size=f.d_ff, norm_topk_prob=f.renormalize, clip_qkv=None)
+        else:
+            out.update(moe_intermediate_size=f.d_ff, norm_topk_prob=f.renormalize,
+                       decoder_sparse_step=1,
+                       mlp_only_layers=[i for i, x in enumerate(is_moe) if not x],
+                       intermediate_size=m.dense.d_ff if m.dense is not None
+                       else out.get("intermediate_size", f.d_ff))
+        if kind == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = f.shared.d_ff
+    return out
+
+
+# ---------------------------------------------------------------------- weights
+
+def native_state(kind: str, cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The moeify state dict under transformers' names and layouts for ``kind`` (the inverse of
+    moeify.interop.hf_import's conversion), float32 and contiguous."""
+    sd = _Tracked({k: v.detach().float().cpu() for k, v in state.items()})
+    out = _native_tensors(kind, cfg, sd)
+    unused = sorted(set(sd) - sd.read)
+    if unused:  # a tensor the mapping does not know: an export without it would be wrong
+        raise MoeifyError(f"the model's tensor {unused[0]} has no place in a native {kind} "
+                          "checkpoint; export it with --format moeify")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+class _Tracked(dict):
+    """A state dict that remembers which tensors were read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _native_tensors(kind: str, cfg, sd: _Tracked) -> dict[str, torch.Tensor]:
+    from moeify.layers.switch_ff import SwitchFFConfig
+
+    out: dict[str, torch.Tensor] = {}
+    if kind == "gpt2":
+        out.update({"transformer.wte.weight": sd["embedding.weight"],
+                    "transformer.wpe.weight": sd["pos_embedding.weight"],
+                    "transformer.ln_f.weight": sd["ln_f.weight"],
+                    "transformer.ln_f.bias": sd["ln_f.bias"]})
+        for i in range(cfg.n_layers):
+            h, b = f"transformer.h.{i}.", f"blocks.{i}."
+            att = b + "attention."
+            out[h + "attn.c_attn.weight"] = torch.cat(
+                [sd[att + f"{n}.weight"].t() for n in ("w_q", "w_k", "w_v")], 1)
+            out[h + "attn.c_attn.bias"] = torch.cat(
+                [sd[att + f"{n}.bias"] for n in ("w_q", "w_k", "w_v")])
+            out[h + "attn.c_proj.weight"] = sd[att + "w_o.weight"].t()
+            out[h + "attn.c_proj.bias"] = sd[att + "w_o.bias"]
+            out[h + "mlp.c_fc.weight"] = sd[b + "feedforward.w1.weight"].t()
+            out[h + "mlp.c_fc.bias"] = sd[b + "feedforward.w1.bias"]
+            out[h + "mlp.c_proj.weight"] = sd[b + "feedforward.w2.weight"].t()
+            out[h + "mlp.c_proj.bias"] = sd[b + "feedforward.w2.bias"]
+            for ln, hf_ln in (("ln1", "ln_1"), ("ln2", "ln_2")):
+                out[h + f"{hf_ln}.weight"] = sd[b + f"{ln}.weight"]
+                out[h + f"{hf_ln}.bias"] = sd[b + f"{ln}.bias"]
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["output.weight"]
+        return out
+
+    out["model.embed_tokens.weight"] = sd["embedding.weight"]
+    out["model.norm.weight"] = sd["ln_f.weight"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["output.weight"]
+    names = (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_o", "o_proj"))
+    for i, f in enumerate(cfg.feedforward_layers()):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        for ours, theirs in names + (("q_norm", "q_norm"), ("k_norm", "k_norm")):
+            for part in ("weight", "bias"):
+                key = f"{b}attention.{ours}.{part}"
+                if key in sd:
+                    out[f"{h}self_attn.{theirs}.{part}"] = sd[key]
+        out[h + "input_layernorm.weight"] = sd[b + "ln1.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[b + "ln2.weight"]
+        ff = b + "feedforward."
+        if not isinstance(f, SwitchFFConfig):
+            out.update(_swiglu(sd, ff, h + "mlp."))
+            continue
+        block, (g, u, d) = (("block_sparse_moe.", ("w1", "w3", "w2")) if kind == "mixtral"
+                            else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
+        out[h + block + "gate.weight"] = sd[ff + "w_router_RD"]
+        for e in range(f.n_experts):
+            x = f"{h}{block}experts.{e}."
+            out[x + f"{g}.weight"] = sd[ff + "w_gate_EDF"][e].t()
+            out[x + f"{u}.weight"] = sd[ff + "w_in_EDF"][e].t()
+            out[x + f"{d}.weight"] = sd[ff + "w_out_EFD"][e].t()
+        if f.shared is not None:
+            out.update(_swiglu(sd, ff + "shared.", h + block + "shared_expert."))
+            out[h + block + "shared_expert_gate.weight"] = sd[ff + "shared_gate.weight"]
+    return out
+
+
+def _swiglu(sd, ours: str, theirs: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for o, t in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        for part in ("weight", "bias"):
+            if f"{ours}{o}.{part}" in sd:
+                out[f"{theirs}{t}.{part}"] = sd[f"{ours}{o}.{part}"]
+    return out
+
+
+def native_export(cfg, state: dict[str, torch.Tensor], hf_source: dict | None = None,
+                  ) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """(model_type, config.json as transformers' config class writes it, tensors) of the model,
+    or a one-line MoeifyError when it has no native form."""
+    from moeify.interop.hf_import import offline
+
+    offline()
+    kind = native_type(cfg, hf_source)
+    entries = native_config(kind, cfg, hf_source)
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise MoeifyError(f"--format native needs transformers ({e}); install the hf extra") \
+            from None
+    hf_cfg = AutoConfig.for_model(**entries)
+    config = hf_cfg.to_dict()
+    config.update(architectures=[ARCHITECTURE[kind]], dtype="float32")
+    return kind, config, native_state(kind, cfg, state)
+
+
+__all__ = ["NATIVE_TYPES", "native_type", "native_config", "native_state", "native_export"]
