@@ -27,7 +27,8 @@ f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
 DTYPES = {"float64": f64, "float32": f32, "bfloat16": bf16}
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-IMPLS = IMPLEMENTATIONS + ("auto",)
+# "triton" runs on CUDA or in Triton's interpreter only (no float64): tests/ops/test_triton_matmul.py.
+IMPLS = tuple(i for i in IMPLEMENTATIONS if i != "triton") + ("auto",)
 # Where the gate side (D > F: gates on the outputs, D < F: on the inputs) and the balance of the
 # routing choose a different computation. ("auto" runs one of the others: see the tests of what
 # it chooses at the end.)

@@ -60,22 +60,28 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 # Dtypes the kernels take (float64 is not a tensor-core type; use another implementation).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+_AVAILABLE: list[bool] = []
+
+
 def triton_available() -> bool:
-    """Whether triton can be imported (the optional extra ``moeify[triton]``)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install without a driver
-        return False
-    return True
+    """Whether triton can be imported (the optional extra ``moeify[triton]``); checked once."""
+    if not _AVAILABLE:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+            _AVAILABLE.append(True)
+        except Exception:  # ImportError, or a broken install without a driver
+            _AVAILABLE.append(False)
+    return _AVAILABLE[0]
 
 
 def interpreting() -> bool:
@@ -83,22 +89,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def unavailable_reason(x: torch.Tensor) -> str | None:
+    """Why the triton implementation cannot run on x here (what to do instead), or None."""
+    if not triton_available():
+        return ('impl="triton" needs triton: pip install "moeify[triton]" (or pick another '
+                'implementation, e.g. impl="auto")')
+    if x.dtype not in DTYPES:
+        return (f'impl="triton" runs float32, float16 and bfloat16, got {x.dtype}; use '
+                'impl="reference" or "segment" for float64')
+    if x.device.type == "cuda" or (x.device.type == "cpu" and interpreting()):
+        return None
+    return (f'impl="triton" runs on CUDA tensors, got device {x.device.type!r}; on the CPU '
+            'it runs only in Triton\'s interpreter: set TRITON_INTERPRET=1 in the environment '
+            'before anything imports triton (slow: for tests only), or choose another '
+            'implementation (impl="auto")')
+
+
 def check_runnable(x: torch.Tensor) -> None:
     """Raise ValueError saying what to do where the triton implementation cannot run on x."""
-    if not triton_available():
-        raise ValueError('impl="triton" needs triton: pip install "moeify[triton]" (or pick '
-                         'another implementation, e.g. impl="auto")')
-    if x.dtype not in DTYPES:
-        raise ValueError(f'impl="triton" runs float32, float16 and bfloat16, got {x.dtype}; '
-                         'use impl="reference" or "segment" for float64')
-    if x.device.type == "cuda":
-        return
-    if x.device.type == "cpu" and interpreting():
-        return
-    raise ValueError(f'impl="triton" runs on CUDA tensors, got device {x.device.type!r}; on the '
-                     'CPU it runs only in Triton\'s interpreter: set TRITON_INTERPRET=1 in the '
-                     'environment before anything imports triton (slow: for tests only), or '
-                     'choose another implementation (impl="auto")')
+    reason = unavailable_reason(x)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -239,12 +250,9 @@ class TritonExpertMatmul(torch.autograd.Function):
 # ------------------------------------------------------------------------- torch.compile ops
 
 
-@functools.lru_cache(maxsize=None)
-def _ops():
-    """The registered ops (built on first use under torch.compile)."""
-    from typing import Optional
-
-    Tensor = torch.Tensor
+def _register_ops():
+    """The registered ops, at import (dynamo cannot trace their registration); no triton needed
+    until they run."""
 
     @torch.library.custom_op("moeify::triton_em_fwd", mutates_args=())
     def em_fwd(x: Tensor, w: Tensor, gates: Optional[Tensor], order: Tensor, offsets: Tensor,
@@ -288,6 +296,9 @@ def _ops():
     return em_fwd, em_bwd
 
 
+_em_fwd, _em_bwd = _register_ops()
+
+
 def triton_expert_matmul(x_MD, w_EDF, gates_MK, plan, k: int, groups: int, sum_rows: int):
     """The fused expert matmul of ``plan``'s routing: [M, K, F] ungated, the gated sums [M / R,
     F] (groups = 1) or [M, G, F]. Inputs are validated by expert_matmul; ``check_runnable``
@@ -296,7 +307,7 @@ def triton_expert_matmul(x_MD, w_EDF, gates_MK, plan, k: int, groups: int, sum_r
     order, offsets = plan.order_N, plan.offsets_E
     if torch.compiler.is_compiling():
         save_ys = gates_MK is not None and gates_MK.requires_grad
-        y = _ops()[0](x_MD, w_EDF, gates_MK, order, offsets, k, groups, sum_rows, save_ys)[0]
+        y = _em_fwd(x_MD, w_EDF, gates_MK, order, offsets, k, groups, sum_rows, save_ys)[0]
     else:
         y = TritonExpertMatmul.apply(x_MD, w_EDF, gates_MK, order, offsets, k, groups, sum_rows)
     if gates_MK is None:
