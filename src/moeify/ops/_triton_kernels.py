@@ -163,6 +163,18 @@ def _cfg(bm, bd, bf, warps, stages, **extra):
                          num_warps=warps, num_stages=stages)
 
 
+# GPU tilings for autotuning: a few sensible ones, from narrow F (SwitchHead's heads, F 64-128)
+# to wide MLP experts. scripts/triton_compile_check.py compiles every one for Hopper (sm_90) and
+# checks its shared memory.
+FWD_CONFIGS = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 32, 128, 4, 3),
+               _cfg(128, 64, 128, 8, 3), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 8, 3)]
+BWD_X_CONFIGS = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 128, 32, 8, 3),
+                 _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 64, 4, 3), _cfg(128, 64, 128, 8, 3)]
+BWD_W_CONFIGS = [_cfg(64, 64, 64, 4, 3, ITERS=8), _cfg(64, 64, 128, 4, 3, ITERS=8),
+                 _cfg(128, 64, 128, 8, 3, ITERS=4), _cfg(64, 128, 64, 8, 3, ITERS=8),
+                 _cfg(64, 128, 128, 8, 3, ITERS=4), _cfg(32, 64, 64, 4, 4, ITERS=16)]
+
+
 def build():
     """{name: (kernel, fixed meta-parameters)}: autotuned kernels on a GPU, one small fixed
     configuration in the interpreter."""
@@ -172,19 +184,12 @@ def build():
         return dict(fwd=(_fwd, fixed), bwd_x=(_bwd_x, fixed), bwd_w=(_bwd_w, dict(fixed, ITERS=2)),
                     autotuned=False)
 
-    # A few sensible tilings (narrow F, as SwitchHead's heads, to wide MLP experts). Keyed on the
-    # widths and the expert count, not on N (which changes with every batch shape).
-    fwd_cfgs = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 32, 128, 4, 3),
-                _cfg(128, 64, 128, 8, 3), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 8, 3)]
-    bwd_x_cfgs = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 128, 32, 8, 3),
-                  _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 64, 4, 3), _cfg(128, 64, 128, 8, 3)]
-    bwd_w_cfgs = [_cfg(64, 64, 64, 4, 3, ITERS=8), _cfg(64, 64, 128, 4, 3, ITERS=8),
-                  _cfg(128, 64, 128, 8, 3, ITERS=4), _cfg(64, 128, 64, 8, 3, ITERS=8),
-                  _cfg(64, 128, 128, 8, 3, ITERS=4), _cfg(32, 64, 64, 4, 4, ITERS=16)]
+    # Keyed on the widths and the expert count, not on N (which changes with every batch).
     key = ["D", "F", "E"]
-    fwd = triton.autotune(fwd_cfgs, key=key)(_fwd)
-    bwd_x = triton.autotune(bwd_x_cfgs, key=key, reset_to_zero=["gx_ptr"])(_bwd_x)
-    bwd_w = triton.autotune(bwd_w_cfgs, key=key, reset_to_zero=["gw_ptr"])(_bwd_w)
+    fwd = triton.autotune(FWD_CONFIGS, key=key)(_fwd)
+    # The atomically accumulated outputs are zeroed before every trial and the final run.
+    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key, reset_to_zero=["gx_ptr"])(_bwd_x)
+    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key, reset_to_zero=["gw_ptr"])(_bwd_w)
     return dict(fwd=(fwd, {}), bwd_x=(bwd_x, {}), bwd_w=(bwd_w, {}), autotuned=True)
 
 
