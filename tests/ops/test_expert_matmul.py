@@ -403,3 +403,15 @@ def test_decoding_sums_over_every_expert_match_the_definition():
                          impl="reference")
     torch.testing.assert_close(gated_sum_of_all(y_TGEF, idx_TGK, gates_TGK), want,
                                rtol=1e-12, atol=1e-12)
+
+
+def test_triton_is_optional(monkeypatch):
+    """Without triton installed, moeify runs as before ("auto" never takes "triton") and asking
+    for it by name says which extra to install (its kernels: tests/ops/test_triton_matmul.py)."""
+    from moeify.ops import triton_matmul
+
+    monkeypatch.setattr(triton_matmul, "triton_available", lambda: False)
+    x, idx, w, gates = routed_inputs(8, 2, 4, 16, 8, dtype=f32)
+    assert chosen_impl("auto", x, idx, w) != "triton"
+    with pytest.raises(ValueError, match=r"moeify\[triton\]"):
+        expert_matmul(x, idx, w, gates, impl="triton")
