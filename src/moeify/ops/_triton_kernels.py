@@ -48,12 +48,14 @@ def _fwd(x_ptr, w_ptr, y_ptr, ys_ptr, order_ptr, offsets_ptr, gates_ptr,
          E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr, SAVE_YS: tl.constexpr,
          PRECISION: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    e, start, end = _tile(tl.program_id(0), offsets_ptr, N, E, E_P2, BLOCK_M)
+    n_f = tl.cdiv(F, BLOCK_F)
+    pid = tl.program_id(0)  # the F tiles of one tile of pairs run side by side (L2 reuse)
+    e, start, end = _tile(pid // n_f, offsets_ptr, N, E, E_P2, BLOCK_M)
     r = start + tl.arange(0, BLOCK_M)
     rmask = r < end
     p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)  # pairs, unsorted index
     m = p // K  # their input rows
-    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    f = (pid % n_f) * BLOCK_F + tl.arange(0, BLOCK_F)
     fmask = f < F
     w_e = w_ptr + e.to(tl.int64) * swe
     acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
@@ -82,8 +84,10 @@ def _bwd_x(grad_ptr, w_ptr, x_ptr, ys_ptr, gx_ptr, gg_ptr, order_ptr, offsets_pt
            NEED_GX: tl.constexpr, NEED_GG: tl.constexpr, ATOMIC: tl.constexpr,
            PRECISION: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    e, start, end = _tile(tl.program_id(0), offsets_ptr, N, E, E_P2, BLOCK_M)
-    pid_d = tl.program_id(1)
+    n_d = tl.cdiv(D, BLOCK_D)
+    pid = tl.program_id(0)  # the D tiles of one tile of pairs side by side: grad rows from L2
+    e, start, end = _tile(pid // n_d, offsets_ptr, N, E, E_P2, BLOCK_M)
+    pid_d = pid % n_d
     r = start + tl.arange(0, BLOCK_M)
     rmask = r < end
     p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
@@ -120,7 +124,7 @@ def _bwd_x(grad_ptr, w_ptr, x_ptr, ys_ptr, gx_ptr, gg_ptr, order_ptr, offsets_pt
         xmask = rmask[:, None] & dmask[None, :]
         offs = m[:, None] * sxm + d[None, :] * sxd
         if ATOMIC:
-            tl.atomic_add(gx_ptr + offs, acc, mask=xmask)
+            tl.atomic_add(gx_ptr + offs, acc, mask=xmask, sem="relaxed")  # no ordering needed
         else:
             tl.store(gx_ptr + offs, acc.to(gx_ptr.dtype.element_ty), mask=xmask)
 
@@ -131,9 +135,13 @@ def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr, gates_ptr,
            E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr,
            PRECISION: tl.constexpr, ITERS: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    e, start, end = _tile(tl.program_id(0), offsets_ptr, N, E, E_P2, BLOCK_M * ITERS)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    n_d = tl.cdiv(D, BLOCK_D)
+    n_f = tl.cdiv(F, BLOCK_F)
+    pid = tl.program_id(0)  # the (D, F) tiles of one chunk of pairs side by side
+    e, start, end = _tile(pid // (n_d * n_f), offsets_ptr, N, E, E_P2, BLOCK_M * ITERS)
+    pid_df = pid % (n_d * n_f)
+    d = (pid_df // n_f) * BLOCK_D + tl.arange(0, BLOCK_D)
+    f = (pid_df % n_f) * BLOCK_F + tl.arange(0, BLOCK_F)
     dmask = d < D
     fmask = f < F
     acc = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)
@@ -155,7 +163,8 @@ def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr, gates_ptr,
             gr = (gr.to(tl.float32) * g[:, None]).to(xt.dtype)
         acc = tl.dot(xt, gr, acc, input_precision=PRECISION)
     tl.atomic_add(gw_ptr + e.to(tl.int64) * D * F + d[:, None] * F + f[None, :], acc,
-                  mask=(dmask & (start + tl.zeros_like(d) < end))[:, None] & fmask[None, :])
+                  mask=(dmask & (start + tl.zeros_like(d) < end))[:, None] & fmask[None, :],
+                  sem="relaxed")
 
 
 def _cfg(bm, bd, bf, warps, stages, **extra):

@@ -162,7 +162,7 @@ def forward_impl(x_MD, w_EDF, gates_MK, order_N, offsets_E, k: int, groups: int,
         ys_NF = x_MD.new_empty(N if save_ys else 0, Fo)
         if N and Fo:
             g = gates_MK.reshape(-1).contiguous() if gated else y_NF
-            _launch("fwd", lambda c: (_cdiv(N, c["BLOCK_M"]) + E, _cdiv(Fo, c["BLOCK_F"])),
+            _launch("fwd", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Fo, c["BLOCK_F"]),),
                     x_MD, w_EDF, y_NF, ys_NF if save_ys else y_NF, order_N, offsets_E, g,
                     N, D, Fo, k, x_MD.stride(0), x_MD.stride(1), *w_EDF.stride(),
                     E=E, E_P2=_e_p2(E), GATED=gated, SAVE_YS=save_ys,
@@ -203,7 +203,7 @@ def backward_impl(grad_OF, x_MD, w_EDF, gates_MK, ys_NF, order_N, offsets_E, k: 
         # Never the output gradient as a stand-in pointer: autotuning zeroes the gx argument.
         dummy = torch.empty(1, device=x_MD.device, dtype=torch.float32)
         if (need_x or need_g) and N and Fo and D:
-            _launch("bwd_x", lambda c: (_cdiv(N, c["BLOCK_M"]) + E, _cdiv(D, c["BLOCK_D"])),
+            _launch("bwd_x", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(D, c["BLOCK_D"]),),
                     grad_OF, w_EDF, x_MD, ys_NF if need_g else grad_OF,
                     gx if need_x else dummy, gg if need_g else dummy,
                     order_N, offsets_E, gates_N,
@@ -213,8 +213,8 @@ def backward_impl(grad_OF, x_MD, w_EDF, gates_MK, ys_NF, order_N, offsets_E, k: 
         if need_w:
             gw = torch.zeros(E, D, Fo, device=x_MD.device, dtype=torch.float32)
             if N and Fo and D:
-                _launch("bwd_w", lambda c: (_cdiv(N, c["BLOCK_M"] * c["ITERS"]) + E,
-                                            _cdiv(D, c["BLOCK_D"]), _cdiv(Fo, c["BLOCK_F"])),
+                _launch("bwd_w", lambda c: ((_cdiv(N, c["BLOCK_M"] * c["ITERS"]) + E)
+                                            * _cdiv(D, c["BLOCK_D"]) * _cdiv(Fo, c["BLOCK_F"]),),
                         x_MD, grad_OF, gw, order_N, offsets_E, gates_N,
                         N, D, Fo, k, k // groups, groups, sum_rows,
                         x_MD.stride(0), x_MD.stride(1), **common)
