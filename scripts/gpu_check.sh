@@ -5,6 +5,9 @@
 # ratios to dense printed beside the paper's (47M: 0.72x time, 0.65x memory on an RTX 3090;
 # 262M: 0.65x, 0.61x on 8 V100s).
 #
+# Also the Triton expert-matmul kernel tests on the GPU (where triton imports) and the
+# expert-matmul implementations (triton among them) at the 47M SwitchHead value shape.
+#
 #   scripts/gpu_check.sh                 everything (about 10 minutes on one H100/H200)
 #   SKIP_SUITE=1 scripts/gpu_check.sh    benchmarks only
 #   BATCH=32 COMPILE=1 ...               step batch (default 64, the paper's), compiled rows too
@@ -31,6 +34,17 @@ if [ -z "${SKIP_SUITE:-}" ]; then
         | tee "$OUT_DIR/suite.txt"
     suite=${PIPESTATUS[0]}
 fi
+
+if [ -z "${SKIP_SUITE:-}" ] && "$PY" -c "import triton" 2>/dev/null; then
+    echo "== triton expert-matmul kernels on the GPU (tests/ops/test_triton_matmul.py, bf16 too)"
+    timeout 600 "$PY" -m pytest tests/ops/test_triton_matmul.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT_DIR/triton-tests.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || suite=1
+fi
+echo "== bench expert-matmul at the 47M SwitchHead value shape (bf16)"
+timeout 600 "$MOEIFY" bench expert-matmul --device cuda --dtype bfloat16 -M 32768 -D 412 -E 10 \
+    -K 4 -F 76 --json > "$OUT_DIR/expert-matmul-47m.json" 2> "$OUT_DIR/expert-matmul-47m.err" \
+    || echo "bench expert-matmul failed: see $OUT_DIR/expert-matmul-47m.err"
 
 compile_flag=()
 [ -n "${COMPILE:-}" ] && compile_flag=(--compile)

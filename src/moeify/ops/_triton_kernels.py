@@ -193,12 +193,14 @@ def build():
         return dict(fwd=(_fwd, fixed), bwd_x=(_bwd_x, fixed), bwd_w=(_bwd_w, dict(fixed, ITERS=2)),
                     autotuned=False)
 
-    # Keyed on the widths and the expert count, not on N (which changes with every batch).
+    # Keyed on the widths, the expert count and the variant (gated, atomic or stores), not on N
+    # (which changes with every batch shape).
     key = ["D", "F", "E"]
-    fwd = triton.autotune(FWD_CONFIGS, key=key)(_fwd)
+    fwd = triton.autotune(FWD_CONFIGS, key=key + ["GATED", "SAVE_YS"])(_fwd)
     # The atomically accumulated outputs are zeroed before every trial and the final run.
-    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key, reset_to_zero=["gx_ptr"])(_bwd_x)
-    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key, reset_to_zero=["gw_ptr"])(_bwd_w)
+    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key + ["GATED", "NEED_GX", "ATOMIC"],
+                            reset_to_zero=["gx_ptr"])(_bwd_x)
+    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key + ["GATED"], reset_to_zero=["gw_ptr"])(_bwd_w)
     return dict(fwd=(fwd, {}), bwd_x=(bwd_x, {}), bwd_w=(bwd_w, {}), autotuned=True)
 
 

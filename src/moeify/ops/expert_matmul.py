@@ -53,7 +53,9 @@ loop, the padded grid and the set layout size their work from the routing counts
 (and on CUDA outside bf16) that is "reference", one dense matmul over all experts, E/K times the
 multiply-adds of the routed ones but no gathered weight copies (what "gather" would make:
 [N, D, F]); with bf16 on CUDA it is torch's grouped GEMM, traced as a plain differentiable op
-(``_grouped_traced``). Explicitly chosen implementations are kept as they are.
+(``_grouped_traced``); on CUDA with triton installed it is "triton" first, whose kernels
+are registered ops (torch.library) that the graph keeps whole. Explicitly chosen
+implementations are kept as they are.
 
 "segment" and "grouped" share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);

@@ -14,10 +14,12 @@ result to its unsorted place. Nothing [N, D] is ever materialised, and only x (p
 [N, F] products when the gate gradient is needed) is saved for the backward. The same idea as
 the SwitchHead authors' CVMM and ScatterMoE's scatter2scatter, written afresh here.
 
-Kernels (one program = one tile of one expert's sorted pairs; the tile's expert and start are
-found inside the kernel from ``offsets_E`` by a prefix sum over the experts, so the grid needs no
-host sync: it is sized for the worst case, cdiv(N, BLOCK_M) + E tiles, and surplus programs do
-nothing):
+Kernels (one program = one tile of one expert's sorted pairs times one tile of the output
+columns; the tile's expert and start are found inside the kernel from ``offsets_E`` by a prefix
+sum over the experts, so the grid needs no host sync: it is sized for the worst case,
+cdiv(N, BLOCK_M) + E tiles of pairs, and surplus programs do nothing. The grid is flat, with the
+column tiles of one tile of pairs next to each other, so the rows they share come from L2; no
+host sync anywhere, so the eager CUDA path never waits for the GPU):
 
     _fwd      y[p] = x[p // K] @ w[e] (times gate[p] when gated) for a tile of pairs x a tile of F,
               looping over D. Ungated it writes [N, F] = [M, K, F] directly. Gated it writes the
