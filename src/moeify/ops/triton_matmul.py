@@ -220,10 +220,10 @@ def backward_impl(grad_OF, x_MD, w_EDF, gates_MK, ys_NF, order_N, offsets_E, k: 
                         x_MD, grad_OF, gw, order_N, offsets_E, gates_N,
                         N, D, Fo, k, k // groups, groups, sum_rows,
                         x_MD.stride(0), x_MD.stride(1), **common)
-        empty = x_MD.new_empty(0)
-        gx = gx.to(x_MD.dtype) if need_x else empty
-        gw = gw.to(w_EDF.dtype) if need_w else empty
-        gg = gg.view(M, k).to(gates_MK.dtype) if need_g else empty
+        # Distinct empty tensors: a registered op's outputs must not alias each other.
+        gx = gx.to(x_MD.dtype) if need_x else x_MD.new_empty(0)
+        gw = gw.to(w_EDF.dtype) if need_w else x_MD.new_empty(0)
+        gg = gg.view(M, k).to(gates_MK.dtype) if need_g else x_MD.new_empty(0)
         return gx, gw, gg
 
 
@@ -276,9 +276,10 @@ def _register_ops():
 
     @em_bwd.register_fake
     def _(grad, x, w, gates, ys, order, offsets, k, groups, sum_rows, need_x, need_w, need_g):
-        empty = x.new_empty(0)
-        return (x.new_empty(x.shape) if need_x else empty, w.new_empty(w.shape) if need_w else empty,
-                gates.new_empty(gates.shape) if need_g and gates is not None else empty)
+        return (x.new_empty(x.shape if need_x else (0,)),
+                w.new_empty(w.shape if need_w else (0,)),
+                (gates.new_empty(gates.shape) if need_g and gates is not None
+                 else x.new_empty(0)))
 
     def setup_context(ctx, inputs, output):
         x, w, gates, order, offsets, k, groups, sum_rows, save_ys = inputs
