@@ -15,7 +15,6 @@ import torch
 
 from moeify.models.presets import get_preset
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
-from moeify.ops.triton_matmul import unavailable_reason
 from moeify.train.config import TrainConfig, apply_model_overrides
 from moeify.train.trainer import train
 from references import english_corpus
@@ -85,8 +84,9 @@ def test_every_expert_matmul_matches_the_reference(impl, dtype):
     if impl == "grouped" and DEVICE == "cuda" and dtype == torch.float32:
         pytest.skip("torch's grouped GEMM is bf16-only on CUDA (expert_matmul falls back to "
                     "segment; that case is covered by impl=segment)")
-    if impl == "triton" and DEVICE != "cuda" and unavailable_reason(torch.zeros(1)):
-        pytest.skip(unavailable_reason(torch.zeros(1)))
+    if impl == "triton" and DEVICE != "cuda":
+        pytest.skip("triton's kernels run on CUDA; on the CPU only in Triton's interpreter, whose "
+                    "bf16 dot is wrong: tests/ops/test_triton_matmul.py tests them there")
     groups = 2 if impl == "sets" else 1
     x, idx, w, gates = _routing(G=groups)
     want = _matmul_grads("reference", x, idx, w, gates, torch.float64, groups)
