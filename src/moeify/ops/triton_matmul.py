@@ -198,8 +198,11 @@ def backward_impl(grad_OF, x_MD, w_EDF, gates_MK, ys_NF, order_N, offsets_E, k: 
         atomic = k > 1
         gx = gw = gg = None
         if need_x:
-            gx = (torch.zeros(M, D, device=x_MD.device, dtype=torch.float32) if atomic
-                  else x_MD.new_zeros(M, D))
+            # K = 1: every row's one pair stores its whole row (when there is any F to sum
+            # over), so no zeroing is needed.
+            gx = (x_MD.new_empty(M, D) if not atomic and Fo else
+                  torch.zeros(M, D, device=x_MD.device,
+                              dtype=torch.float32 if atomic else x_MD.dtype))
         if need_g:
             gg = torch.zeros(N, device=x_MD.device, dtype=torch.float32)
         # Never the output gradient as a stand-in pointer: autotuning zeroes the gx argument.
