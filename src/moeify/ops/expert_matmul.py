@@ -328,9 +328,9 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     ``gated``: whether the call has gates. A concrete name passes through ("grouped" falls back
     to "segment" where grouped_mm cannot run).
 
-    "auto" on CUDA: "triton" (fused kernels) where triton is importable and the dtype is
-    float32, float16 or bfloat16; else "grouped" for bfloat16 on Hopper or newer (torch's
-    grouped GEMM kernels), else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "pairs"
+    "auto" on CUDA: "triton" (fused kernels) where triton imports and the dtype is float32,
+    float16 or bfloat16, else "grouped" for bfloat16 on Hopper+ (torch's grouped GEMM kernels),
+    else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "pairs"
     for a handful of pairs, "all" for a handful of rows (decoding, where reading the weights is
     the cost: the table at ``PAIRS_MAX``), then "sets"
     where the plan's expert groups make it pay (``sets_eligible``), "segment" where the average
