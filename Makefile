@@ -3,7 +3,7 @@
 #   make test    -> builds .venv and runs the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,plot,tokenizers,hf,harness
+EXTRAS ?= dev,plot,tokenizers,hf,harness,triton
 
 .PHONY: setup train demo test bench clean
 

@@ -2,7 +2,9 @@
 # The GPU check, one command: the CUDA test suite, then the benchmarks in bf16 on this GPU, each
 # phase under its own time limit, then one JSON and one markdown table of every ratio beside the
 # paper's (SwitchHead Table 5: 47M 0.72x time, 0.65x memory; 262M 0.65x, 0.61x) and moeify's
-# targets (scripts/gpu_summary.py).
+# targets (scripts/gpu_summary.py). The expert-matmul bench runs at the 47M SwitchHead value shape
+# (every implementation, the Triton kernels among them); the Triton kernel tests run on the
+# device when triton imports.
 #
 #   scripts/gpu_check.sh                        everything (about 6 minutes on one H100/H200)
 #   SKIP_SUITE=1 scripts/gpu_check.sh           benchmarks only
@@ -70,6 +72,13 @@ if [ -z "${SKIP_SUITE:-}" ]; then
         "$PY" -m pytest -m cuda tests/train/test_cuda.py -q -p no:cacheprovider -rfs
     suite=$?
     tail -n 15 "$OUT_DIR/suite.txt"
+    if "$PY" -c "import triton" 2>/dev/null; then  # the kernels on the device, bf16 included
+        echo "== Triton expert-matmul kernel tests (limit ${TRITON_LIMIT:-180}s)"
+        MOEIFY_SUITE_DEVICE=$DEVICE phase triton-tests "${TRITON_LIMIT:-180}" \
+            "$OUT_DIR/triton-tests.txt" "$PY" -m pytest tests/ops/test_triton_matmul.py -q \
+            -p no:cacheprovider -rfs || suite=1
+        tail -n 5 "$OUT_DIR/triton-tests.txt"
+    fi
 fi
 
 if [ -n "${SMALL:-}" ]; then  # the script's own check at tiny shapes

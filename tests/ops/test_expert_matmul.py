@@ -27,7 +27,8 @@ f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
 DTYPES = {"float64": f64, "float32": f32, "bfloat16": bf16}
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-IMPLS = IMPLEMENTATIONS + ("auto",)
+# "triton" runs on CUDA or in Triton's interpreter only (no float64): tests/ops/test_triton_matmul.py.
+IMPLS = tuple(i for i in IMPLEMENTATIONS if i != "triton") + ("auto",)
 # Where the gate side (D > F: gates on the outputs, D < F: on the inputs) and the balance of the
 # routing choose a different computation. ("auto" runs one of the others: see the tests of what
 # it chooses at the end.)
@@ -402,3 +403,15 @@ def test_decoding_sums_over_every_expert_match_the_definition():
                          impl="reference")
     torch.testing.assert_close(gated_sum_of_all(y_TGEF, idx_TGK, gates_TGK), want,
                                rtol=1e-12, atol=1e-12)
+
+
+def test_triton_is_optional(monkeypatch):
+    """Without triton installed, moeify runs as before ("auto" never takes "triton") and asking
+    for it by name says which extra to install (its kernels: tests/ops/test_triton_matmul.py)."""
+    from moeify.ops import triton_matmul
+
+    monkeypatch.setattr(triton_matmul, "triton_available", lambda: False)
+    x, idx, w, gates = routed_inputs(8, 2, 4, 16, 8, dtype=f32)
+    assert chosen_impl("auto", x, idx, w) != "triton"
+    with pytest.raises(ValueError, match=r"moeify\[triton\]"):
+        expert_matmul(x, idx, w, gates, impl="triton")

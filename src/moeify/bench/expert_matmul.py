@@ -12,6 +12,7 @@ from moeify.ops.expert_matmul import (
     expert_matmul,
     make_plan,
 )
+from moeify.ops.triton_matmul import unavailable_reason
 
 
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, device="cpu",
@@ -46,7 +47,9 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
 
     # By default not the reference, nor the decoding layouts (made for a handful of rows:
     # ``moeify bench generate`` measures them where they apply).
-    impls = list(impls or [i for i in IMPLEMENTATIONS if i not in ("reference", "pairs", "all")])
+    # "triton" by default only where it can run (CUDA; the CPU interpreter is for tests).
+    skip = ("reference", "pairs", "all") + (("triton",) if unavailable_reason(x) else ())
+    impls = list(impls or [i for i in IMPLEMENTATIONS if i not in skip])
     fns = {"dense (equal MACs)": dense}
     for impl in impls:
         fns[impl] = run_impl(impl)

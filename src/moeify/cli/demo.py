@@ -23,6 +23,7 @@ def run(args) -> int:
                          "picks k of the experts")
     from moeify.ops import expert_matmul, sigmoid_topk
     from moeify.ops.expert_matmul import IMPLEMENTATIONS, make_plan
+    from moeify.ops.triton_matmul import unavailable_reason
 
     torch.manual_seed(0)
     D, F = 128, 64
@@ -37,6 +38,9 @@ def run(args) -> int:
     # experts are a set and "sets" applies too.
     plan = make_plan(route.idx, args.experts, group_size=args.experts)
     for impl in IMPLEMENTATIONS:
+        if impl == "triton" and unavailable_reason(x) is not None:
+            print(f"  {impl:<10} skipped: needs CUDA (or Triton's interpreter) and triton")
+            continue
         y = expert_matmul(x, route.idx, w, route.gates, impl=impl, plan=plan)
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         print(f"  {impl:<10} output {tuple(y.shape)}  max relative difference to reference {err:.1e}")

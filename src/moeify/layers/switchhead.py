@@ -90,7 +90,7 @@ class SwitchHeadConfig:
     n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
     attn_dropout: dropout on attention probabilities (never used in the paper).
     expert_impl: expert-matmul implementation ("auto", "reference", "gather", "all", "segment",
-        "grouped", "padded", "sets"); attn_impl: attention core ("auto" or "reference").
+        "grouped", "padded", "sets", "triton"); attn_impl: attention core ("auto" or "reference").
     """
 
     d_model: int

@@ -33,6 +33,10 @@ Implementations (``impl=``):
                  group_size=E)``): a row's K experts of one group are one unit, units sorted by
                  their expert set and multiplied by the set's K matrices side by side
                  (moeify.ops.set_matmul).
+    "triton"     fused Triton kernels (moeify.ops.triton_matmul): rows read through the sorted
+                 selection inside the GEMM and results written to their unsorted place, no
+                 [N, D] copy made or kept; CUDA (optional extra moeify[triton]), or the CPU only
+                 under Triton's interpreter (TRITON_INTERPRET=1, for tests).
     "auto"       the fastest correct one for the device, dtype, shapes and routing, decided in
                  one place for every layer (``choose_impl``); on CPU "pairs" or "all" for a
                  handful of pairs or rows (decoding), then "sets" where
@@ -49,7 +53,9 @@ loop, the padded grid and the set layout size their work from the routing counts
 (and on CUDA outside bf16) that is "reference", one dense matmul over all experts, E/K times the
 multiply-adds of the routed ones but no gathered weight copies (what "gather" would make:
 [N, D, F]); with bf16 on CUDA it is torch's grouped GEMM, traced as a plain differentiable op
-(``_grouped_traced``). Explicitly chosen implementations are kept as they are.
+(``_grouped_traced``); on CUDA with triton installed it is "triton" first, whose kernels
+are registered ops (torch.library) that the graph keeps whole. Explicitly chosen
+implementations are kept as they are.
 
 "segment" and "grouped" share one custom autograd Function: the forward gathers rows into
 expert order, multiplies per expert and gathers the results back (no index_put, no scatter);
@@ -69,8 +75,10 @@ from moeify.ops.padded_matmul import PaddedExpertMatmul, padded_layout, padding_
 from moeify.ops.planless_matmul import PLANLESS_FNS, combine, sum_rows_
 from moeify.ops.routing import count_ids
 from moeify.ops.set_matmul import SetExpertMatmul, head_major_order, set_layout, sets_eligible
+from moeify.ops import triton_matmul
 
-IMPLEMENTATIONS = ("reference", "gather", "pairs", "all", "segment", "grouped", "padded", "sets")
+IMPLEMENTATIONS = ("reference", "gather", "pairs", "all", "segment", "grouped", "padded", "sets",
+                   "triton")
 # Profiler range of every expert matmul: TRACE_PREFIX + the implementation that ran.
 TRACE_PREFIX = "moeify.expert_matmul."
 # Decoding on CPU, where reading the weights from memory is the cost (measured at the 47M
@@ -323,7 +331,8 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     ``gated``: whether the call has gates. A concrete name passes through ("grouped" falls back
     to "segment" where grouped_mm cannot run).
 
-    "auto" on CUDA: "grouped" for bfloat16 on Hopper or newer (torch's grouped GEMM kernels),
+    "auto" on CUDA: "triton" (fused kernels) where triton imports and the dtype is float32,
+    float16 or bfloat16, else "grouped" for bfloat16 on Hopper+ (torch's grouped GEMM kernels),
     else "segment". On CPU, where grouped_mm and the segment loop call the same GEMM: "pairs"
     for a handful of pairs, "all" for a handful of rows (decoding, where reading the weights is
     the cost: the table at ``PAIRS_MAX``), then "sets"
@@ -336,6 +345,8 @@ def choose_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
     if torch.compiler.is_compiling():
         return compiled_impl(x_MD, w_EDF)
     if x_MD.device.type == "cuda":
+        if _triton_ok(x_MD):
+            return "triton"
         fast = (x_MD.dtype == torch.bfloat16
                 and torch.cuda.get_device_capability(x_MD.device)[0] >= 9)
         return "grouped" if fast and _HAS_GROUPED_MM and _grouped_ok(x_MD, w_EDF) else "segment"
@@ -366,8 +377,16 @@ def few_rows_impl(x_MD: torch.Tensor, w_EDF: torch.Tensor, num_pairs: int) -> st
     return None
 
 
+def _triton_ok(x: torch.Tensor) -> bool:
+    """Whether "auto" takes the fused Triton kernels: CUDA, a kernel dtype, triton importable."""
+    return (x.device.type == "cuda" and x.dtype in triton_matmul.DTYPES
+            and triton_matmul.triton_available())
+
+
 def compiled_impl(x: torch.Tensor, w: torch.Tensor) -> str:
     """What "auto" resolves to inside a torch.compile'd graph (module docstring): no host sync."""
+    if _triton_ok(x):  # registered ops (torch.library): the graph keeps them whole
+        return "triton"
     if x.device.type == "cuda" and x.dtype == torch.bfloat16 and _HAS_GROUPED_MM \
             and _grouped_ok(x, w):
         return "grouped"
@@ -496,6 +515,10 @@ def _run(kind, x_MD, idx_MK, w_EDF, gates_MK, groups, sum_rows, plan, batch, k):
         if batch is not None:
             return y.view(batch, groups, M // batch, Fo)
         return y.view(M, groups, Fo) if groups > 1 else y
+    if kind == "triton":
+        triton_matmul.check_runnable(x_MD)
+        return triton_matmul.triton_expert_matmul(x_MD, w_EDF, gates_MK, plan, K, groups,
+                                                  sum_rows)
     if kind == "grouped" and torch.compiler.is_compiling():
         return sum_rows_(_grouped_traced(x_MD, w_EDF, gates_MK, plan, K, groups), sum_rows)
     if kind == "padded":

@@ -1,0 +1,206 @@
+"""The Triton kernels of the "triton" expert matmul (their design: moeify.ops.triton_matmul,
+which imports this module only when triton is installed and a kernel is first needed).
+
+Triton resolves the names a kernel calls from its module's globals, so the kernels live at the
+top level of a module of their own, which imports triton unconditionally.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _tile(pid, offsets_ptr, N, E: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``pid`` of the per-expert tiling of the sorted pairs: its expert, its first
+    sorted position and the end of that expert's pairs. A program past the last tile gets
+    an empty range (start == end) on expert E - 1."""
+    eo = tl.arange(0, E_P2)
+    ends = tl.load(offsets_ptr + eo, mask=eo < E, other=N).to(tl.int32)
+    starts = tl.load(offsets_ptr + eo - 1, mask=(eo > 0) & (eo < E), other=0).to(tl.int32)
+    n_tiles = tl.where(eo < E, (ends - starts + BLOCK - 1) // BLOCK, 0)
+    cum = tl.cumsum(n_tiles, 0)  # inclusive
+    e = tl.sum((cum <= pid).to(tl.int32), 0)  # tiles of experts before e: cum[e - 1] <= pid
+    valid = e < E
+    e = tl.minimum(e, E - 1)
+    first = tl.sum(tl.where(eo < e, n_tiles, 0), 0)
+    start = tl.sum(tl.where(eo == e, starts, 0), 0)
+    end = tl.sum(tl.where(eo == e, ends, 0), 0)
+    start = start + (pid - first) * BLOCK
+    end = tl.where(valid, end, start)
+    return e, start, end
+
+@triton.jit
+def _out_row(p, K, KG, G, R):
+    """The row of the gated output [O, F] that pair p is summed into."""
+    m = p // K
+    return (m // R) * G + (p - m * K) // KG
+
+@triton.jit
+def _fwd(x_ptr, w_ptr, y_ptr, ys_ptr, order_ptr, offsets_ptr, gates_ptr,
+         N, D, F, K,
+         sxm, sxd, swe, swd, swf,
+         E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr, SAVE_YS: tl.constexpr,
+         PRECISION: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    n_f = tl.cdiv(F, BLOCK_F)
+    pid = tl.program_id(0)  # the F tiles of one tile of pairs run side by side (L2 reuse)
+    e, start, end = _tile(pid // n_f, offsets_ptr, N, E, E_P2, BLOCK_M)
+    r = start + tl.arange(0, BLOCK_M)
+    rmask = r < end
+    p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)  # pairs, unsorted index
+    m = p // K  # their input rows
+    f = (pid % n_f) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = f < F
+    w_e = w_ptr + e.to(tl.int64) * swe
+    acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        xa = tl.load(x_ptr + m[:, None] * sxm + d[None, :] * sxd,
+                     mask=rmask[:, None] & dmask[None, :], other=0.0)
+        wb = tl.load(w_e + d[:, None] * swd + f[None, :] * swf,
+                     mask=dmask[:, None] & fmask[None, :], other=0.0)
+        acc = tl.dot(xa, wb, acc, input_precision=PRECISION)
+    omask = rmask[:, None] & fmask[None, :]
+    offs = p[:, None] * F + f[None, :]  # [N, F], contiguous
+    if SAVE_YS:
+        tl.store(ys_ptr + offs, acc.to(ys_ptr.dtype.element_ty), mask=omask)
+    if GATED:
+        g = tl.load(gates_ptr + p, mask=rmask, other=0.0).to(tl.float32)
+        acc = acc * g[:, None]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+@triton.jit
+def _bwd_x(grad_ptr, w_ptr, x_ptr, ys_ptr, gx_ptr, gg_ptr, order_ptr, offsets_ptr, gates_ptr,
+           N, D, F, K, KG, G, R,
+           sxm, sxd, swe, swd, swf,
+           E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr,
+           NEED_GX: tl.constexpr, NEED_GG: tl.constexpr, ATOMIC: tl.constexpr,
+           PRECISION: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    n_d = tl.cdiv(D, BLOCK_D)
+    pid = tl.program_id(0)  # the D tiles of one tile of pairs side by side: grad rows from L2
+    e, start, end = _tile(pid // n_d, offsets_ptr, N, E, E_P2, BLOCK_M)
+    pid_d = pid % n_d
+    r = start + tl.arange(0, BLOCK_M)
+    rmask = r < end
+    p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
+    m = p // K
+    if GATED:
+        orow = _out_row(p, K, KG, G, R)
+    else:
+        orow = p
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    w_e = w_ptr + e.to(tl.int64) * swe
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    gg = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    ggmask = rmask & (tl.zeros_like(r) + pid_d == 0)  # first D tile only
+    for f0 in range(0, F, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        fmask = f < F
+        gr = tl.load(grad_ptr + orow[:, None] * F + f[None, :],
+                     mask=rmask[:, None] & fmask[None, :], other=0.0)
+        if NEED_GX:
+            wt = tl.load(w_e + f[:, None] * swf + d[None, :] * swd,
+                         mask=fmask[:, None] & dmask[None, :], other=0.0)
+            acc = tl.dot(gr, wt, acc, input_precision=PRECISION)
+        if NEED_GG:
+            ys = tl.load(ys_ptr + p[:, None] * F + f[None, :],
+                         mask=ggmask[:, None] & fmask[None, :], other=0.0)
+            gg += tl.sum(gr.to(tl.float32) * ys.to(tl.float32), 1)
+    if NEED_GG:
+        tl.store(gg_ptr + p, gg, mask=ggmask)
+    if NEED_GX:
+        if GATED:
+            g = tl.load(gates_ptr + p, mask=rmask, other=0.0).to(tl.float32)
+            acc = acc * g[:, None]
+        xmask = rmask[:, None] & dmask[None, :]
+        offs = m[:, None] * sxm + d[None, :] * sxd
+        if ATOMIC:
+            tl.atomic_add(gx_ptr + offs, acc, mask=xmask, sem="relaxed")  # no ordering needed
+        else:
+            tl.store(gx_ptr + offs, acc.to(gx_ptr.dtype.element_ty), mask=xmask)
+
+@triton.jit
+def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr, gates_ptr,
+           N, D, F, K, KG, G, R,
+           sxm, sxd,
+           E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr,
+           PRECISION: tl.constexpr, ITERS: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    n_d = tl.cdiv(D, BLOCK_D)
+    n_f = tl.cdiv(F, BLOCK_F)
+    pid = tl.program_id(0)  # the (D, F) tiles of one chunk of pairs side by side
+    e, start, end = _tile(pid // (n_d * n_f), offsets_ptr, N, E, E_P2, BLOCK_M * ITERS)
+    pid_df = pid % (n_d * n_f)
+    d = (pid_df // n_f) * BLOCK_D + tl.arange(0, BLOCK_D)
+    f = (pid_df % n_f) * BLOCK_F + tl.arange(0, BLOCK_F)
+    dmask = d < D
+    fmask = f < F
+    acc = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)
+    for i in range(ITERS):
+        r = start + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = r < end
+        p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
+        m = p // K
+        if GATED:
+            orow = _out_row(p, K, KG, G, R)
+        else:
+            orow = p
+        xt = tl.load(x_ptr + m[None, :] * sxm + d[:, None] * sxd,
+                     mask=rmask[None, :] & dmask[:, None], other=0.0)
+        gr = tl.load(grad_ptr + orow[:, None] * F + f[None, :],
+                     mask=rmask[:, None] & fmask[None, :], other=0.0)
+        if GATED:
+            g = tl.load(gates_ptr + p, mask=rmask, other=0.0).to(tl.float32)
+            gr = (gr.to(tl.float32) * g[:, None]).to(xt.dtype)
+        acc = tl.dot(xt, gr, acc, input_precision=PRECISION)
+    tl.atomic_add(gw_ptr + e.to(tl.int64) * D * F + d[:, None] * F + f[None, :], acc,
+                  mask=(dmask & (start + tl.zeros_like(d) < end))[:, None] & fmask[None, :],
+                  sem="relaxed")
+
+
+def _cfg(bm, bd, bf, warps, stages, **extra):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_D=bd, BLOCK_F=bf, **extra),
+                         num_warps=warps, num_stages=stages)
+
+
+# GPU tilings for autotuning: a few sensible ones, from narrow F (SwitchHead's heads, F 64-128)
+# to wide MLP experts. scripts/triton_compile_check.py compiles every one for Hopper (sm_90) and
+# checks its shared memory.
+FWD_CONFIGS = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 32, 128, 4, 3),
+               _cfg(128, 64, 128, 8, 3), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 8, 3)]
+BWD_X_CONFIGS = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 128, 32, 8, 3),
+                 _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 64, 4, 3), _cfg(128, 64, 128, 8, 3)]
+BWD_W_CONFIGS = [_cfg(64, 64, 64, 4, 3, ITERS=8), _cfg(64, 64, 128, 4, 3, ITERS=8),
+                 _cfg(128, 64, 128, 8, 3, ITERS=4), _cfg(64, 128, 64, 8, 3, ITERS=8),
+                 _cfg(64, 128, 128, 8, 3, ITERS=4), _cfg(32, 64, 64, 4, 4, ITERS=16)]
+
+
+def build():
+    """{name: (kernel, fixed meta-parameters)}: autotuned kernels on a GPU, one small fixed
+    configuration in the interpreter."""
+    if INTERPRET:
+        # One small configuration: the interpreter is slow and tests use tiny shapes.
+        fixed = dict(BLOCK_M=16, BLOCK_D=32, BLOCK_F=32)
+        return dict(fwd=(_fwd, fixed), bwd_x=(_bwd_x, fixed), bwd_w=(_bwd_w, dict(fixed, ITERS=2)),
+                    autotuned=False)
+
+    # Keyed on the widths, the expert count and the variant (gated, atomic or stores), not on N
+    # (which changes with every batch shape).
+    key = ["D", "F", "E"]
+    fwd = triton.autotune(FWD_CONFIGS, key=key + ["GATED", "SAVE_YS"])(_fwd)
+    # The atomically accumulated outputs are zeroed before every trial and the final run.
+    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key + ["GATED", "NEED_GX", "ATOMIC"],
+                            reset_to_zero=["gx_ptr"])(_bwd_x)
+    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key + ["GATED"], reset_to_zero=["gw_ptr"])(_bwd_w)
+    return dict(fwd=(fwd, {}), bwd_x=(bwd_x, {}), bwd_w=(bwd_w, {}), autotuned=True)
+
+

@@ -1,0 +1,264 @@
+"""The "triton" expert matmul (moeify.ops.triton_matmul) against the pair-by-pair float64
+definition (references.ref_expert_rows): outputs and the x, w and gate gradients, for every
+output contract, widths that are not multiples of the tiles, empty experts, skewed routing,
+one expert per row (plain stores instead of atomics), fp32 and fp16; then partial gradients,
+torch.compile, and the errors where it cannot run.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 must
+be in the environment when the kernels are decorated (moeify.ops._triton_kernels, imported on
+first use) and, for older Triton, when triton is first imported, so it is set here before
+triton is imported and restored when the module ends. With CUDA the same tests run the compiled
+kernels on the GPU. Skipped where triton is not installed. Tiny shapes: the interpreter runs
+every program of the grid in Python.
+
+Shape legend: M rows, K experts per row, E experts, D input width, F output width, G output
+groups, R rows summed per output, B sequences.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+_SAVED_ENV = os.environ.get("TRITON_INTERPRET")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install "
+                             "'moeify[triton]'); the fused expert-matmul kernels need it")
+
+from moeify.ops import triton_matmul  # noqa: E402
+from moeify.ops.expert_matmul import chosen_impl, expert_matmul, make_plan  # noqa: E402
+from references import ref_expert_rows, routed_inputs  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+# Largest error over the largest reference entry.
+TOL = {f32: 1e-5, f16: 5e-3, bf16: 2e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_env():
+    kernels = sys.modules.get("moeify.ops._triton_kernels")
+    if not CUDA and kernels is not None and not kernels.INTERPRET:
+        pytest.skip("the Triton kernels were decorated without TRITON_INTERPRET=1 earlier in "
+                    "this process; run this file alone (or with TRITON_INTERPRET=1 set)")
+    yield
+    if _SAVED_ENV is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    elif not CUDA:
+        os.environ["TRITON_INTERPRET"] = _SAVED_ENV
+
+
+def reference(x, idx, w, gates, groups=1, sum_rows=1, batch=None, seed=7):
+    """Float64 output of the (rounded) inputs, an output gradient and the x, w, gate gradients."""
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gr = None if gates is None else gates.detach().double().requires_grad_()
+    y = ref_expert_rows(xr, idx, wr, gr, groups, sum_rows)
+    if batch is not None:
+        y = y.view(batch, -1, groups, y.shape[-1]).transpose(1, 2)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
+    grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
+    return y.detach(), g, grads
+
+
+def rel_err(got, want):
+    return ((got.double().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def check(x, idx, w, gates, tol, plan=None, **kw):
+    """impl="triton" on DEVICE against the reference: output, dtypes and every gradient."""
+    want, g, want_grads = reference(x, idx, w, gates, **kw)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul(inputs[0], idx.to(DEVICE), inputs[1],
+                      inputs[2] if gates is not None else None, impl="triton", plan=plan, **kw)
+    assert y.dtype == x.dtype and y.shape == want.shape
+    assert rel_err(y, want) <= tol, "output"
+    grads = torch.autograd.grad(y, inputs, g.to(DEVICE, y.dtype))
+    for name, a, t, b in zip(("x", "w", "gates"), grads, inputs, want_grads):
+        assert a.dtype == t.dtype, name
+        assert rel_err(a, b) <= tol, f"grad {name}"
+
+
+# contract: (M, K, E, groups, sum_rows, batch, gated); the ids of a row are K distinct experts
+# in units of K / max(G, R), unit u in group u % max(G, R) (SwitchHead's per-head experts).
+CONTRACTS = {
+    "rows": (9, 3, 5, 1, 1, None, False),  # [M, K, F]
+    "sum": (12, 2, 5, 1, 1, None, True),  # [M, F]: sigma-MoE, Switch
+    "k1": (12, 1, 4, 1, 1, None, True),  # one expert per row: stores, no atomics
+    "groups2": (8, 4, 10, 2, 1, None, True),  # [M, G, F]: SwitchHead's value experts
+    "sum_rows2": (12, 2, 10, 1, 2, None, True),  # [M / R, F]: SwitchHead's output experts
+    "batch": (12, 4, 10, 2, 1, 3, True),  # [B, G, S, F]
+}
+
+
+def contract_inputs(name, D, F, dtype, skew=False, seed=1):
+    M, K, E, G, R, B, gated = CONTRACTS[name]
+    n = max(G, R)
+    x, idx, w, gates = routed_inputs(M, K, E, D, F, dtype=dtype, seed=seed, skew=skew,
+                                     gated=gated, n_groups=n, unit=K // n)
+    return x, idx, w, gates, dict(groups=G, sum_rows=R, batch=B)
+
+
+@pytest.mark.parametrize("contract", list(CONTRACTS))
+def test_every_contract_fp32_odd_widths(contract):
+    """D 41 and F 76: neither a multiple of the tiles (masks on every load and store)."""
+    x, idx, w, gates, kw = contract_inputs(contract, 41, 76, f32)
+    check(x, idx, w, gates, TOL[f32], **kw)
+
+
+@pytest.mark.parametrize("contract", ["rows", "groups2", "sum_rows2"])
+def test_fp16(contract):
+    x, idx, w, gates, kw = contract_inputs(contract, 24, 40, f16)
+    check(x, idx, w, gates, TOL[f16], **kw)
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tl.dot is wrong in Triton's CPU interpreter")
+@pytest.mark.parametrize("contract", ["rows", "groups2", "sum_rows2"])
+def test_bf16(contract):
+    x, idx, w, gates, kw = contract_inputs(contract, 41, 76, bf16)
+    check(x, idx, w, gates, TOL[bf16], **kw)
+
+
+def test_skewed_routing_spans_several_tiles():
+    """Expert 0 in every row: its pairs fill several BLOCK_M tiles (and grad_w chunks) while
+    the others have a few or none."""
+    x, idx, w, gates = routed_inputs(40, 2, 6, 20, 12, dtype=f32, seed=3, skew=True)
+    assert int((idx == 0).sum()) == 40
+    check(x, idx, w, gates, TOL[f32])
+
+
+def test_empty_experts_get_zero_weight_gradient():
+    x, idx, w, gates = routed_inputs(10, 2, 6, 17, 9, dtype=f32, seed=4)
+    idx = torch.where(idx >= 3, idx - 3, idx)  # experts 3, 4, 5 empty; repeats within a row
+    check(x, idx, w, gates, TOL[f32])
+    ws = w.clone().requires_grad_()
+    expert_matmul(x.to(DEVICE), idx.to(DEVICE), ws.to(DEVICE), gates.to(DEVICE),
+                  impl="triton").sum().backward()
+    assert ws.grad[3:].abs().max() == 0
+
+
+def test_no_rows():
+    x, idx, w, gates = routed_inputs(0, 2, 4, 8, 8, dtype=f32)
+    xs, ws = x.to(DEVICE).requires_grad_(), w.to(DEVICE).requires_grad_()
+    y = expert_matmul(xs, idx.to(DEVICE), ws, gates.to(DEVICE), impl="triton")
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert ws.grad.abs().max() == 0
+
+
+def test_partial_gradients_and_a_shared_plan():
+    """Only some inputs require grad (the kernels skip the rest); one plan for two calls."""
+    x, idx, w, gates, kw = contract_inputs("groups2", 20, 12, f32)
+    want, g, (gx, gw, gg) = reference(x, idx, w, gates, **kw)
+    plan = make_plan(idx.to(DEVICE), w.shape[0])
+    for needs, wants in (((False, False, True), (gg,)), ((True, False, False), (gx,)),
+                         ((False, True, False), (gw,))):
+        ins = [t.to(DEVICE).requires_grad_(n) for t, n in zip((x, w, gates), needs)]
+        y = expert_matmul(ins[0], idx.to(DEVICE), ins[1], ins[2], impl="triton", plan=plan,
+                          **kw)
+        got = torch.autograd.grad(y, [t for t in ins if t.requires_grad], g.to(DEVICE, f32))
+        for a, b in zip(got, wants):
+            assert rel_err(a, b) <= TOL[f32]
+
+
+def test_stride_zero_and_non_contiguous_inputs():
+    x, idx, w, gates = routed_inputs(8, 2, 4, 12, 16, dtype=f32, seed=5)
+    w_nc = w.transpose(1, 2).contiguous().transpose(1, 2)  # [E, D, F] with F-major strides
+    xs, ws = x.to(DEVICE).detach().requires_grad_(), w_nc.to(DEVICE).detach().requires_grad_()
+    y = expert_matmul(xs, idx.to(DEVICE), ws, gates.to(DEVICE), impl="triton")
+    y.sum().backward()  # a stride-0 output gradient
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref_expert_rows(xr, idx, wr, gates.double()).sum().backward()
+    assert rel_err(xs.grad, xr.grad) <= TOL[f32] and rel_err(ws.grad, wr.grad) <= TOL[f32]
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    """Under autocast expert_matmul casts x and w; the Function itself runs with autocast off
+    and casts the incoming gradient to its operands' dtype."""
+    x, idx, w, gates = routed_inputs(8, 2, 4, 16, 16, dtype=f32, seed=6)
+    xs, ws, gs = (t.to(DEVICE).requires_grad_() for t in (x, w, gates))
+    dt = bf16 if CUDA else f16
+    with torch.autocast(DEVICE, dtype=dt):
+        y = expert_matmul(xs, idx.to(DEVICE), ws, gs, impl="triton")
+    assert y.dtype == dt
+    y.float().sum().backward()
+    assert xs.grad.dtype == ws.grad.dtype == gs.grad.dtype == f32
+
+
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False)],
+                         ids=["all-grads", "x-grad-only"])
+def test_compiled_graph_keeps_the_registered_ops(needs):
+    """fullgraph: no graph break around the kernels (aot_eager: no code generation needed);
+    also with gradients for x alone (the registered backward returns distinct empty tensors)."""
+    x, idx, w, gates, kw = contract_inputs("groups2", 20, 12, f32)
+    want, g, want_grads = reference(x, idx, w, gates, **kw)
+    ins = [t.to(DEVICE).requires_grad_(n) for t, n in zip((x, w, gates), needs)]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x, idx, w, gates):
+        return expert_matmul(x, idx, w, gates, impl="triton", **kw)
+
+    torch._dynamo.reset()
+    y = f(ins[0], idx.to(DEVICE), ins[1], ins[2])
+    assert rel_err(y, want) <= TOL[f32]
+    got = torch.autograd.grad(y, [t for t in ins if t.requires_grad], g.to(DEVICE, f32))
+    for a, b in zip(got, [b for b, n in zip(want_grads, needs) if n]):
+        assert rel_err(a, b) <= TOL[f32]
+
+
+def test_auto_takes_triton_on_cuda_only():
+    x, idx, w, _ = routed_inputs(8, 2, 4, 16, 16, dtype=f32)
+    assert chosen_impl("auto", x, idx, w) != "triton"  # never on the CPU, interpreter or not
+    if CUDA:
+        assert chosen_impl("auto", x.cuda(), idx.cuda(), w.cuda()) == "triton"
+
+
+def test_cannot_run_raises_a_value_error_that_says_what_to_do(monkeypatch):
+    x, idx, w, gates = routed_inputs(4, 2, 4, 8, 8, dtype=f32)
+    with pytest.raises(ValueError, match="float64"):
+        expert_matmul(x.double().to(DEVICE), idx.to(DEVICE), w.double().to(DEVICE),
+                      impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        expert_matmul(x, idx, w, gates, impl="triton")
+    monkeypatch.setattr(triton_matmul, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match=r"moeify\[triton\]"):
+        expert_matmul(x, idx, w, gates, impl="triton")
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the tests above compile and run the kernels for real")
+def test_every_kernel_compiles_for_hopper():
+    """The real compiler (not the interpreter) for sm_90, bf16 at the 47M SwitchHead shape: each
+    kernel's largest autotune configuration compiles and fits in shared memory
+    (scripts/triton_compile_check.py; without --largest it checks every configuration)."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, str(repo / "scripts" / "triton_compile_check.py"),
+                          "--largest"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("ok   sm_90") == 4
+
+
+def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():
+    """sigma-MoE / Switch (moeify.ops.expert_mlp): with impl="triton" the two expert matmuls run
+    on the kernels, the hidden units in pair order between them; against the definition."""
+    from moeify.ops.expert_mlp import expert_mlp
+    from references import ref_expert_mlp
+
+    x, idx, w1, gates = routed_inputs(10, 2, 4, 12, 20, dtype=f32, seed=8)
+    w2 = torch.randn(4, 20, 12, generator=torch.Generator().manual_seed(9))
+    ins = [t.to(DEVICE).requires_grad_() for t in (x, w1, w2, gates)]
+    y = expert_mlp(ins[0], idx.to(DEVICE), ins[1], ins[2], ins[3], impl="triton")
+    refs = [t.detach().double().requires_grad_() for t in (x, w1, w2, gates)]
+    want = ref_expert_mlp(refs[0], idx, refs[1], refs[2], refs[3])
+    assert rel_err(y, want) <= TOL[f32]
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(10), dtype=f64)
+    for a, b in zip(torch.autograd.grad(y, ins, g.to(DEVICE, f32)),
+                    torch.autograd.grad(want, refs, g)):
+        assert rel_err(a, b) <= TOL[f32]
