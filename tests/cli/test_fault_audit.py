@@ -1,0 +1,155 @@
+"""The fault audit of the newer surfaces (issue 32): compare/sweep sharing an --out, full disks
+under plot/export/import/upcycle/sweep, corrupt harness data, undecodable prompts, signals,
+a dead FSDP rank, leftovers of killed processes, closed pipes and the messages of bad input.
+
+Each case checks the exit code, that the message is one line saying what to do (never a
+traceback), and that nothing on disk is lost or replaced. Models are tiny and runs a few steps."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moeify.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--set", "batch_size=2", "--set", "model.d_model=16", "--set", "model.n_layers=1",
+         "--set", "model.context_length=16", "--set", "eval_every=0", "--set",
+         "eval_tokens=64", "--set", "log_every=1", "--set", "tokenizer=byte",
+         "--threads", "1", "--final-eval-tokens", "64"]
+
+
+def one_line_error(capsys, command) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err, "no error message"
+    last = err[-1]
+    assert last.startswith(f"moeify {command}: error: "), last
+    assert "Traceback" not in "\n".join(err) and "  " not in last
+    return last
+
+
+def _env(tmp: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "MOEIFY_NO_MALLOC_TUNING": "1",
+            "MOEIFY_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+
+
+def _moeify(tmp: Path, *argv, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moeify.cli.main", *argv], env=_env(tmp),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_for_training(run: Path, proc: subprocess.Popen, timeout=120.0) -> None:
+    """Until the run's trainer (the first process's child) has locked it and logged a step."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if (run / ".lock").is_file() and (run / "metrics.jsonl").is_file():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"{run} never started training")
+
+
+# ------------------------------------------------- 1: two compare/sweep processes on one --out
+
+def test_second_compare_on_a_live_out_is_refused_and_the_first_keeps_its_run(text_corpus):
+    out = text_corpus / "out"
+    argv = ["compare", "--presets", "tiny-dense", "--data", str(text_corpus / "corpus.txt"),
+            "--steps", "40", "--out", str(out), "--blimp-per-paradigm", "0", *SMALL]
+    first = _moeify(text_corpus, *argv)
+    try:
+        _wait_for_training(out / "runs" / "tiny-dense", first)
+        second = _moeify(text_corpus, *argv, "--seed", "1")
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"in use by another moeify compare, pid {first.pid}" in err
+        assert "--out" in err
+    finally:
+        _, err1 = first.communicate(timeout=300)
+    assert first.returncode == 0, err1
+    run = out / "runs" / "tiny-dense"
+    assert json.loads((run / "compare_spec.json").read_text())["train_config"]["seed"] == 0
+    assert json.loads((out / "results.json").read_text())["settings"]["seed"] == 0
+    assert (run / "compare_child.json").is_file() and not (out / ".lock").exists()
+
+
+def test_second_sweep_on_a_live_out_is_refused_and_the_first_keeps_its_run(text_corpus):
+    out = text_corpus / "out"
+    argv = ["sweep", "--presets", "tiny-dense", "--budgets", "40", "--data",
+            str(text_corpus / "corpus.txt"), "--out", str(out), *SMALL]
+    first = _moeify(text_corpus, *argv, "--set", "lr=5e-3")
+    try:
+        _wait_for_training(out / "runs" / "base" / "tiny-dense" / "steps-40" / "seed-0", first)
+        second = _moeify(text_corpus, *argv, "--set", "lr=1e-3")
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert f"in use by another moeify sweep, pid {first.pid}" in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        _, err1 = first.communicate(timeout=300)
+    assert first.returncode == 0, err1
+    run = out / "runs" / "base" / "tiny-dense" / "steps-40" / "seed-0"
+    assert json.loads((run / "compare_spec.json").read_text())["train_config"]["lr"] == 5e-3
+    assert json.loads((out / "results.json").read_text())["recipe"]["shared"]["lr"] == 5e-3
+
+
+HOLD = ("import sys; from moeify.train.lock import RunLock; "
+        "lock = RunLock(sys.argv[1]).acquire(); print('locked', flush=True); "
+        "sys.stdin.read(); lock.release()")
+
+
+def _spec(run_dir, **changes):
+    cfg = {"preset": "tiny-dense", "seed": 0, "steps": 3, "lr": 5e-3, **changes}
+    return {"name": "tiny-dense", "preset": "tiny-dense", "train_config": cfg,
+            "run_dir": str(run_dir), "threads": 1, "final_eval_tokens": 64,
+            "blimp_per_paradigm": 0, "blimp_data": None}
+
+
+def test_a_run_directory_locked_by_a_live_process_is_never_cleared(tmp_path):
+    """An orphaned child of a killed compare still trains in it: the next compare refuses it."""
+    from moeify.cli.compare import SPEC_FILE, plan_run
+    from moeify.errors import MoeifyError
+
+    run = tmp_path / "runs" / "tiny-dense"
+    run.mkdir(parents=True)
+    (run / SPEC_FILE).write_text(json.dumps(_spec(run)))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=_env(tmp_path))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(MoeifyError, match=f"in use by another process, pid {holder.pid}"):
+            plan_run(run, _spec(run, seed=1), reuse=True)
+        assert (run / SPEC_FILE).is_file() and (run / ".lock").is_file()
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    plan_run(run, _spec(run, seed=1), reuse=True)  # nothing trained, nobody in it: cleared
+    assert not run.exists()
+
+
+def test_reuse_under_other_settings_is_refused_naming_the_setting(tmp_path):
+    from moeify.cli.compare import CHILD_RESULT, SPEC_FILE, plan_run
+    from moeify.errors import MoeifyError
+
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000002" / "meta.json").write_text("{}")
+    (run / SPEC_FILE).write_text(json.dumps(_spec(run)))
+    with pytest.raises(MoeifyError, match=r"unfinished run with other settings \(seed 0 -> 1\)"):
+        plan_run(run, _spec(run, seed=1), reuse=True)
+    with pytest.raises(MoeifyError, match=r"lr 0.005 -> 0.001"):
+        plan_run(run, _spec(run, lr=1e-3), reuse=True)
+    assert (run / "checkpoints" / "step-00000002").is_dir()  # nothing deleted
+    spec = {**_spec(run), "threads": 4}  # how it is scheduled does not define the run
+    assert plan_run(run, spec, reuse=True) is None and spec["resume"] is True
+    (run / CHILD_RESULT).write_text(json.dumps({"final_valid": 1.0}))
+    with pytest.raises(MoeifyError, match=r"finished run with other settings \(seed 0 -> 1\)"):
+        plan_run(run, _spec(run, seed=1), reuse=True)
+    assert plan_run(run, _spec(run), reuse=True) == {"final_valid": 1.0}
