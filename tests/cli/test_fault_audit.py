@@ -153,3 +153,61 @@ def test_reuse_under_other_settings_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(MoeifyError, match=r"finished run with other settings \(seed 0 -> 1\)"):
         plan_run(run, _spec(run, seed=1), reuse=True)
     assert plan_run(run, _spec(run), reuse=True) == {"final_valid": 1.0}
+
+
+# ------------------------------------------------- 2: full disks
+
+TINY_TRAIN = ["--set", "tokenizer=byte256", "--set", "model.d_model=16", "--set",
+              "model.n_layers=1", "--set", "model.context_length=16", "--set",
+              "model.feedforward.d_ff=32", "--set", "batch_size=2", "--set", "warmup_steps=0",
+              "--set", "eval_tokens=64", "--set", "eval_batch_size=2", "--set", "eval_every=0",
+              "--set", "log_every=1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 2-step tiny run (dense preset), trained once for the module."""
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("audit")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOEIFY_CACHE_DIR", str(root / "cache"))
+    rng = np.random.default_rng(5)
+    words = "the cat sat on a warm mat by the door".split()
+    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 8))
+                                               for _ in range(200)))
+    try:
+        assert main(["train", "--data", str(root / "corpus.txt"), "--steps", "2", "--out",
+                     str(root / "run"), *TINY_TRAIN]) == 0
+        yield root / "run"
+    finally:
+        mp.undo()
+
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_plot_on_a_full_disk_keeps_the_old_png_and_names_it(tiny_run, tmp_path, capsys,
+                                                            monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    png = tmp_path / "curves.png"
+    assert main(["plot", "curves", str(tiny_run), "--out", str(png)]) == 0
+    good = png.read_bytes()
+
+    def half_then_full(self, target, **kw):  # what a disk that fills mid-write does
+        f = open(target, "wb") if isinstance(target, (str, os.PathLike)) else target
+        f.write(good[: len(good) // 2])
+        f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(FigureCanvasAgg, "print_png", half_then_full)
+    capsys.readouterr()
+    assert main(["plot", "curves", str(tiny_run), "--out", str(png)]) == 2
+    assert f"{png}: the disk is full" in one_line_error(capsys, "plot")
+    assert png.read_bytes() == good  # the good PNG is kept
+    assert main(["plot", "curves", str(tiny_run), "--out", str(tmp_path / "new.png")]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]  # no 0-byte file

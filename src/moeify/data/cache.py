@@ -88,9 +88,11 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a full disk says which file it could not write
         raise
 
 
