@@ -211,3 +211,31 @@ def test_plot_on_a_full_disk_keeps_the_old_png_and_names_it(tiny_run, tmp_path, 
     assert main(["plot", "curves", str(tiny_run), "--out", str(tmp_path / "new.png")]) == 2
     capsys.readouterr()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]  # no 0-byte file
+
+
+# ------------------------------------------------- 3: leftovers of killed processes
+
+def test_a_kill_while_pruning_leaves_no_hollow_checkpoint(tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+
+    from moeify.train import checkpoint as ck
+
+    ck.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {}, keep=1)
+    real_rmtree = shutil.rmtree
+
+    def killed_half_way(path, *a, **k):  # deletes one file, then the process is killed
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        files[0].unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {}, keep=1)
+    monkeypatch.setattr(ck.shutil, "rmtree", real_rmtree)
+    root = tmp_path / ck.CHECKPOINTS
+    assert not (root / "step-00000001").exists()  # never a hollow step-N
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-00000002"]
+    ck.sweep_stale(root)  # what the next trainer does (the owner is gone, or it is us)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
