@@ -239,3 +239,66 @@ def test_a_kill_while_pruning_leaves_no_hollow_checkpoint(tmp_path, monkeypatch)
     assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-00000002"]
     ck.sweep_stale(root)  # what the next trainer does (the owner is gone, or it is us)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
+
+
+def _dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True)
+    return int(p.stdout)
+
+
+def test_export_on_a_full_disk_is_one_line_and_writes_nothing(tiny_run, tmp_path, capsys,
+                                                              monkeypatch):
+    pytest.importorskip("transformers")
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(state, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              f"(os error 28) at path \"{path}\"")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(tiny_run), "--out", str(out)]) == 2
+    msg = one_line_error(capsys, "export")
+    assert f"{out}/model.safetensors: the disk is full" in msg
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_killed_imports_and_exports_are_swept(tiny_run, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    dead, live = _dead_pid(), os.getppid()
+    out = tmp_path / "hf"
+    for name in (f".hf.export-{dead}", f".hf.import-{dead}", f".hf.export-{live}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 100)
+    assert main(["export", "--run", str(tiny_run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.export-{live}", "hf"]
+    run = tmp_path / "imported"
+    (tmp_path / f".imported.import-{dead}").mkdir()
+    assert main(["import", "--hf", str(out), "--out", str(run)]) in (0, 2)  # swept either way
+    assert not (tmp_path / f".imported.import-{dead}").exists()
+
+
+def test_import_on_a_full_disk_names_the_output(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from moeify.interop.hf_export import byte_level_tokenizer_json
+    from moeify.train import checkpoint as ck
+
+    cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    src = tmp_path / "src"
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(src)
+    (src / "tokenizer.json").write_bytes(byte_level_tokenizer_json(range(256), unk=False))
+
+    def full(run_dir, *a, **k):
+        (Path(run_dir) / "checkpoints").mkdir(exist_ok=True)
+        (Path(run_dir) / "checkpoints" / "half").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ck, "save_checkpoint", full)
+    out = tmp_path / "run"
+    assert main(["import", "--hf", str(src), "--out", str(out)]) == 2
+    assert f"{out}: the disk is full" in one_line_error(capsys, "import")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -21,8 +21,8 @@ import json
 import shutil
 from pathlib import Path
 
-from moeify.data.cache import atomic_directory
-from moeify.errors import MoeifyError
+from moeify.data.cache import atomic_directory, sweep_stale_directories
+from moeify.errors import MoeifyError, os_error_of
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
@@ -108,7 +108,7 @@ def _tokenizer_config(tm) -> dict:
     return cfg
 
 
-def _write(tmp: Path, tm, hf_source: dict | None) -> None:
+def _write(tmp: Path, tm, hf_source: dict | None, out: Path | None = None) -> None:
     from safetensors.torch import save_file
 
     tmp.mkdir(parents=True)
@@ -118,7 +118,13 @@ def _write(tmp: Path, tm, hf_source: dict | None) -> None:
                                                 indent=2) + "\n")
     state = {f"model.{k}": v.detach().float().cpu().contiguous()
              for k, v in tm.model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as e:  # safetensors' own error type, also for a full disk
+        os_error = os_error_of(e, (out or tmp) / "model.safetensors")
+        if os_error is None:
+            raise
+        raise os_error from None
     tok = tokenizer_json(tm.tokenizer)
     if tok is not None:
         (tmp / "tokenizer.json").write_bytes(tok)
@@ -137,6 +143,7 @@ def export_hf(run: str | Path, out: str | Path) -> Path:
 
     offline()
     out = Path(out)
+    sweep_stale_directories(out)  # what killed exports into --out left beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
                           "--out for the exported model")
@@ -144,5 +151,5 @@ def export_hf(run: str | Path, out: str | Path) -> Path:
     src = tm.run_dir / HF_CONFIG_COPY
     hf_source = json.loads(src.read_text()) if src.is_file() else None
     with atomic_directory(out, "export") as tmp:
-        _write(tmp, tm, hf_source)
+        _write(tmp, tm, hf_source, out=out)
     return out

@@ -312,6 +312,9 @@ def _special_tokens(src: Path) -> dict[str, Any]:
 
 
 def _check_out(out: Path) -> None:
+    from moeify.data.cache import sweep_stale_directories
+
+    sweep_stale_directories(out)  # what killed imports into --out left beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
                           "--out for the imported run")

@@ -21,27 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moeify.data.cache import pid_alive  # noqa: F401  (re-exported: checkpoints use it)
 from moeify.errors import MoeifyError
 
 LOCK_FILE = ".lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this machine (a zombie counts as gone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def read_holder(path: Path) -> dict[str, Any] | None:
