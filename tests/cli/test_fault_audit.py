@@ -177,7 +177,8 @@ def tiny_run(tmp_path_factory):
     (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 8))
                                                for _ in range(200)))
     try:
-        assert main(["train", "--data", str(root / "corpus.txt"), "--steps", "2", "--out",
+        assert main(["train", "--preset", "tiny-dense", "--data", str(root / "corpus.txt"),
+                     "--steps", "2", "--out",
                      str(root / "run"), *TINY_TRAIN]) == 0
         yield root / "run"
     finally:
@@ -302,3 +303,36 @@ def test_import_on_a_full_disk_names_the_output(tmp_path, capsys, monkeypatch):
     assert main(["import", "--hf", str(src), "--out", str(out)]) == 2
     assert f"{out}: the disk is full" in one_line_error(capsys, "import")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_upcycle_is_all_or_nothing_and_sweeps_a_killed_attempt(tiny_run, tmp_path, capsys,
+                                                               monkeypatch):
+    from moeify.train import trainer as trainer_mod
+
+    out = tmp_path / "up"
+    argv = ["upcycle", "--run", str(tiny_run), "--out", str(out), "--ff", "sigma-moe:E=2,k=1",
+            "--no-validate"]
+    real = trainer_mod.Trainer.save_checkpoint
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(trainer_mod.Trainer, "save_checkpoint", full)
+    assert main(argv) == 2
+    assert f"{out}: the disk is full" in one_line_error(capsys, "upcycle")
+    assert list(tmp_path.iterdir()) == []  # no half-made run directory
+    monkeypatch.setattr(trainer_mod.Trainer, "save_checkpoint", real)
+    # A kill -9 during an upcycle leaves its temporary directory (with the trainer's .lock).
+    killed = tmp_path / f".up.upcycle-{_dead_pid()}"
+    killed.mkdir()
+    (killed / ".lock").write_text("{}")
+    assert main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]
+    assert (out / "checkpoints" / "latest").is_file() and not (out / ".lock").exists()
+
+
+def test_upcycle_steps_given_twice_is_refused(tiny_run, tmp_path, capsys):
+    assert main(["upcycle", "--run", str(tiny_run), "--out", str(tmp_path / "up"), "--ff",
+                 "sigma-moe:E=2,k=1", "--steps", "10", "--set", "steps=20"]) == 2
+    assert "--steps 10 and --set steps=20 both set" in one_line_error(capsys, "upcycle")
+    assert not (tmp_path / "up").exists()
