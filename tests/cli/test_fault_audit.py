@@ -336,3 +336,16 @@ def test_upcycle_steps_given_twice_is_refused(tiny_run, tmp_path, capsys):
                  "sigma-moe:E=2,k=1", "--steps", "10", "--set", "steps=20"]) == 2
     assert "--steps 10 and --set steps=20 both set" in one_line_error(capsys, "upcycle")
     assert not (tmp_path / "up").exists()
+
+
+# ------------------------------------------------- 4: closed pipes
+
+@pytest.mark.parametrize("argv", [["presets"], ["count", "--preset", "tiny-dense", "--json"]])
+def test_a_closed_stdout_pipe_ends_quietly(argv, tmp_path):
+    """`moeify presets | head -1`: the reader is gone before (or while) the command writes."""
+    r, w = os.pipe()
+    os.close(r)
+    p = subprocess.run([sys.executable, "-m", "moeify.cli.main", *argv], stdout=w,
+                       stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
+    os.close(w)
+    assert p.stderr == "" and p.returncode == 141, p.stderr

@@ -71,13 +71,29 @@ def error_line(e: BaseException) -> str:
     return " ".join(text.split()) or type(e).__name__
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``moeify presets | head -1``): end quietly. stdout is
+    pointed at /dev/null so that the interpreter's last flush does not complain; the status is
+    the shell's for a process ended by SIGPIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     _reexec_with_malloc_tuning(argv)
     args = build_parser().parse_args(argv)
     from moeify.errors import MoeifyError
 
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here when the output fitted in its buffer
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except (MoeifyError, ValueError, OSError) as e:
         if os.environ.get("MOEIFY_DEBUG"):
             raise
