@@ -349,3 +349,51 @@ def test_a_closed_stdout_pipe_ends_quietly(argv, tmp_path):
                        stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
     os.close(w)
     assert p.stderr == "" and p.returncode == 141, p.stderr
+
+
+# ------------------------------------------------- 5: generate's prompt
+
+@pytest.fixture(scope="module")
+def imported_gpt2(tmp_path_factory):
+    """A tiny random GPT-2 imported through the CLI (its tokenizer is a Hugging Face one)."""
+    transformers = pytest.importorskip("transformers")
+    from moeify.interop.hf_export import byte_level_tokenizer_json
+
+    root = tmp_path_factory.mktemp("gpt2")
+    cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "src")
+    (root / "src" / "tokenizer.json").write_bytes(byte_level_tokenizer_json(range(256),
+                                                                           unk=False))
+    assert main(["import", "--hf", str(root / "src"), "--out", str(root / "run")]) == 0
+    return root / "run"
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+def test_a_non_utf8_prompt_is_one_line(kind, tiny_run, imported_gpt2, capsys):
+    run = tiny_run if kind == "byte" else imported_gpt2
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # what Python makes of a Latin-1 argv
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", bad, "--max-new-tokens", "2"]) == 2
+    msg = one_line_error(capsys, "generate")
+    assert "--prompt is not UTF-8 text (byte 0xe9 at character 3)" in msg and "codec" not in msg
+
+
+def test_long_prompts_come_from_a_file_or_stdin(tiny_run, tmp_path, capsys, monkeypatch):
+    import io
+
+    text = "the cat sat on the mat. " * 8000  # 192 KB: more than one argument may hold
+    (tmp_path / "p.txt").write_text(text)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tiny_run), "--prompt-file", str(tmp_path / "p.txt"),
+                 "--max-new-tokens", "3", "--seed", "0", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(text) and len(out) > len(text)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert main(["generate", "--run", str(tiny_run), "--prompt-file", "-",
+                 "--max-new-tokens", "3", "--seed", "0", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == out
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
+    assert main(["generate", "--run", str(tiny_run), "--prompt-file",
+                 str(tmp_path / "bad.txt")]) == 2
+    assert "bad.txt is not UTF-8 text" in one_line_error(capsys, "generate")
