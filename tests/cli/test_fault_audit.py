@@ -397,3 +397,38 @@ def test_long_prompts_come_from_a_file_or_stdin(tiny_run, tmp_path, capsys, monk
     assert main(["generate", "--run", str(tiny_run), "--prompt-file",
                  str(tmp_path / "bad.txt")]) == 2
     assert "bad.txt is not UTF-8 text" in one_line_error(capsys, "generate")
+
+
+# ------------------------------------------------- 6: the harness
+
+def test_harness_corrupt_jsonl_and_broken_task_yaml_are_one_line(tiny_run, tmp_path, capsys,
+                                                                  monkeypatch):
+    pytest.importorskip("lm_eval")
+    import sys as _sys
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
+        monkeypatch.setenv(k, "1")
+    if "datasets.config" in _sys.modules:
+        monkeypatch.setattr(_sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp_path / "hf")
+    data = tmp_path / "data"
+    (data / "lambada").mkdir(parents=True)
+    (data / "lambada" / "lambada_test.jsonl").write_text(
+        json.dumps({"text": "the cat sat on the mat"}) + "\n{\"text\": \"torn\n")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tiny_run), "--harness", "moeify_lambada", "--data-dir",
+                 str(data), "--device", "cpu"]) == 2
+    msg = one_line_error(capsys, "eval")
+    assert "lambada_test.jsonl:2: not a JSON line" in msg
+    # the same file through --task lambada is as clear
+    assert main(["eval", "--run", str(tiny_run), "--task", "lambada", "--data",
+                 str(data / "lambada" / "lambada_test.jsonl")]) == 2
+    assert "lambada_test.jsonl:2:" in one_line_error(capsys, "eval")
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mine.yaml").write_text("task: mine\ndataset_path: json\n  bad: [indent\n")
+    assert main(["eval", "--run", str(tiny_run), "--harness", "mine", "--harness-include",
+                 str(tasks), "--device", "cpu"]) == 2
+    msg = one_line_error(capsys, "eval")
+    assert "mine.yaml:3: the task file is not valid YAML" in msg and "unknown" not in msg
