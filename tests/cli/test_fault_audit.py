@@ -432,3 +432,36 @@ def test_harness_corrupt_jsonl_and_broken_task_yaml_are_one_line(tiny_run, tmp_p
                  str(tasks), "--device", "cpu"]) == 2
     msg = one_line_error(capsys, "eval")
     assert "mine.yaml:3: the task file is not valid YAML" in msg and "unknown" not in msg
+
+
+# ------------------------------------------------- 7: signals
+
+LATE_SIGNAL = """
+import atexit, os, signal, sys, time
+def second_ctrl_c():  # arrives while the interpreter exits, after the clean stop
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+atexit.register(second_ctrl_c)
+import moeify.train.checkpoint as ck
+from moeify.cli.main import main
+real = ck._save_state
+def save(state, path):
+    if state["step"] == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(state, path)
+ck._save_state = save
+sys.argv = ["moeify", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_a_second_ctrl_c_during_exit_is_no_traceback(text_corpus):
+    run = text_corpus / "r"
+    p = subprocess.run([sys.executable, "-c", LATE_SIGNAL, "train", "--preset", "tiny-dense",
+                        "--data", str(text_corpus / "corpus.txt"), "--steps", "6", "--out",
+                        str(run), *TINY_TRAIN, "--set", "checkpoint_every=2"],
+                       capture_output=True, text=True, env=_env(text_corpus))
+    assert p.returncode == 130, p.stderr
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert "stopped by SIGINT" in p.stderr
+    assert (run / "checkpoints" / "latest").is_file()

@@ -83,7 +83,27 @@ def _closed_pipe() -> int:
     return 141
 
 
+def _quiet_exit_after_signal() -> None:
+    """A command stopped by a signal has finished its clean stop: a further Ctrl-C or SIGTERM
+    (two Ctrl-Cs 50 ms apart) must not interrupt the interpreter's exit, where it would end as a
+    KeyboardInterrupt traceback from an atexit handler (torch registers some)."""
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(s, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if argv is None and code in (130, 143):  # the process itself, not a caller in Python
+        _quiet_exit_after_signal()
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     _reexec_with_malloc_tuning(argv)
     args = build_parser().parse_args(argv)
     from moeify.errors import MoeifyError
