@@ -529,3 +529,41 @@ def test_a_dead_process_during_a_sharded_checkpoint_is_one_line(tmp_path):
     assert "\n" not in msg
     assert "another process of 4" in peer_lost_message(2, 4, "x", None, run)
     assert "no checkpoint had been written yet" in peer_lost_message(2, 4, "x", None, run)
+
+
+# ------------------------------------------------- 9: a compare/sweep child that fails
+
+def test_a_failed_child_is_one_line_in_the_parents_message(text_corpus, capsys, monkeypatch):
+    import types
+
+    from moeify.cli import compare
+    from moeify.errors import MoeifyError
+
+    # The child on a full disk says one error line (into its log), exit 2 ...
+    run = text_corpus / "run"
+    run.mkdir()
+    spec = {**_spec(run), "train_config": {"preset": "tiny-dense", "steps": 3,
+                                           "data": str(text_corpus / "corpus.txt")}}
+    (run / compare.SPEC_FILE).write_text(json.dumps(spec))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run / "checkpoints"))
+
+    monkeypatch.setattr(compare, "_train_child", full)
+    assert compare.child_entry(str(run / compare.SPEC_FILE)) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == f"error: {run / 'checkpoints'}: the disk is full: free some space (or " \
+                   "write somewhere else) and try again"
+    # ... which the parent quotes, in one line, with where the whole log is.
+    log = run / compare.CHILD_LOG
+    sched = compare._Scheduler([], jobs=1)
+    for text, quoted in ((f"[moeify] training ...\n{said}\n", said[len("error: "):]),
+                         ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                          "RuntimeError: boom\n", "RuntimeError: boom")):
+        log.write_text(text)
+        sched.running[4242] = (types.SimpleNamespace(), {"name": "tiny-dense",
+                                                         "run_dir": str(run)}, 0.0)
+        with pytest.raises(MoeifyError) as e:
+            sched._reap(4242, 2 << 8, None)
+        assert str(e.value) == (f"training tiny-dense failed (exit 2): {quoted}; the whole log "
+                                f"is {log}")

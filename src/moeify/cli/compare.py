@@ -29,6 +29,8 @@ CHILD_RESULT = "compare_child.json"
 # scores the model: a child stopped while scoring resumes at the scoring, with these.
 CHILD_TRAINED = "compare_trained.json"
 CHILD_LOG = "train.log"
+# How a child states the error that stopped it (one line, the last of its log).
+CHILD_ERROR = "error:"
 SPEC_FILE = "compare_spec.json"
 
 
@@ -229,9 +231,8 @@ class _Scheduler:
                               f"{proc.returncode}) after checkpointing its last step; run the "
                               "same command again to resume it")
         if proc.returncode != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-            raise MoeifyError(f"training {spec['name']} failed (exit {proc.returncode}); the "
-                              f"end of {log}:\n  " + "\n  ".join(tail))
+            raise MoeifyError(f"training {spec['name']} failed (exit {proc.returncode}): "
+                              f"{failure_line(log)}; the whole log is {log}")
         result = json.loads((run_dir / CHILD_RESULT).read_text())
         result["max_rss_bytes"] = max(_max_rss_bytes(ru), result.get("max_rss_bytes") or 0)
         _write_json(run_dir / CHILD_RESULT, result)
@@ -270,6 +271,19 @@ class _Scheduler:
                 self.progress()
                 last_report = time.time()
             time.sleep(poll_s)
+
+
+def failure_line(log: Path) -> str:
+    """What a failed child said, in one line: its own error line (``error: ...``), else the
+    last line of a traceback (the exception), else the last line of its log."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError as e:
+        return f"its log cannot be read ({e.strerror})"
+    for line in reversed(lines):
+        if line.startswith(CHILD_ERROR):
+            return line[len(CHILD_ERROR):].strip()
+    return lines[-1] if lines else "it printed nothing"
 
 
 def _write_json(path: Path, data) -> None:
@@ -551,9 +565,24 @@ def child_main(spec_path: str) -> int:
     return 0
 
 
+def child_entry(spec_path: str) -> int:
+    """child_main with the CLI's error handling: an error the user can act on (a full disk, a
+    bad setting) is one ``error:`` line in the log for the parent to quote, exit 2."""
+    from moeify.cli.main import error_line
+    from moeify.errors import MoeifyError
+
+    try:
+        return child_main(spec_path)
+    except (MoeifyError, ValueError, OSError) as e:
+        if os.environ.get("MOEIFY_DEBUG"):
+            raise
+        print(f"{CHILD_ERROR} {error_line(e)}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        sys.exit(child_main(sys.argv[2]))
+        sys.exit(child_entry(sys.argv[2]))
     print("usage: moeify compare ... (this module's own entry point is for its child runs)",
           file=sys.stderr)
     sys.exit(2)
