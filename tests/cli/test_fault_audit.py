@@ -567,3 +567,17 @@ def test_a_failed_child_is_one_line_in_the_parents_message(text_corpus, capsys, 
             sched._reap(4242, 2 << 8, None)
         assert str(e.value) == (f"training tiny-dense failed (exit 2): {quoted}; the whole log "
                                 f"is {log}")
+
+
+# ------------------------------------------------- 10: sweep arguments checked up front
+
+@pytest.mark.parametrize("extra,says", [
+    (["--presets", "tiny-dense,tiny-switchhead", "--baseline", "tiny-nope"],
+     "--baseline tiny-nope is not among the presets of this sweep (tiny-dense, tiny-switchhead)"),
+    (["--presets", " , "], "--presets needs at least one preset name, got ' , '"),
+])
+def test_sweep_arguments_that_cannot_give_a_table_are_refused(extra, says, tmp_path, capsys):
+    assert main(["sweep", "--out", str(tmp_path / "o"), "--budgets", "2", *extra]) == 2
+    msg = one_line_error(capsys, "sweep")
+    assert says in msg and "context lengths" not in msg
+    assert not (tmp_path / "o").exists()  # nothing trained, nothing written
