@@ -581,3 +581,58 @@ def test_sweep_arguments_that_cannot_give_a_table_are_refused(extra, says, tmp_p
     msg = one_line_error(capsys, "sweep")
     assert says in msg and "context lengths" not in msg
     assert not (tmp_path / "o").exists()  # nothing trained, nothing written
+
+
+# ------------------------------------------------- 11: "No space left on device" names the path
+
+def _fsync_full_under(monkeypatch, root: Path) -> None:
+    """fsync of a file under ``root`` fails with ENOSPC, as it does when the disk is full and
+    the data was only buffered."""
+    real = os.fsync
+
+    def fsync(fd):
+        try:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            where = ""
+        if where.startswith(str(root)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_full_cache_disk_names_the_cache_file(tmp_path, capsys, monkeypatch):
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(cache))
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat.\n" * 200)
+    _fsync_full_under(monkeypatch, cache)
+    assert main(["train", "--preset", "tiny-dense", "--data", str(tmp_path / "corpus.txt"),
+                 "--steps", "1", "--out", str(tmp_path / "run"), *TINY_TRAIN]) == 2
+    msg = one_line_error(capsys, "train")
+    assert f"{cache}/" in msg and "the disk is full" in msg
+    assert ".tmp" not in msg.split(":")[1]  # the cache entry, not a private temporary name
+
+
+def test_a_full_disk_under_harness_out_names_the_file(tiny_run, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval")
+    import sys as _sys
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
+        monkeypatch.setenv(k, "1")
+    if "datasets.config" in _sys.modules:
+        monkeypatch.setattr(_sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp_path / "hf")
+    data = tmp_path / "data"
+    (data / "lambada").mkdir(parents=True)
+    (data / "lambada" / "lambada_test.jsonl").write_text(
+        json.dumps({"text": "the cat sat on the mat"}) + "\n")
+    res = tmp_path / "results" / "res.json"
+    _fsync_full_under(monkeypatch, tmp_path / "results")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tiny_run), "--harness", "moeify_lambada", "--data-dir",
+                 str(data), "--device", "cpu", "--harness-out", str(res)]) == 2
+    assert f"{res}: the disk is full" in one_line_error(capsys, "eval")
+    assert list((tmp_path / "results").iterdir()) == []

@@ -267,6 +267,9 @@ def download(url: str, dest: str | Path, *, expected: str | None = None,
                     rate = done / 1e6 / max(now - t0, 1e-9)
                     progress(f"  {done / 1e6:.1f} MB{pct}, {rate:.1f} MB/s")
     except (urllib.error.URLError, OSError, ValueError) as e:
+        if isinstance(e, OSError) and not isinstance(e, urllib.error.URLError) and \
+                e.filename is not None:
+            raise  # writing the file failed (a full disk), not the download: say so, with path
         raise MoeifyError(
             f"could not download {url}: {e}. If this machine is offline, fetch the file "
             f"elsewhere and place it at {dest}, or pass a local path instead") from e
