@@ -636,3 +636,45 @@ def test_a_full_disk_under_harness_out_names_the_file(tiny_run, tmp_path, capsys
                  str(data), "--device", "cpu", "--harness-out", str(res)]) == 2
     assert f"{res}: the disk is full" in one_line_error(capsys, "eval")
     assert list((tmp_path / "results").iterdir()) == []
+
+
+# ------------------------------------------------- 12: messages that say the right thing
+
+@pytest.fixture
+def gpt2_src(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from moeify.interop.hf_export import byte_level_tokenizer_json
+
+    cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    (src / "tokenizer.json").write_bytes(byte_level_tokenizer_json(range(256), unk=False))
+    return src, model
+
+
+def test_import_without_model_type_says_so(gpt2_src, tmp_path, capsys):
+    src, _ = gpt2_src
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["model_type"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["import", "--hf", str(src), "--out", str(tmp_path / "run")]) == 2
+    msg = one_line_error(capsys, "import")
+    assert 'has no "model_type"' in msg and 'add "model_type": "gpt2"' in msg
+    assert "not supported" not in msg and not (tmp_path / "run").exists()
+
+
+def test_import_of_nan_weights_blames_the_checkpoint_not_the_learning_rate(gpt2_src, tmp_path,
+                                                                           capsys):
+    import torch
+
+    src, model = gpt2_src
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    model.save_pretrained(src)
+    assert main(["import", "--hf", str(src), "--out", str(tmp_path / "run")]) == 2
+    msg = one_line_error(capsys, "import")
+    assert "weights hold NaN or inf values (transformer.h.0.mlp.c_fc.weight)" in msg
+    assert "learning rate" not in msg and "damaged or was saved from a diverged model" in msg
+    assert not (tmp_path / "run").exists()
