@@ -678,3 +678,42 @@ def test_import_of_nan_weights_blames_the_checkpoint_not_the_learning_rate(gpt2_
     assert "weights hold NaN or inf values (transformer.h.0.mlp.c_fc.weight)" in msg
     assert "learning rate" not in msg and "damaged or was saved from a diverged model" in msg
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------- 13: the README's claims about sharded runs
+
+def test_eval_harness_reads_a_sharded_only_run_and_plot_says_it_cannot(tmp_path, capsys,
+                                                                        monkeypatch):
+    """README: `moeify eval --harness` reads either kind of checkpoint; `moeify plot` reads
+    single-file checkpoints and says so for a sharded-only run. One process with parallel=fsdp
+    writes sharded checkpoints."""
+    pytest.importorskip("lm_eval")
+    import sys as _sys
+
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
+        monkeypatch.setenv(k, "1")
+    if "datasets.config" in _sys.modules:
+        monkeypatch.setattr(_sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp_path / "hf")
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat by the door.\n" * 100)
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny-switchall", "--data", str(tmp_path / "corpus.txt"),
+                 "--steps", "2", "--out", str(run), "--set", "parallel=fsdp",
+                 *[a for x in ("tokenizer=byte256", "model.d_model=16", "model.n_layers=1",
+                               "model.context_length=16", "batch_size=2", "eval_every=0",
+                               "eval_tokens=64") for a in ("--set", x)], "--quiet"]) == 0
+    assert list(run.glob("checkpoints/step-*/dcp")) and not list(run.glob("**/model.safetensors"))
+    data = tmp_path / "data"
+    (data / "lambada").mkdir(parents=True)
+    (data / "lambada" / "lambada_test.jsonl").write_text(
+        json.dumps({"text": "the cat sat on the mat"}) + "\n")
+    capsys.readouterr()
+    res = tmp_path / "res.json"
+    assert main(["eval", "--run", str(run), "--harness", "moeify_lambada", "--data-dir",
+                 str(data), "--device", "cpu", "--harness-out", str(res)]) == 0
+    assert json.loads(res.read_text())["results"]["moeify_lambada"]
+    pytest.importorskip("matplotlib")
+    capsys.readouterr()
+    assert main(["plot", "experts", "--run", str(run), "--out", str(tmp_path / "e.png")]) == 2
+    assert "holds only sharded checkpoints" in one_line_error(capsys, "plot")
