@@ -316,7 +316,7 @@ def spec_differences(old: dict, new: dict) -> list[str]:
                 out[k] = v
         return out
 
-    a, b = flat(old), flat(new)
+    a, b = flat(json.loads(json.dumps(old))), flat(json.loads(json.dumps(new)))  # as stored
     return [f"{k} {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}"
             for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)]
 

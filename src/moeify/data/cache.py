@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import glob
 import hashlib
 import io
 import json
@@ -123,18 +124,12 @@ def sweep_stale_directories(out: str | Path) -> list[Path]:
     out = Path(out)
     removed = []
     for tag in DIRECTORY_TAGS:
-        for p in out.parent.glob(f".{glob_escape(out.name)}.{tag}-*"):
+        for p in out.parent.glob(f".{glob.escape(out.name)}.{tag}-*"):
             pid = p.name.rsplit("-", 1)[-1]
             if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
     return removed
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 @contextlib.contextmanager
