@@ -307,21 +307,23 @@ def test_import_on_a_full_disk_names_the_output(tmp_path, capsys, monkeypatch):
 
 def test_upcycle_is_all_or_nothing_and_sweeps_a_killed_attempt(tiny_run, tmp_path, capsys,
                                                                monkeypatch):
-    from moeify.train import trainer as trainer_mod
+    from moeify.train import checkpoint as ck
 
     out = tmp_path / "up"
     argv = ["upcycle", "--run", str(tiny_run), "--out", str(out), "--ff", "sigma-moe:E=2,k=1",
             "--no-validate"]
-    real = trainer_mod.Trainer.save_checkpoint
 
-    def full(self, *a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full(run_dir, *a, **k):  # the step-0 checkpoint's state.pt does not fit
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                      str(Path(run_dir) / "checkpoints" / "step-00000000" / "state.pt"))
 
-    monkeypatch.setattr(trainer_mod.Trainer, "save_checkpoint", full)
+    monkeypatch.setattr(ck, "save_checkpoint", full)
     assert main(argv) == 2
-    assert f"{out}: the disk is full" in one_line_error(capsys, "upcycle")
+    msg = one_line_error(capsys, "upcycle")
+    assert f"{out}/checkpoints/step-00000000/state.pt: the disk is full" in msg
+    assert ".upcycle-" not in msg
     assert list(tmp_path.iterdir()) == []  # no half-made run directory
-    monkeypatch.setattr(trainer_mod.Trainer, "save_checkpoint", real)
+    monkeypatch.undo()
     # A kill -9 during an upcycle leaves its temporary directory (with the trainer's .lock).
     killed = tmp_path / f".up.upcycle-{_dead_pid()}"
     killed.mkdir()

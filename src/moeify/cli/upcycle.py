@@ -97,8 +97,11 @@ def run(args) -> int:
     # Written beside --out and renamed at the end: a failure (a full disk) or a kill leaves no
     # half-made run directory; a killed attempt's temporary directory is swept by the next.
     with atomic_directory(out, "upcycle") as tmp:
-        valid = start_run_from_model(cfg, tmp, model, src.tokenizer,
-                                     validate=not args.no_validate)
+        try:
+            valid = start_run_from_model(cfg, tmp, model, src.tokenizer,
+                                         validate=not args.no_validate)
+        except MoeifyError as e:  # the trainer's message names the temporary directory
+            raise MoeifyError(str(e).replace(str(tmp), str(out))) from None
     summary = _summary(args, src, model, valid, out, is_exact(args.attention, args.ff,
                                                                args.depth), model_cost)
     if args.json:
