@@ -50,7 +50,7 @@ def check_json_lines(path: Path) -> None:
         try:
             ok = isinstance(json.loads(line), dict)
         except ValueError as e:
-            raise MoeifyError(f"{path}:{lineno}: not a JSON line ({e.msg}, column "
+            raise MoeifyError(f"{path}:{lineno}: not a JSON line ({e.msg}: column "
                               f"{e.colno}); fix or remove that line") from None
         if not ok:
             raise MoeifyError(f"{path}:{lineno}: not a JSON object; each line must be one "
