@@ -722,3 +722,10 @@ def test_eval_harness_reads_a_sharded_only_run_and_plot_says_it_cannot(tmp_path,
     capsys.readouterr()
     assert main(["plot", "experts", "--run", str(run), "--out", str(tmp_path / "e.png")]) == 2
     assert "holds only sharded checkpoints" in one_line_error(capsys, "plot")
+
+
+def test_compare_with_no_preset_names_says_so(tmp_path, capsys):
+    assert main(["compare", "--out", str(tmp_path / "o"), "--presets", " , "]) == 2
+    assert "--presets needs at least one preset name, got ' , '" in one_line_error(capsys,
+                                                                                   "compare")
+    assert not (tmp_path / "o").exists()

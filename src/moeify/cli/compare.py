@@ -73,7 +73,9 @@ def register(sub) -> None:
 
 def _check(args) -> list[str]:
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
-    if len(presets) < 1 or len(set(presets)) != len(presets):
+    if not presets:
+        raise ValueError(f"--presets needs at least one preset name, got {args.presets!r}")
+    if len(set(presets)) != len(presets):
         raise ValueError(f"--presets needs distinct preset names, got {args.presets!r}")
     for name, v in (("--steps", args.steps), ("--jobs", args.jobs)):
         if v < 1:
