@@ -51,3 +51,18 @@ def read_utf8(path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise decode_error(path, e) from None
+
+
+def os_error_of(e: Exception, path) -> OSError | None:
+    """The OSError inside a library's own error type (safetensors reports a full disk as
+    ``SafetensorError(... (os error 28) ...)``), with ``path``; None when it carries none."""
+    import os
+    import re
+
+    if isinstance(e, OSError):
+        return e
+    m = re.search(r"os error (\d+)", str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), str(path))

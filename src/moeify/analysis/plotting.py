@@ -30,7 +30,10 @@ def pyplot():
 
 
 def save_figure(fig, out: str | Path, panels: list[str], *, dpi: int = 110) -> Path:
-    """Write ``fig`` as a PNG with its panel titles in the metadata, then close it."""
+    """Write ``fig`` as a PNG with its panel titles in the metadata, then close it. The PNG is
+    written under a temporary name and renamed: a failure (a full disk) leaves the old file."""
+    from moeify.data.cache import atomic_write
+
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ValueError(f"plots are written as PNG: give an output path ending in .png, "
@@ -38,7 +41,8 @@ def save_figure(fig, out: str | Path, panels: list[str], *, dpi: int = 110) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     plt = pyplot()
     try:
-        fig.savefig(out, dpi=dpi, metadata={PANELS_KEY: json.dumps(panels)})
+        with atomic_write(out, "wb") as f:
+            fig.savefig(f, format="png", dpi=dpi, metadata={PANELS_KEY: json.dumps(panels)})
     finally:
         plt.close(fig)
     return out

@@ -29,6 +29,8 @@ CHILD_RESULT = "compare_child.json"
 # scores the model: a child stopped while scoring resumes at the scoring, with these.
 CHILD_TRAINED = "compare_trained.json"
 CHILD_LOG = "train.log"
+# How a child states the error that stopped it (one line, the last of its log).
+CHILD_ERROR = "error:"
 SPEC_FILE = "compare_spec.json"
 
 
@@ -71,7 +73,9 @@ def register(sub) -> None:
 
 def _check(args) -> list[str]:
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
-    if len(presets) < 1 or len(set(presets)) != len(presets):
+    if not presets:
+        raise ValueError(f"--presets needs at least one preset name, got {args.presets!r}")
+    if len(set(presets)) != len(presets):
         raise ValueError(f"--presets needs distinct preset names, got {args.presets!r}")
     for name, v in (("--steps", args.steps), ("--jobs", args.jobs)):
         if v < 1:
@@ -229,9 +233,8 @@ class _Scheduler:
                               f"{proc.returncode}) after checkpointing its last step; run the "
                               "same command again to resume it")
         if proc.returncode != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-            raise MoeifyError(f"training {spec['name']} failed (exit {proc.returncode}); the "
-                              f"end of {log}:\n  " + "\n  ".join(tail))
+            raise MoeifyError(f"training {spec['name']} failed (exit {proc.returncode}): "
+                              f"{failure_line(log)}; the whole log is {log}")
         result = json.loads((run_dir / CHILD_RESULT).read_text())
         result["max_rss_bytes"] = max(_max_rss_bytes(ru), result.get("max_rss_bytes") or 0)
         _write_json(run_dir / CHILD_RESULT, result)
@@ -272,6 +275,19 @@ class _Scheduler:
             time.sleep(poll_s)
 
 
+def failure_line(log: Path) -> str:
+    """What a failed child said, in one line: its own error line (``error: ...``), else the
+    last line of a traceback (the exception), else the last line of its log."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError as e:
+        return f"its log cannot be read ({e.strerror})"
+    for line in reversed(lines):
+        if line.startswith(CHILD_ERROR):
+            return line[len(CHILD_ERROR):].strip()
+    return lines[-1] if lines else "it printed nothing"
+
+
 def _write_json(path: Path, data) -> None:
     from moeify.data.cache import atomic_write
 
@@ -279,12 +295,61 @@ def _write_json(path: Path, data) -> None:
         f.write(json.dumps(data, indent=2) + "\n")
 
 
+# What a run directory's spec holds besides the settings that define the run: where it is
+# (the directory, however --out was spelled), how it was scheduled (threads), and the resume
+# flag of one attempt.
+_NOT_DEFINING = ("run_dir", "threads", "resume")
+
+
+def _defining(spec: dict) -> dict:
+    return {k: v for k, v in spec.items() if k not in _NOT_DEFINING}
+
+
+def spec_differences(old: dict, new: dict) -> list[str]:
+    """The settings that define a run (preset, seed, steps, corpus, every --set and recipe
+    value, the scoring options) on which two specs differ, as "KEY OLD -> NEW"."""
+    def flat(spec: dict) -> dict:
+        out = {}
+        for k, v in _defining(spec).items():
+            if isinstance(v, dict):
+                out.update({(f"{kk}" if k == "train_config" else f"{k}.{kk}"): vv
+                            for kk, vv in v.items()})
+            else:
+                out[k] = v
+        return out
+
+    a, b = flat(json.loads(json.dumps(old))), flat(json.loads(json.dumps(new)))  # as stored
+    return [f"{k} {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}"
+            for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)]
+
+
+def refuse_if_in_use(run_dir: Path) -> None:
+    """A run directory locked by a live process is never cleared, trained into or reused."""
+    from moeify.errors import MoeifyError
+    from moeify.train.lock import describe_holder, live_holder
+
+    holder = live_holder(run_dir)
+    if holder is not None:
+        raise MoeifyError(f"{run_dir} is in use by another process, {describe_holder(holder)}; "
+                          "wait for it to finish or stop it, or choose another --out")
+
+
+def lock_out(out: Path, command: str):
+    """The lock a compare or sweep holds on OUT for its lifetime: a second one on the same OUT
+    is refused (naming the first) before it looks at any run directory."""
+    from moeify.train.lock import RunLock
+
+    return RunLock(out, what=f"moeify {command}",
+                   advice="choose another --out").acquire()
+
+
 def plan_run(run_dir: Path, spec: dict, *, reuse: bool) -> dict | None:
     """What to do with ``run_dir`` for ``spec``: return the finished run's result to reuse it,
     or None to train (setting ``spec["resume"]`` when an interrupted attempt with the same
-    settings left a checkpoint). An unfinished attempt (our spec file, no result) with other
-    settings, or without a checkpoint, is cleared: it holds no result. A finished run with
-    other settings, or a directory that is not a compare/sweep run, is refused."""
+    settings left a checkpoint). An unfinished attempt (our spec file, no result) without a
+    checkpoint is cleared: it holds nothing trained. A directory in use by a live process, a
+    finished or checkpointed run with other settings (the message names them), or a directory
+    that is not a compare/sweep run, is refused."""
     import shutil
 
     from moeify.errors import MoeifyError
@@ -293,25 +358,33 @@ def plan_run(run_dir: Path, spec: dict, *, reuse: bool) -> dict | None:
     spec["resume"] = False
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return None
+    refuse_if_in_use(run_dir)
     old_path, result = run_dir / SPEC_FILE, run_dir / CHILD_RESULT
-    old = json.loads(old_path.read_text()) if old_path.is_file() else None
-    if old is not None:
-        old.pop("resume", None)
-    same = old == {k: v for k, v in spec.items() if k != "resume"}
+    try:
+        old = json.loads(old_path.read_text()) if old_path.is_file() else None
+    except ValueError:
+        old = None
+    if old is None and not result.is_file():
+        raise MoeifyError(f"{run_dir} already holds a run (no readable {SPEC_FILE}): choose "
+                          "another --out or delete it")
+    diff = spec_differences(old, spec) if old is not None else ["(unknown settings)"]
+    differ = f" with other settings ({'; '.join(diff)})" if diff else ""
     if result.is_file():
-        if same and reuse:
+        if not diff and reuse:
             return json.loads(result.read_text())
-        raise MoeifyError(f"{run_dir} already holds a finished run"
-                          + ("" if same else " with other settings")
-                          + "; choose another --out, delete it, or pass --reuse to keep "
-                          "finished runs with the same settings")
-    if old is None:
-        raise MoeifyError(f"{run_dir} already holds a run (no {SPEC_FILE}): choose another "
-                          "--out or delete it")
-    if same and latest_checkpoint(run_dir) is not None:
+        raise MoeifyError(f"{run_dir} already holds a finished run{differ}; choose another "
+                          "--out, delete it, or pass --reuse to keep finished runs with the "
+                          "same settings")
+    checkpointed = latest_checkpoint(run_dir) is not None
+    if checkpointed and not diff:
         spec["resume"] = True
         return None
-    print(f"[compare] clearing the unfinished attempt in {run_dir}", file=sys.stderr)
+    if checkpointed:
+        raise MoeifyError(f"{run_dir} holds an unfinished run{differ} with checkpoints; run it "
+                          "again with its own settings to resume it, delete it, or choose "
+                          "another --out")
+    print(f"[compare] clearing the unfinished attempt in {run_dir} (nothing trained yet)",
+          file=sys.stderr)
     shutil.rmtree(run_dir)
     return None
 
@@ -351,13 +424,21 @@ def report_written(out: Path, data: dict) -> None:
 
 
 def run(args) -> int:
+    presets = _check(args)
+    cfgs = _train_configs(presets, args)
+    out = Path(args.out)
+    lock = lock_out(out, "compare")
+    try:
+        return _run(args, presets, cfgs, out)
+    finally:
+        lock.release()
+
+
+def _run(args, presets: list[str], cfgs: dict, out: Path) -> int:
     from moeify.analysis.compare import run_record, write_results
     from moeify.data import load_corpus
 
-    presets = _check(args)
-    cfgs = _train_configs(presets, args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    out = Path(args.out)
     specs, results = [], {}
     for p in presets:
         run_dir = out / "runs" / p
@@ -486,9 +567,24 @@ def child_main(spec_path: str) -> int:
     return 0
 
 
+def child_entry(spec_path: str) -> int:
+    """child_main with the CLI's error handling: an error the user can act on (a full disk, a
+    bad setting) is one ``error:`` line in the log for the parent to quote, exit 2."""
+    from moeify.cli.main import error_line
+    from moeify.errors import MoeifyError
+
+    try:
+        return child_main(spec_path)
+    except (MoeifyError, ValueError, OSError) as e:
+        if os.environ.get("MOEIFY_DEBUG"):
+            raise
+        print(f"{CHILD_ERROR} {error_line(e)}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        sys.exit(child_main(sys.argv[2]))
+        sys.exit(child_entry(sys.argv[2]))
     print("usage: moeify compare ... (this module's own entry point is for its child runs)",
           file=sys.stderr)
     sys.exit(2)

@@ -10,7 +10,11 @@ def register(sub) -> None:
         "decoding with the KV cache (Mixture-of-Depths models use their causal router). "
         "temperature 0 is greedy decoding.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text to continue")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the text to continue from a "
+                     "UTF-8 file, or from standard input with '-' (for prompts longer than a "
+                     "command-line argument may be: 128 KiB on Linux)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to sample (at most 10000); the text is printed as it comes")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -29,25 +33,54 @@ def run(args) -> int:
     from moeify.train.rundir import load_trained
 
     check_sampling_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    if not args.prompt:
-        raise ValueError("--prompt is empty: give some text to continue")
+    prompt = read_prompt(args.prompt, args.prompt_file)
     device = pick_device(args.device, DistEnv())
     if device.type == "cpu":
         from moeify.train.distributed import configure_cpu_threads
 
         configure_cpu_threads()
     tm = load_trained(args.run, device)
-    ids = tm.tokenizer.encode(args.prompt)
+    ids = tm.tokenizer.encode(prompt)
     if not ids:
-        raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens")
+        raise ValueError(f"the prompt {prompt[:80]!r} encodes to no tokens")
     mc = tm.model_config
     # The span the model was trained to attend over: its chunk, plus one chunk of XL memory.
     window = mc.context_length * (2 if mc.xl_memory else 1)
     tokens = iter_generate(tm.model, ids, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            seed=args.seed, window=window)
-    stream_text(args.prompt, tokens, tm.tokenizer.decode, sys.stdout)
+    stream_text(prompt, tokens, tm.tokenizer.decode, sys.stdout)
     return 0
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt text from --prompt or --prompt-file (``-``: standard input), checked to be
+    UTF-8: a command-line argument in another encoding reaches Python as lone surrogates,
+    which no tokenizer can encode."""
+    import sys
+
+    from moeify.errors import decode_error
+
+    if prompt_file is not None:
+        where = "standard input" if prompt_file == "-" else prompt_file
+        data = sys.stdin.buffer.read() if prompt_file == "-" else open(prompt_file, "rb").read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise decode_error(where, e) from None
+        if not prompt:
+            raise ValueError(f"the prompt read from {where} is empty: give some text to continue")
+        return prompt
+    if not prompt:
+        raise ValueError("--prompt is empty: give some text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = prompt[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"--prompt is not UTF-8 text (byte 0x{raw.hex()} at character "
+                         f"{e.start}): give UTF-8 text, e.g. convert it with iconv and pass "
+                         "it with --prompt-file") from None
+    return prompt
 
 
 def stream_text(prompt: str, tokens, decode, out) -> None:

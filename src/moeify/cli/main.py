@@ -71,13 +71,53 @@ def error_line(e: BaseException) -> str:
     return " ".join(text.split()) or type(e).__name__
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``moeify presets | head -1``): end quietly. stdout is
+    pointed at /dev/null so that the interpreter's last flush does not complain; the status is
+    the shell's for a process ended by SIGPIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
+def _quiet_exit(code: int) -> None:
+    """The command has finished (its outputs are complete, stdout flushed): a Ctrl-C or SIGTERM
+    that arrives while the interpreter exits (two Ctrl-Cs 50 ms apart during a checkpoint
+    write) ends the process at once with the command's own status, instead of interrupting
+    an atexit handler (torch registers some) with a KeyboardInterrupt traceback."""
+    import signal
+
+    def leave(signum, frame):
+        os._exit(code)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(s, leave)
+        except (ValueError, OSError):  # not the main thread
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if argv is None:  # the process itself, not a caller in Python
+        _quiet_exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     _reexec_with_malloc_tuning(argv)
     args = build_parser().parse_args(argv)
     from moeify.errors import MoeifyError
 
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here when the output fitted in its buffer
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except (MoeifyError, ValueError, OSError) as e:
         if os.environ.get("MOEIFY_DEBUG"):
             raise

@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from moeify.cli.compare import (CHILD_RESULT, SPEC_FILE, _spec, _write_json, plan_run,
-                                report_written, run_settings, train_all)
+from moeify.cli.compare import (CHILD_RESULT, SPEC_FILE, _spec, _write_json, lock_out,
+                                plan_run, report_written, run_settings, train_all)
 
 SWEEP_FILE = "sweep.json"
 BASE = "base"
@@ -137,10 +137,21 @@ def run(args) -> int:
     out = Path(args.out)
     error = None
     if not args.tabulate:
-        error = _train(args, out)
+        presets, specs = _grid(args)
+        lock = lock_out(out, "sweep")
+        try:
+            error = _train(args, out, presets, specs)
+            data = tabulate(out, args)
+        finally:
+            lock.release()
+        return _report(out, data, error)
     elif not (out / "runs").is_dir():
         raise ValueError(f"{out} holds no sweep runs (no {out / 'runs'}): run the sweep first")
-    data = tabulate(out, args)
+    check_baselines(args.baseline, [], out)
+    return _report(out, tabulate(out, args), None)
+
+
+def _report(out: Path, data: dict | None, error: BaseException | None) -> int:
     if data is not None:
         print((out / "results.md").read_text())
         report_written(out, data)
@@ -149,21 +160,42 @@ def run(args) -> int:
     return 0 if data is not None else 1
 
 
-def _train(args, out: Path) -> BaseException | None:
-    from moeify.data import load_corpus
+def check_baselines(baseline: str | None, presets: list[str], out: Path) -> None:
+    """Every --baseline must be a preset of this grid or of runs already in OUT: the gaps are
+    computed against its runs, so a baseline that never trains gives no gaps at all."""
+    if baseline is None:
+        return
+    given = [b.strip() for b in baseline.split(",") if b.strip()]
+    known = set(presets) | {p.name for p in (out / "runs").glob("*/*") if p.is_dir()}
+    unknown = [b for b in given if b not in known]
+    if not given or unknown:
+        raise ValueError(f"--baseline {', '.join(unknown) or repr(baseline)} is not among the "
+                         f"presets of this sweep ({', '.join(sorted(known))}); name one of them "
+                         "(or add it to --presets)")
 
+
+def _grid(args) -> tuple[list[str], list[dict]]:
+    """The presets and the run specs of the grid the arguments ask for (checked)."""
     if not args.presets:
         raise ValueError("--presets is required unless --tabulate")
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
+    if not presets:
+        raise ValueError(f"--presets needs at least one preset name, got {args.presets!r}")
     if len(set(presets)) != len(presets):
         raise ValueError(f"--presets needs distinct preset names, got {args.presets!r}")
+    check_baselines(args.baseline, presets, Path(args.out))
     budgets = parse_ints(args.budgets, "--budgets")
     seeds = parse_ints(args.seeds, "--seeds")
     if min(budgets) < 1 or args.jobs < 1 or (args.threads is not None and args.threads < 1):
         raise ValueError("--budgets, --jobs and --threads must be positive integers")
     variants = parse_variants(args.variants)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    specs = grid_specs(args, presets, budgets, seeds, variants, threads)
+    return presets, grid_specs(args, presets, budgets, seeds, variants, threads)
+
+
+def _train(args, out: Path, presets: list[str], specs: list[dict]) -> BaseException | None:
+    from moeify.data import load_corpus
+
     _remember(out, args, presets)
     todo = []
     for spec in specs:

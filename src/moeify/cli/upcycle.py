@@ -57,6 +57,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from moeify.errors import MoeifyError
+    from moeify.data.cache import atomic_directory, sweep_stale_directories
     from moeify.models.cost import model_cost
     from moeify.models.upcycle import is_exact, upcycle
     from moeify.train.checkpoint import resolve_checkpoint, run_dir_of
@@ -67,6 +68,11 @@ def run(args) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+    for flag, key in (("--steps", "steps"), ("--data", "data")):
+        given = [o for o in args.overrides if o.split("=", 1)[0].strip() == key]
+        if getattr(args, key) is not None and given:
+            raise ValueError(f"{flag} {getattr(args, key)} and --set {given[-1]} both set the "
+                             f"new run's {key}; give one of them")
     if args.attention is None and args.ff is None and args.depth is None:
         raise ValueError("name at least one conversion: --attention, --ff or --depth")
     src_dir = run_dir_of(resolve_checkpoint(args.run))
@@ -74,6 +80,8 @@ def run(args) -> int:
     if out.resolve() == src_dir.resolve():
         raise MoeifyError("--out is the source run; the source is never modified, choose a new "
                           "directory")
+    sweep_stale_directories(out)  # what a killed upcycle into --out left beside it
+    _drop_stale_lock(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"--out {out} already exists and is not empty; choose a new directory")
     configure_cpu_threads()
@@ -87,8 +95,14 @@ def run(args) -> int:
     cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
                               model=model.config.to_dict(), **explicit
                               ).with_overrides(args.overrides)
-    valid = start_run_from_model(cfg, out, model, src.tokenizer,
-                                 validate=not args.no_validate)
+    # Written beside --out and renamed at the end: a failure (a full disk) or a kill leaves no
+    # half-made run directory; a killed attempt's temporary directory is swept by the next.
+    with atomic_directory(out, "upcycle") as tmp:
+        try:
+            valid = start_run_from_model(cfg, tmp, model, src.tokenizer,
+                                         validate=not args.no_validate)
+        except MoeifyError as e:  # the trainer's message names the temporary directory
+            raise MoeifyError(str(e).replace(str(tmp), str(out))) from None
     summary = _summary(args, src, model, valid, out, is_exact(args.attention, args.ff,
                                                                args.depth), model_cost)
     if args.json:
@@ -107,6 +121,16 @@ def run(args) -> int:
         print(f"  validation {name}: {was}upcycled {valid[name]:.4f}")
     print(f"continue with: moeify train --resume {out} --steps N")
     return 0
+
+
+def _drop_stale_lock(out: Path) -> None:
+    """An --out that holds nothing but the .lock of a dead process (a kill -9 of an upcycle by
+    an earlier version, which wrote into --out directly) is empty for every purpose."""
+    from moeify.train.lock import LOCK_FILE, live_holder
+
+    if out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_FILE] and \
+            live_holder(out) is None:
+        (out / LOCK_FILE).unlink(missing_ok=True)
 
 
 def _summary(args, src, model, valid, out, exact, model_cost) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import glob
 import hashlib
 import io
 import json
@@ -88,18 +89,58 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a full disk says which file it could not write
         raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine (a zombie counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+# The tags of the temporary directories atomic_directory makes (``.NAME.TAG-PID``).
+DIRECTORY_TAGS = ("import", "export", "upcycle")
+
+
+def sweep_stale_directories(out: str | Path) -> list[Path]:
+    """Remove the temporary directories (``.NAME.TAG-PID`` beside ``out``) that processes killed
+    while writing ``out`` left behind; one of a live process is never touched."""
+    out = Path(out)
+    removed = []
+    for tag in DIRECTORY_TAGS:
+        for p in out.parent.glob(f".{glob.escape(out.name)}.{tag}-*"):
+            pid = p.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
 
 
 @contextlib.contextmanager
 def atomic_directory(out: str | Path, tag: str) -> Iterator[Path]:
     """A fresh temporary directory beside ``out`` (new or empty) to fill; on success it becomes
-    ``out`` in one rename, and on any exception it is removed and ``out`` is untouched."""
+    ``out`` in one rename, and on any exception it is removed and ``out`` is untouched. The
+    leftovers of killed writers of ``out`` are swept first; an OSError without a path (a full
+    disk) is given ``out``'s."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_directories(out)
     tmp = out.with_name(f".{out.name}.{tag}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -107,6 +148,12 @@ def atomic_directory(out: str | Path, tag: str) -> Iterator[Path]:
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except OSError as e:  # name the output the user gave, not the temporary directory
+        if e.filename is None:
+            e.filename = str(out)
+        elif str(e.filename).startswith(str(tmp)):
+            e.filename = str(out) + str(e.filename)[len(str(tmp)):]
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -215,6 +262,9 @@ def download(url: str, dest: str | Path, *, expected: str | None = None,
                     rate = done / 1e6 / max(now - t0, 1e-9)
                     progress(f"  {done / 1e6:.1f} MB{pct}, {rate:.1f} MB/s")
     except (urllib.error.URLError, OSError, ValueError) as e:
+        if isinstance(e, OSError) and not isinstance(e, urllib.error.URLError) and \
+                e.filename is not None:
+            raise  # writing the file failed (a full disk), not the download: say so, with path
         raise MoeifyError(
             f"could not download {url}: {e}. If this machine is offline, fetch the file "
             f"elsewhere and place it at {dest}, or pass a local path instead") from e

@@ -288,6 +288,10 @@ def _prepare_into(root: Path, recipe: Recipe, source: str | None, key: str) -> N
                 raise
         cache.progress(f"corpus {recipe.name}: " + ", ".join(
             f"{s} {sizes[s] / 1e6:.2f} MB" for s in SPLITS))
+    except OSError as e:  # name the cache entry, not the private directory
+        if e.filename is not None and str(e.filename).startswith(str(tmp)):
+            e.filename = str(root) + str(e.filename)[len(str(tmp)):]
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

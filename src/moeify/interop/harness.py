@@ -211,7 +211,31 @@ def task_dirs(include: Sequence[str | Path] = ()) -> list[str]:
         if not d.is_dir():
             raise MoeifyError(f"harness task directory {d} does not exist: give a directory of "
                               "lm-eval task YAML files")
+        check_task_yaml(d)
     return [str(d) for d in dirs]
+
+
+def check_task_yaml(directory: Path) -> None:
+    """Every YAML file under a user's task directory parses: lm-eval skips a broken one with a
+    log line, and its task is then reported as unknown, far from the cause."""
+    import yaml
+
+    from moeify.errors import read_utf8
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # lm-eval's own tags (!function utils.NAME) need its loader; here only the syntax counts.
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for path in sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")):
+        try:
+            yaml.load(read_utf8(path), Loader=Loader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise MoeifyError(f"{where}: the task file is not valid YAML ({what}); fix it or "
+                              "move it out of the --harness-include directory") from None
 
 
 def local_task_manager(include: Sequence[str | Path] = ()):

@@ -32,8 +32,29 @@ def resolve_data_files(data_files: str | dict[str, str]) -> dict[str, str]:
         if not p.is_file():
             raise MoeifyError(f"harness task data not found: {p} (set ${DATA_DIR_ENV} or "
                               "--data-dir to the directory laid out like moeify's data directory)")
+        check_json_lines(p)
         out[split] = str(p)
     return out
+
+
+def check_json_lines(path: Path) -> None:
+    """Every non-empty line of a JSON-lines file is a JSON object: datasets' json builder
+    would fail on a corrupt one with a traceback of its own, without naming the line."""
+    import json
+
+    from moeify.errors import read_utf8
+
+    for lineno, line in enumerate(read_utf8(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except ValueError as e:
+            raise MoeifyError(f"{path}:{lineno}: not a JSON line ({e.msg}: column "
+                              f"{e.colno}); fix or remove that line") from None
+        if not ok:
+            raise MoeifyError(f"{path}:{lineno}: not a JSON object; each line must be one "
+                              "record such as {\"text\": ...}")
 
 
 def local_json(data_files: str | dict[str, str] = "", **_metadata):

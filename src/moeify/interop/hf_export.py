@@ -32,8 +32,8 @@ import json
 import shutil
 from pathlib import Path
 
-from moeify.data.cache import atomic_directory
-from moeify.errors import MoeifyError
+from moeify.data.cache import atomic_directory, sweep_stale_directories
+from moeify.errors import MoeifyError, os_error_of
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
@@ -143,20 +143,30 @@ def _write_tokenizer(tmp: Path, tm) -> bool:
     return tok is not None
 
 
-def _write_native(tmp: Path, tm, native) -> None:
+def _save_weights(state: dict, tmp: Path, out: Path | None) -> None:
+    """model.safetensors in ``tmp``; a full disk (or another OS error, which safetensors reports
+    as its own error type) as the OSError of the file the user asked for, under ``out``."""
     from safetensors.torch import save_file
 
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as e:  # safetensors' own error type, also for a full disk
+        os_error = os_error_of(e, (out or tmp) / "model.safetensors")
+        if os_error is None:
+            raise
+        raise os_error from None
+
+
+def _write_native(tmp: Path, tm, native, out: Path | None = None) -> None:
     kind, config, state = native
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _save_weights(state, tmp, out)
     has_tok = _write_tokenizer(tmp, tm)
     (tmp / "README.md").write_text(_native_readme(tm.run_dir, kind, tm.model_config, has_tok))
 
 
-def _write(tmp: Path, tm, hf_source: dict | None) -> None:
-    from safetensors.torch import save_file
-
+def _write(tmp: Path, tm, hf_source: dict | None, out: Path | None = None) -> None:
     tmp.mkdir(parents=True)
     for name in REMOTE_FILES:
         shutil.copyfile(REMOTE_DIR / name, tmp / name)
@@ -164,7 +174,7 @@ def _write(tmp: Path, tm, hf_source: dict | None) -> None:
                                                 indent=2) + "\n")
     state = {f"model.{k}": v.detach().float().cpu().contiguous()
              for k, v in tm.model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _save_weights(state, tmp, out)
     has_tok = _write_tokenizer(tmp, tm)
     (tmp / "README.md").write_text(_readme(tm.run_dir, tm.model_config, has_tok))
 
@@ -185,6 +195,7 @@ def export_hf(run: str | Path, out: str | Path, *, format: str = "moeify") -> Pa
         raise MoeifyError(f"unknown export format {format!r}; choose one of "
                           f"{', '.join(EXPORT_FORMATS)}")
     out = Path(out)
+    sweep_stale_directories(out)  # what killed exports into --out left beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
                           "--out for the exported model")
@@ -196,8 +207,8 @@ def export_hf(run: str | Path, out: str | Path, *, format: str = "moeify") -> Pa
 
         native = native_export(tm.model_config, tm.model.state_dict(), hf_source)
         with atomic_directory(out, "export") as tmp:
-            _write_native(tmp, tm, native)
+            _write_native(tmp, tm, native, out=out)
         return out
     with atomic_directory(out, "export") as tmp:
-        _write(tmp, tm, hf_source)
+        _write(tmp, tm, hf_source, out=out)
     return out

@@ -98,6 +98,16 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     if not isinstance(hf, dict):
         raise MoeifyError(f"{path} does not hold a JSON object")
     arch = hf.get("model_type")
+    if arch is None:
+        by_class = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+        archs = hf.get("architectures")
+        hint = [by_class[a] for a in (archs if isinstance(archs, list) else [])
+                if isinstance(a, str) and a in by_class]
+        fix = (f'add "model_type": "{hint[0]}" (what its "architectures" entry names)'
+               if hint else "add the model_type of the model "
+               f"({', '.join(SUPPORTED_ARCHITECTURES)}) or save it again with save_pretrained")
+        raise MoeifyError(f"{path} has no \"model_type\", which says which architecture the "
+                          f"weights are for; {fix}")
     if arch not in SUPPORTED_ARCHITECTURES:
         names = hf.get("architectures") or [arch]
         raise MoeifyError(f"{src}: architecture {', '.join(map(str, names))} (model_type "
@@ -453,9 +463,23 @@ def _special_tokens(src: Path) -> dict[str, Any]:
 
 
 def _check_out(out: Path) -> None:
+    from moeify.data.cache import sweep_stale_directories
+
+    sweep_stale_directories(out)  # what killed imports into --out left beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
                           "--out for the imported run")
+
+
+def _check_finite(src: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """NaN or inf in the checkpoint's own weights: the file is damaged or was saved from a
+    diverged model (nothing moeify's training settings could change)."""
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise MoeifyError(f"{src}: the checkpoint's weights hold NaN or inf values "
+                          f"({', '.join(bad[:3])}{more}); the checkpoint is damaged or was "
+                          "saved from a diverged model: import an intact checkpoint")
 
 
 def import_hf(src: str | Path, out: str | Path) -> Path:
@@ -472,7 +496,9 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     hf = read_hf_config(src)
     cfg = model_config_from_hf(hf)
     tokenizer = _read_tokenizer(src, cfg.vocab_size)
-    state = state_from_hf(read_hf_weights(src), hf, cfg)
+    tensors = read_hf_weights(src)
+    _check_finite(src, tensors)
+    state = state_from_hf(tensors, hf, cfg)
 
     with atomic_directory(out, "import") as tmp:
         write_run_files(tmp, TrainConfig(preset=RUN_MODEL_PRESET), cfg, tokenizer)

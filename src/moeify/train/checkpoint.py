@@ -284,6 +284,18 @@ def sweep_stale(root: Path) -> list[Path]:
     return removed
 
 
+def _remove_checkpoint(p: Path) -> None:
+    """Rename a checkpoint out of the readers' sight (``.old-NAME-PID``, which sweep_stale
+    removes once this process is gone), then delete it: a kill half-way through the deletion
+    leaves no hollow ``step-N`` directory behind."""
+    old = p.with_name(f".old-{p.name}-{os.getpid()}")
+    try:
+        os.replace(p, old)
+    except OSError:
+        return
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _prune(root: Path, keep: int, current: Path) -> None:
     sweep_stale(root)
     # Checkpoints newer than the one just written belong to a continuation that was abandoned
@@ -294,11 +306,11 @@ def _prune(root: Path, keep: int, current: Path) -> None:
         if p == current:
             continue
         if step_of(p) > step:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_checkpoint(p)
         else:
             older.append(p)
     for p in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
+        _remove_checkpoint(p)
 
 
 def set_aside(ckpt: Path) -> Path:

@@ -16,6 +16,28 @@ import torch
 import torch.distributed as dist
 
 
+class PeerLost(RuntimeError):
+    """A collective failed because another process of the group is gone (killed, crashed): the
+    transport error (gloo's "Connection closed by peer", NCCL's DistBackendError) as one type,
+    so that the trainer can say what happened instead of a traceback."""
+
+    def __init__(self, rank: int, world_size: int, what: str, detail: str) -> None:
+        super().__init__(f"{what}: {detail}")
+        self.rank, self.world_size, self.what, self.detail = rank, world_size, what, detail
+
+
+def peer_lost_message(rank: int, world_size: int, during: str, intact: str | None,
+                      run_dir) -> str:
+    """The one line a surviving process prints when another one died during ``during``: which
+    process died (named when there are two), which checkpoint is intact, how to resume."""
+    other = f"process {1 - rank}" if world_size == 2 else "another process"
+    kept = (f"checkpoint {intact} is intact" if intact is not None
+            else "no checkpoint had been written yet")
+    return (f"{other} of {world_size} stopped (killed or crashed) during {during}, so process "
+            f"{rank} stops too; {kept}; resume with: torchrun --nproc-per-node {world_size} "
+            f"-m moeify.cli.main train --resume {run_dir}")
+
+
 @dataclass
 class DistEnv:
     rank: int = 0
@@ -34,9 +56,18 @@ class DistEnv:
     # ------------------------------------------------------------------ collectives
     # With one process every helper is the identity, so the trainer has a single code path.
 
+    # A collective that fails because a peer is gone raises PeerLost.
+
+    def _collective(self, what: str, fn) -> Any:
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo's and NCCL's errors (DistBackendError) are these
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLost(self.rank, self.world_size, what, detail) from e
+
     def all_reduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
             t.div_(self.world_size)
         return t
 
@@ -44,19 +75,19 @@ class DistEnv:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        self._collective("all_gather_object", lambda: dist.all_gather_object(out, obj))
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
         if not self.enabled:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        self._collective("broadcast_object", lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier()
+            self._collective("barrier", dist.barrier)
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

@@ -21,27 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moeify.data.cache import pid_alive  # noqa: F401  (re-exported: checkpoints use it)
 from moeify.errors import MoeifyError
 
 LOCK_FILE = ".lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this machine (a zombie counts as gone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def read_holder(path: Path) -> dict[str, Any] | None:
@@ -61,12 +45,42 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
             + (f": {cmd}" if cmd else "") + ")")
 
 
+def live_holder(run_dir: str | Path) -> dict[str, Any] | None:
+    """The owner recorded in ``run_dir/.lock`` when a live process holds that lock (an flock
+    that cannot be taken, or on file systems without flock a live recorded pid), else None.
+    Reads only: a stale lock file is left for its next owner to take over."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_holder(path) or {}
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+            holder = read_holder(path)
+            if holder and holder.get("host") == socket.gethostname() and \
+                    pid_alive(int(holder.get("pid", 0))):
+                return holder
+        return None
+    finally:
+        os.close(fd)  # drops the shared lock taken to test it
+
+
 class RunLock:
     """``with RunLock(run_dir):`` or ``acquire()`` / ``release()``; refuses a second owner."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, *, what: str = "trainer",
+                 advice: str = "train into another directory with --out") -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
+        self.what, self.advice = what, advice
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
@@ -109,8 +123,8 @@ class RunLock:
     def _refusal(self) -> MoeifyError:
         holder = read_holder(self.path)
         return MoeifyError(
-            f"{self.run_dir} is in use by another trainer, {describe_holder(holder)}; wait for it "
-            f"to finish or stop it, or train into another directory with --out")
+            f"{self.run_dir} is in use by another {self.what}, {describe_holder(holder)}; wait "
+            f"for it to finish or stop it, or {self.advice}")
 
     def _write_owner(self, fd: int) -> None:
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),

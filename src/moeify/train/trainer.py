@@ -351,7 +351,22 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Collective: every process contributes its RNG state and XL memory rows (and, in a
-        sharded run, writes its shards)."""
+        sharded run, writes its shards). A process that dies meanwhile makes the others stop
+        with one line (peer_lost_message); the previous checkpoint stays intact."""
+        from moeify.train.distributed import PeerLost, peer_lost_message
+
+        previous = self.last_checkpoint
+        try:
+            return self._save_checkpoint()
+        except RuntimeError as e:  # PeerLost, or the process group's own error in a collective
+            if not (isinstance(e, PeerLost) or _is_peer_error(e)):
+                raise
+            kind = "sharded checkpoint" if self.sharded else "checkpoint"
+            raise MoeifyError(peer_lost_message(
+                self.env.rank, self.env.world_size, f"the {kind} of step {self.step}", previous,
+                self.run_dir)) from None
+
+    def _save_checkpoint(self) -> Path | None:
         rngs = self.env.all_gather_object(_rng_state(self.device))
         mem_local = None if self.memory is None else [m.detach().cpu() for m in self.memory]
         mems = self.env.all_gather_object(mem_local)
@@ -643,6 +658,17 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = 
         return trainer.fit(stop_after)
     finally:
         trainer.close()
+
+
+def _is_peer_error(e: BaseException) -> bool:
+    """An error of the process group's transport (a peer that is gone), raised by a collective
+    inside torch (FSDP's get_state_dict) rather than by DistEnv's helpers."""
+    import torch.distributed as dist
+
+    backend_error = getattr(dist, "DistBackendError", ())
+    text = str(e)
+    return (backend_error and isinstance(e, backend_error)) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo"))
 
 
 def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.Module,
