@@ -99,7 +99,8 @@ def test_resume_continues_the_run(trained, capsys):
 
     copy = tmp / "resumed"
     shutil.copytree(run, copy)
-    assert main(["train", "--resume", str(copy), "--steps", "8", "--quiet"]) == 0
+    assert main(["train", "--resume", str(copy), "--steps", "8", "--schedule", "stretch",
+                 "--quiet"]) == 0
     assert "at step 8" in capsys.readouterr().out
     steps = [json.loads(x)["step"] for x in (copy / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]

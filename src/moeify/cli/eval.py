@@ -24,7 +24,8 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, help="score only the first N items (blimp: per paradigm; "
                    "cbt: per group; ppl: N tokens)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default "
+                   "auto: CUDA when available, else CPU)")
     from moeify.cli import eval_harness
 
     eval_harness.add_arguments(p)

@@ -17,7 +17,8 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="make the sample reproducible")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default "
+                   "auto: CUDA when available, else CPU)")
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,117 @@
+"""What a new user reaches for first (issue 33): resuming with a new length says what the
+schedule does, --init-from, devices this machine lacks, --list-settings, --version."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from moeify.cli.main import main
+from moeify.train import checkpoint as ck
+
+TINY = ["--set", "tokenizer=byte256", "--set", "model.d_model=16", "--set", "model.n_layers=1",
+        "--set", "model.context_length=8", "--set", "model.feedforward.d_ff=32",
+        "--set", "batch_size=2", "--set", "warmup_steps=0", "--set", "eval_tokens=64",
+        "--set", "eval_batch_size=2", "--set", "eval_every=0", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("userpath")
+    rng = random.Random(0)
+    words = ["the cat", "a dog", "sees", "likes", "the ball", "runs", "home"]
+    path = tmp / "corpus.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(6)) + "."
+                              for _ in range(300)) + "\n")
+    (tmp / "other.txt").write_text("the dog runs home. " * 400)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _env(corpus, monkeypatch):
+    monkeypatch.setenv("MOEIFY_CACHE_DIR", str(corpus.parent / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MOEIFY_DEBUG", raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def error(capsys, command="train") -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(f"moeify {command}: error: "), err
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_resume_with_new_steps_is_refused_without_a_schedule_choice(corpus, tmp_path, capsys):
+    run = tmp_path / "r"
+    assert main(["train", "--data", str(corpus), "--steps", "4", "--out", str(run), *TINY,
+                 "--set", "checkpoint_every=2"]) == 0
+    # Resume from step 2 (as if interrupted): the decay has begun, so 4 -> 6 needs a choice.
+    step2 = run / "checkpoints" / "step-00000002"
+    assert main(["train", "--resume", str(step2), "--steps", "6", "--quiet"]) == 2
+    msg = error(capsys)
+    assert "--schedule keep" in msg and "--schedule extend" in msg and "--init-from" in msg
+    assert main(["train", "--data", str(corpus), "--schedule", "keep", *TINY]) == 2
+    assert "--schedule goes with --resume" in error(capsys)
+    assert main(["train", "--resume", str(step2), "--steps", "6", "--schedule", "extend"]) == 0
+    assert "extend, the decay continues from the current rate" in capsys.readouterr().err
+    assert ck.load_checkpoint(run).step == 6
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights(corpus, tmp_path, capsys):
+    src, new = tmp_path / "src", tmp_path / "new"
+    assert main(["train", "--data", str(corpus), "--steps", "3", "--out", str(src), *TINY]) == 0
+    other = corpus.parent / "other.txt"
+    assert main(["train", "--init-from", str(src), "--data", str(other), "--steps", "2",
+                 "--set", "lr=1e-3", "--out", str(new), "--quiet"]) == 0
+    cfg = json.loads((new / "config.json").read_text())
+    assert cfg["lr"] == 1e-3 and cfg["data"] == str(other) and cfg["steps"] == 2
+    assert cfg["init_from"].endswith("step-00000003") and cfg["batch_size"] == 2  # RUN's own
+    start = ck.load_checkpoint(new / "checkpoints" / "step-00000000").model_state
+    trained = ck.load_checkpoint(src).model_state
+    assert all(torch.equal(start[k], trained[k]) for k in trained)
+    assert ck.load_checkpoint(new).step == 2
+    # The model is RUN's: --preset is refused, and so is a change of a weight's shape.
+    assert main(["train", "--init-from", str(src), "--preset", "tiny-dense"]) == 2
+    assert "does not go with --resume or --preset" in error(capsys)
+    assert main(["train", "--init-from", str(src), "--set", "model.d_model=32",
+                 "--out", str(tmp_path / "bad"), "--quiet"]) == 2
+    assert "do not fit the model" in error(capsys)
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_a_device_this_machine_lacks_is_one_line_and_leaves_no_run_directory(corpus, tmp_path,
+                                                                           capsys):
+    for device in ("mps", "gpu", "cuda"):
+        if device == "cuda" and torch.cuda.is_available():
+            continue
+        out = tmp_path / device
+        assert main(["train", "--data", str(corpus), "--steps", "1", "--out", str(out),
+                     *TINY, "--set", f"device={device}"]) == 2
+        msg = error(capsys)
+        assert f"device={device}" in msg or f"device {device!r}" in msg, msg
+        assert not out.exists()
+    assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "m"), *TINY,
+                 "--set", "device=mps"]) == 2
+    assert "no usable MPS backend" in error(capsys)
+    # A refused start late in the setup (fp16 needs CUDA) leaves nothing either.
+    assert main(["train", "--data", str(corpus), "--steps", "1", "--out", str(tmp_path / "f"),
+                 *TINY, "--set", "amp=fp16", "--set", "device=cpu"]) == 2
+    assert "fp16 needs a CUDA device" in error(capsys)
+    assert not (tmp_path / "f").exists()
+
+
+def test_list_settings_lists_model_keys_with_values_and_meanings(capsys):
+    assert main(["train", "--list-settings"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert "auto|fp32|bf16|fp16" in lines["amp"]
+    assert "model.d_model" in lines and "residual width" in lines["model.d_model"]
+    assert "model.attention.n_experts" in lines and "lr_extensions" not in lines
+    assert main(["train", "--list-settings", "--preset", "tiny-dense"]) == 0
+    assert "model.attention.n_heads" in capsys.readouterr().out
