@@ -115,3 +115,18 @@ def test_list_settings_lists_model_keys_with_values_and_meanings(capsys):
     assert "model.attention.n_experts" in lines and "lr_extensions" not in lines
     assert main(["train", "--list-settings", "--preset", "tiny-dense"]) == 0
     assert "model.attention.n_heads" in capsys.readouterr().out
+
+
+def test_install_hints_name_the_checkout_install_the_readme_uses():
+    from moeify.errors import install_hint, source_checkout
+
+    assert install_hint("hf").startswith("pip install -e '.[hf]' in the moeify checkout")
+    root = source_checkout()
+    assert root is not None and (root / "pyproject.toml").is_file()
+    readme = (root / "README.md").read_text()
+    assert 'pip install -e ".[dev,plot,tokenizers,hf,harness]"` in the checkout' in readme
+    # No message or help names a package that is not on any index.
+    for path in (root / "src" / "moeify").rglob("*.py"):
+        text = path.read_text()
+        assert "pip install moeify" not in text and "pip install 'moeify[" not in text, path
+    assert "pip install 'moeify[" not in readme and "pip install moeify" not in readme

@@ -21,7 +21,7 @@ BOOTSTRAP_ITERS = 1000
 def add_arguments(p) -> None:
     p.add_argument("--harness", metavar="TASK[,TASK]",
                    help="run lm-evaluation-harness tasks instead of --task (needs "
-                   "moeify[harness]): moeify_lambada, moeify_blimp (the group), "
+                   "pip install -e '.[harness]'): moeify_lambada, moeify_blimp (the group), "
                    "moeify_blimp_<paradigm>, or tasks defined in --harness-include directories; "
                    "offline, data from --data-dir or $MOEIFY_DATA_DIR; --limit is per task (per "
                    "paradigm for BLiMP)")

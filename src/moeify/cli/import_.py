@@ -9,7 +9,7 @@ def register(sub) -> None:
         description="Convert a local Hugging Face checkpoint directory (written by "
         "save_pretrained: config.json, model.safetensors, tokenizer.json) into a moeify run "
         "directory that eval, generate, plot, count and train --resume accept. Nothing is "
-        "downloaded. Needs pip install 'moeify[hf]'.")
+        "downloaded. Needs pip install -e '.[hf]' in the moeify checkout.")
     p.add_argument("--hf", required=True, metavar="DIR", help="the checkpoint directory")
     p.add_argument("--out", required=True, metavar="RUN", help="the new run directory")
     p.set_defaults(func=run)

@@ -10,7 +10,7 @@ from pathlib import Path
 def register(sub) -> None:
     p = sub.add_parser("plot", help="attention maps, expert usage and training curves of runs",
                        description="Draw PNG plots of trained runs (run directories written by "
-                       "`moeify train`). Needs matplotlib: pip install 'moeify[plot]'.")
+                       "`moeify train`). Needs matplotlib: pip install -e '.[plot]' in the moeify checkout.")
     kinds = p.add_subparsers(dest="plot_kind", metavar="KIND", required=True)
 
     a = kinds.add_parser("attention", help="per-head attention maps of one text, with "

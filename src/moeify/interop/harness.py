@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, install_hint
 from moeify.eval.generate import generate
 from moeify.eval.adapters import stateless_logits_fn
 from moeify.eval.scoring import score_continuations, zero_shot_context
@@ -48,7 +48,7 @@ try:
     from lm_eval.api.registry import register_model
 except ImportError:
     raise MoeifyError("the lm-evaluation-harness integration needs lm-eval: "
-                      "pip install 'moeify[harness]'") from None
+                      + install_hint("harness")) from None
 
 TASKS_DIR = Path(__file__).with_name("harness_tasks")
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

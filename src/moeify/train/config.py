@@ -80,7 +80,7 @@ class TrainConfig:
                       split); eval_batch_size: streams scored side by side.
     checkpoint_every: steps between checkpoints (0 = only at the end); keep_checkpoints: how many
                       complete checkpoints stay on disk.
-    tensorboard:      also write TensorBoard scalars (needs moeify[tensorboard]).
+    tensorboard:      also write TensorBoard scalars (the tensorboard extra).
     compile:          torch.compile every block (moeify.train.parallel).
     parallel:         with several processes (torchrun): "ddp" replicates the model, "fsdp"
                       shards parameters, gradients and optimizer state per block (FSDP2) and

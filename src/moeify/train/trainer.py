@@ -541,6 +541,10 @@ class Trainer:
                 progress.message(self.describe())
             if self.schedule_note:
                 self._say(progress, self.schedule_note)
+            if cfg.tensorboard and not self.quiet:
+                tb = self.run_dir / "tensorboard"
+                progress.message(f"TensorBoard logs go to {tb} (view them with: tensorboard "
+                                 f"--logdir {tb})")
             with stop:
                 while self.step < cfg.steps and (stop_after is None or self.step < stop_after):
                     if self._stop_agreed(stop):
