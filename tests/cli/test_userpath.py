@@ -130,3 +130,18 @@ def test_install_hints_name_the_checkout_install_the_readme_uses():
         text = path.read_text()
         assert "pip install moeify" not in text and "pip install 'moeify[" not in text, path
     assert "pip install 'moeify[" not in readme and "pip install moeify" not in readme
+
+
+def test_version_and_py_typed(capsys):
+    import tomllib
+
+    from moeify.errors import source_checkout
+
+    root = source_checkout()
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moeify {project['project']['version']}"
+    assert (root / "src" / "moeify" / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["moeify"]

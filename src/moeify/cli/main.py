@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mixture-of-Experts everywhere inside a Transformer: build, train, evaluate, "
         "benchmark and inspect SwitchHead, MoA, sigma-MoE, Switch and Mixture-of-Depths models.",
     )
+    from moeify import __version__
+
+    parser.add_argument("--version", action="version", version=f"moeify {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"moeify.cli.{MODULES.get(name, name)}").register(sub)
