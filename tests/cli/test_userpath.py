@@ -145,3 +145,61 @@ def test_version_and_py_typed(capsys):
     assert capsys.readouterr().out.strip() == f"moeify {project['project']['version']}"
     assert (root / "src" / "moeify" / "py.typed").is_file()
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["moeify"]
+
+
+def test_long_work_reports_progress(corpus, tmp_path, capsys, monkeypatch):
+    import io
+
+    from moeify.train.progress import CountProgress, Progress
+
+    run = tmp_path / "r"
+    assert main(["train", "--data", str(corpus), "--steps", "2", "--out", str(run), *TINY]) == 0
+    blimp = tmp_path / "blimp.jsonl"
+    blimp.write_text("\n".join(json.dumps({"sentence_good": g, "sentence_bad": b, "UID": "toy",
+                                           "field": "syntax"})
+                               for g, b in [("the cat sees.", "the cat see."),
+                                            ("a dog runs.", "dog a runs.")]) + "\n")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--task", "blimp", "--data", str(blimp),
+                 "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "blimp of r: 4/4 sentences (100%)" in err and "ETA" in err
+    assert main(["eval", "--run", str(run), "--task", "blimp", "--data", str(blimp),
+                 "--quiet"]) == 0
+    assert "sentences" not in capsys.readouterr().err
+
+    # Compiling: said before the first step, and the ETA counts from the step after it.
+    p = Progress(10, 0, stream=io.StringIO())
+    p.t0 -= 100.0                       # the first step took 100 s (compiling)
+    p.restart(1)
+    assert p.eta(2) < 5.0
+    import moeify.train.parallel as parallel
+
+    monkeypatch.setattr(parallel, "parallelize", lambda model, *a, **k: model)  # no compiler
+    from moeify.train.config import TrainConfig
+    from moeify.train.trainer import train
+
+    out = io.StringIO()
+    train(TrainConfig(data=str(corpus), tokenizer="byte256", steps=2, batch_size=2,
+                      eval_every=0, eval_tokens=64, eval_batch_size=2, compile=True,
+                      model_overrides=("model.d_model=16", "model.n_layers=1",
+                                       "model.context_length=8", "model.feedforward.d_ff=32")),
+          tmp_path / "c", stream=out)
+    text = out.getvalue()
+    assert "compiling the model's blocks (torch.compile)" in text
+    assert "compiled: the first step took" in text
+    assert text.index("compiling") < text.index("compiled:") < text.index("step 2/2")
+
+    c = CountProgress("x", "items", stream=io.StringIO())
+    c(1, 3), c(2, 3), c(3, 3)           # not a terminal: the first line, then the last
+    assert c.stream.getvalue().splitlines()[-1].startswith("x: 3/3 items (100%)")
+
+
+def test_setup_and_make_test_say_what_they_do():
+    from moeify.errors import source_checkout
+
+    root = source_checkout()
+    setup = (root / "scripts" / "setup_env.sh").read_text()
+    installs = [line for line in setup.splitlines() if "pip install" in line]
+    assert installs and not any(" -q" in line for line in installs)  # pip shows its progress
+    assert "-rs" in (root / "pyproject.toml").read_text().split("addopts")[1].splitlines()[0]

@@ -130,6 +130,18 @@ def test_loglikelihood_equals_scoring_by_hand(lm):
     assert any(g for _, g in got[:2]) or all(not g for _, g in expect[:2])
 
 
+def test_requests_report_their_progress(lm):
+    seen = []
+    lm.progress = lambda label, done, total: seen.append((label, done, total))
+    try:
+        lm.loglikelihood(requests("loglikelihood", [("the cat", " sees")] * 4))
+        lm.generate_until(requests("generate_until", [("the cat", {"max_gen_toks": 2})] * 2))
+    finally:
+        lm.progress = None
+    assert seen == [("log-likelihoods", 3, 4), ("log-likelihoods", 4, 4),
+                    ("generations", 1, 2), ("generations", 2, 2)]
+
+
 def test_loglikelihood_matches_moeify_blimp_and_lambada_scoring(lm):
     from moeify.eval.blimp import sentence_items
     from moeify.eval.lambada import split_passage

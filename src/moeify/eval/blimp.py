@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moeify.eval import paths
-from moeify.eval.scoring import LogitsFn, score_continuations
+from moeify.eval.scoring import LogitsFn, ProgressFn, score_continuations
 from moeify.errors import MoeifyError, read_utf8
 
 
@@ -66,7 +66,8 @@ def sentence_items(tokenizer, sentences: Sequence[str]) -> list[tuple[list[int],
 
 
 def blimp_accuracy(logits_fn: LogitsFn, tokenizer, pairs: Sequence[BlimpPair], *,
-                   batch_size: int = 32, max_len: int | None = None) -> dict:
+                   batch_size: int = 32, max_len: int | None = None,
+                   progress: ProgressFn | None = None) -> dict:
     """``accuracy`` (mean over paradigms), ``paradigms`` {uid: acc}, ``fields`` {field: mean of
     its paradigms}, ``pairs`` (count). ``logits_fn`` must be stateless."""
     if not pairs:
@@ -74,7 +75,7 @@ def blimp_accuracy(logits_fn: LogitsFn, tokenizer, pairs: Sequence[BlimpPair], *
                          "--limit) give none")
     sentences = [p.good for p in pairs] + [p.bad for p in pairs]
     scores = score_continuations(logits_fn, sentence_items(tokenizer, sentences),
-                                 batch_size=batch_size, max_len=max_len)
+                                 batch_size=batch_size, max_len=max_len, progress=progress)
     n = len(pairs)
     per_paradigm: dict[str, list[int]] = {}
     field_of: dict[str, str] = {}

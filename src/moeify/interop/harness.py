@@ -123,6 +123,13 @@ class MoeifyLM(LM):
         self.batch_size = batch_size
         self.max_len = zero_shot_context(model.config)
         self.logits_fn = stateless_logits_fn(model, self._device, amp_dtype)
+        # progress(label, done, total): told after each scored batch or generated request (a
+        # display; moeify eval --harness sets it). None: silent.
+        self.progress = None
+
+    def _report(self, label: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(label, done, total)
 
     # ------------------------------------------------------------------ requests
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
@@ -141,12 +148,16 @@ class MoeifyLM(LM):
         ``moeify eval`` scores BLiMP sentences, whatever their length)."""
         fits = [len(cont) <= self.max_len for _, cont in items]
         out: list = [None] * len(items)
+        done = 0
         for ok in (True, False):
             idx = [i for i, f in enumerate(fits) if f == ok]
             if idx:
-                scores = score_continuations(self.logits_fn, [items[i] for i in idx],
-                                             batch_size=self.batch_size, greedy=greedy,
-                                             max_len=self.max_len if ok else None)
+                scores = score_continuations(
+                    self.logits_fn, [items[i] for i in idx], batch_size=self.batch_size,
+                    greedy=greedy, max_len=self.max_len if ok else None,
+                    progress=lambda d, _t, base=done: self._report("log-likelihoods",
+                                                                   base + d, len(items)))
+                done += len(idx)
                 for i, s in zip(idx, scores):
                     out[i] = s
         return out
@@ -175,11 +186,12 @@ class MoeifyLM(LM):
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
         out = []
-        for r in requests:
+        for n, r in enumerate(requests, 1):
             context, gen_kwargs = r.args[0], dict(r.args[1] or {})
             text = self.generate_one(context, **gen_kwargs)
             self.cache_hook.add_partial("generate_until", r.args, text)
             out.append(text)
+            self._report("generations", n, len(requests))
         return out
 
     def generate_one(self, context: str, *, until: str | Sequence[str] | None = None,

@@ -62,6 +62,7 @@ class _Clock:
     mark: float = field(default_factory=time.perf_counter)
     train_s: float = 0.0
     window: list[float] = field(default_factory=list)   # losses since the last metric record
+    skipped_tokens: int = 0          # trained while compiling: not in train_s, not in the rate
 
     def pause(self) -> None:
         self.train_s += time.perf_counter() - self.mark
@@ -561,7 +562,7 @@ class Trainer:
                 sink.close()
         result.step = self.step
         result.wall_s = time.perf_counter() - clock.start
-        n_trained = len(result.losses) * cfg.batch_size * self.T
+        n_trained = len(result.losses) * cfg.batch_size * self.T - clock.skipped_tokens
         result.tokens_per_s = n_trained / max(clock.train_s, 1e-9) if clock.train_s else 0.0
         return result
 
@@ -569,7 +570,21 @@ class Trainer:
                   clock: "_Clock") -> None:
         """One update, then the metrics, validation and checkpoint that fall due after it."""
         cfg = self.cfg
+        compiling = cfg.compile and not getattr(self, "_compiled", False)
+        if compiling:
+            progress.message("compiling the model's blocks (torch.compile): the first step "
+                             "takes longer, minutes on a CPU; the ETA and tokens/s leave it out")
+            t0 = time.perf_counter()
         rec = self.train_step()
+        if compiling:
+            self._compiled = True
+            from moeify.train.progress import format_duration
+
+            progress.message(f"compiled: the first step took "
+                             f"{format_duration(time.perf_counter() - t0)}")
+            progress.restart(self.step)
+            clock.skipped_tokens += cfg.batch_size * self.T
+            clock.resume(self.tokens_seen)
         result.losses[self.step] = rec["loss"]
         clock.window.append(rec["loss"])
         done = self.step == cfg.steps
