@@ -203,3 +203,85 @@ def test_setup_and_make_test_say_what_they_do():
     installs = [line for line in setup.splitlines() if "pip install" in line]
     assert installs and not any(" -q" in line for line in installs)  # pip shows its progress
     assert "-rs" in (root / "pyproject.toml").read_text().split("addopts")[1].splitlines()[0]
+
+
+def test_generate_samples_unconditionally_from_an_empty_prompt(corpus, tmp_path, capsys):
+    from moeify.data.tokenizers import ByteTokenizer
+    from moeify.eval.generate import start_ids
+
+    run = tmp_path / "r"
+    assert main(["train", "--data", str(corpus), "--steps", "1", "--out", str(run), *TINY]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "", "--max-new-tokens", "12",
+                 "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert len(text.rstrip("\n")) > 0
+    byte = ByteTokenizer(sorted(set(b"ab\ncd")))
+    assert start_ids(byte) == byte.encode("\n")
+    gpt2 = type("GPT2", (), {"encoder": {"<|endoftext|>": 50256}, "vocab_size": 50257,
+                             "name": "gpt2"})()
+    assert start_ids(gpt2) == [50256]
+    if not torch.backends.mps.is_available():
+        assert main(["generate", "--run", str(run), "--prompt", "x", "--device", "mps"]) == 2
+        assert "no usable MPS backend" in error(capsys, "generate")
+
+
+def test_blimp_reports_one_syntax_semantics_field(tmp_path):
+    from moeify.eval.blimp import load_blimp
+
+    for uid, field in (("a", "syntax/semantics"), ("b", "syntax_semantics"), ("c", "syntax")):
+        (tmp_path / f"{uid}.jsonl").write_text(json.dumps(
+            {"sentence_good": "x y", "sentence_bad": "y x", "UID": uid, "field": field}) + "\n")
+    assert sorted({p.field for p in load_blimp(tmp_path)}) == ["syntax", "syntax_semantics"]
+
+
+def test_every_option_has_help_and_the_reported_ones_show_their_defaults(capsys):
+    import argparse
+
+    from moeify.cli.main import build_parser
+
+    missing = []
+
+    def walk(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    if not sub.description:
+                        missing.append(f"{name} {sub_name}: no description")
+                    walk(sub, f"{name} {sub_name}")
+            elif action.option_strings and not action.help:
+                missing.append(f"{name} {action.option_strings[0]}")
+
+    walk(build_parser(), "moeify")
+    assert not missing, missing
+    for argv, needle in ((["demo"], "experts chosen per row (default: 2)"),
+                         (["match"], "(default: switchhead)"),
+                         (["eval"], "side by side (default 32)"),
+                         (["generate"], "0 = greedy decoding (default: 0.8)"),
+                         (["bench", "step"], "sequences per training step (default: 4)"),
+                         (["bench", "ff"], "tokens per batch (default: 4096)"),
+                         (["plot", "experts"], "routes (default: valid)")):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert needle in help_text, (argv, needle)
+
+
+def test_count_upcycle_compare_and_sweep_output_say_what_they_mean(corpus, tmp_path, capsys):
+    from moeify.analysis.compare import valid_text
+    from moeify.analysis.sweep import main_table
+
+    assert main(["count", "--preset", "wt103-47m-switchhead"]) == 0
+    assert "0.8M values   2.9 MiB" in capsys.readouterr().out
+    assert valid_text({"loss": 3.0, "tokens": 502, "bpc": 4.328}) == \
+        "valid bpc 4.3280 (loss 3.0000 over 502 tokens)"
+    md = "# moeify sweep\n\nSettings: ...\n\n| a |\n|---|\n| 1 |\n\nPer-seed values:\n- x\n"
+    assert main_table(md) == ("# moeify sweep\n\n| a |\n|---|\n| 1 |\n\n(settings, per-seed "
+                              "values and routing: results.md)")
+    run, up = tmp_path / "dense", tmp_path / "up"
+    assert main(["train", "--preset", "tiny-dense", "--data", str(corpus), "--steps", "1",
+                 "--out", str(run), *TINY]) == 0
+    capsys.readouterr()
+    assert main(["upcycle", "--run", str(run), "--out", str(up), "--ff", "switch:E=2",
+                 "--no-validate"]) == 0
+    assert f"continue with: moeify train --resume {up}\n" in capsys.readouterr().out

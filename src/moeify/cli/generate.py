@@ -10,12 +10,17 @@ def register(sub) -> None:
         "decoding with the KV cache (Mixture-of-Depths models use their causal router). "
         "temperature 0 is greedy decoding.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", required=True, help="text to continue; \"\" samples "
+                   "unconditionally, after the tokenizer's start-of-text token (or a newline)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to sample (at most 10000); the text is printed as it comes")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 = greedy decoding")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities add up to p "
+                   "(nucleus sampling; default: all)")
     p.add_argument("--seed", type=int, default=None, help="make the sample reproducible")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default "
                    "auto: CUDA when available, else CPU)")
@@ -25,20 +30,18 @@ def register(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from moeify.eval.generate import check_sampling_args, iter_generate
+    from moeify.eval.generate import check_sampling_args, iter_generate, start_ids
     from moeify.train.distributed import DistEnv, pick_device
     from moeify.train.rundir import load_trained
 
     check_sampling_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    if not args.prompt:
-        raise ValueError("--prompt is empty: give some text to continue")
     device = pick_device(args.device, DistEnv())
     if device.type == "cpu":
         from moeify.train.distributed import configure_cpu_threads
 
         configure_cpu_threads()
     tm = load_trained(args.run, device)
-    ids = tm.tokenizer.encode(args.prompt)
+    ids = tm.tokenizer.encode(args.prompt) if args.prompt else start_ids(tm.tokenizer)
     if not ids:
         raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens")
     mc = tm.model_config

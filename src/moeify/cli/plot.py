@@ -36,7 +36,8 @@ def register(sub) -> None:
                          "routes through each block.")
     e.add_argument("--run", required=True, help="run directory")
     e.add_argument("--data", help="corpus name or path (default: the run's training corpus)")
-    e.add_argument("--split", default="valid", choices=("train", "valid", "test"))
+    e.add_argument("--split", default="valid", choices=("train", "valid", "test"),
+                   help="the corpus split whose text the model routes")
     e.add_argument("--tokens", type=int, default=16384, help="tokens in the sample "
                    "(default 16384)")
     e.add_argument("--batch-size", type=int, default=4, help="streams side by side (default 4)")
