@@ -201,7 +201,8 @@ def test_stale_temporaries_of_dead_processes_are_swept_and_live_ones_kept(corpus
         (root / name).mkdir()
         (root / name / "state.pt").write_bytes(b"x" * 1000)
     (root / f".latest.tmp-{dead}").write_text("step-00000009\n")
-    assert main(["train", "--resume", str(run), "--steps", "3", "--quiet"]) == 0
+    assert main(["train", "--resume", str(run), "--steps", "3", "--schedule", "stretch",
+                 "--quiet"]) == 0
     left = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
     assert left == [f".tmp-step-00000009-{os.getppid()}"]  # a live process's is never touched
 

@@ -152,4 +152,5 @@ def test_bad_eval_input_gives_clear_errors(trained, capsys, tmp_path, monkeypatc
     data_bytes[-10] ^= 0xFF
     weights.write_bytes(bytes(data_bytes))
     _error(capsys, ["eval", "--run", str(broken), "--task", "ppl"], "corrupt")
-    _error(capsys, ["train", "--resume", str(broken), "--steps", "9"], "corrupt")
+    _error(capsys, ["train", "--resume", str(broken), "--steps", "9", "--schedule", "stretch"],
+           "corrupt")

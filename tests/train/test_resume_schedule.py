@@ -112,3 +112,11 @@ def test_a_pinned_schedule_is_kept_and_said(env, capsys):
     got = lrs(run)
     for s in got:
         assert got[s] == pytest.approx(planned(0, s, cosine=8), rel=1e-12, abs=0), s
+
+
+def test_runs_without_a_schedule_change_record_their_settings_as_before():
+    """compare and sweep compare recorded settings: a plain run's must not gain new keys."""
+    d = TrainConfig().to_dict()
+    assert "lr_extensions" not in d and "init_from" not in d
+    ext = TrainConfig(lr_extensions=((3, 9, 0.5, 0.0),))
+    assert TrainConfig.from_dict(json.loads(json.dumps(ext.to_dict()))) == ext

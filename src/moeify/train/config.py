@@ -46,7 +46,7 @@ class TrainConfig:
     (T_max = 100k) after an optional linear warm-up, 100k steps of batch 64, gradient clipping
     0.1 (small) / 0.25 (big, enwik8), fp16 autocast with a grad scaler: ``paper_recipe(preset)``
     returns it. The defaults below keep the optimiser, schedule shape and clipping style but are
-    sized so that ``moeify train`` finishes in about five minutes on two CPU cores: 300 steps of
+    sized so that ``moeify train`` finishes in about two minutes on two CPU cores: 300 steps of
     16 x 128 bytes with a larger learning rate and clipping 0.25, since a 1M-parameter model
     over 300 steps learns far too little at the paper's 2.5e-4. The learning rate 5e-3 (20
     warm-up steps) was chosen on tiny-switchhead / wiki-excerpt: validation bpc after 100 steps
@@ -190,6 +190,9 @@ class TrainConfig:
         d["betas"] = list(self.betas)
         d["model_overrides"] = list(self.model_overrides)
         d["lr_extensions"] = [list(e) for e in self.lr_extensions]
+        for name, default in OPTIONAL_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -228,6 +231,11 @@ class TrainConfig:
             apply_model_overrides(base_config_of(out), model_ovr)  # fail early
         return out
 
+
+# Written to JSON only when they differ from their default, so that config.json, checkpoint
+# records and compare/sweep run specs of runs without them read exactly as before they existed
+# (a sweep refuses a run directory whose recorded settings differ from its own).
+OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None}
 
 # Fields moeify writes itself, with what writes them.
 WRITTEN_BY_MOEIFY = {"lr_extensions": "moeify train --resume RUN --steps N --schedule extend|"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEMO = Path(__file__).resolve().parents[1] / "docs" / "upcycling" / "demo.py"
+DEMO = Path(__file__).resolve().parents[2] / "docs" / "upcycling" / "demo.py"
 
 
 def load(monkeypatch, **env):
