@@ -503,7 +503,7 @@ class Trainer:
         params = self.model.parameters()
         grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(
             params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged as such)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
