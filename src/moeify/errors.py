@@ -11,11 +11,12 @@ def source_checkout():
         else None
 
 
-def install_hint(extra: str | None = None) -> str:
+def install_hint(extra: str | None = None, *, here: bool = True) -> str:
     """The command that installs moeify, with an optional extra, as the README's setup does:
-    moeify is not on a package index, it is installed (editable) from its source checkout."""
+    moeify is not on a package index, it is installed (editable) from its source checkout.
+    ``here``: name this machine's checkout (not in files that travel, e.g. an export)."""
     spec = f".[{extra}]" if extra else "."
-    root = source_checkout()
+    root = source_checkout() if here else None
     return f"pip install -e '{spec}' in " + (f"the moeify checkout ({root})" if root
                                               else "a moeify source checkout")
 

@@ -26,7 +26,7 @@ from moeify.errors import MoeifyError, install_hint
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
-REQUIRES = f"the modeling code imports moeify: {install_hint()} (trust_remote_code=True)"
+REQUIRES = f"the modeling code imports moeify: {install_hint(here=False)} (trust_remote_code=True)"
 
 
 def hf_config(model_cfg, hf_source: dict | None) -> dict:
