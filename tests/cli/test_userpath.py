@@ -285,3 +285,22 @@ def test_count_upcycle_compare_and_sweep_output_say_what_they_mean(corpus, tmp_p
     assert main(["upcycle", "--run", str(run), "--out", str(up), "--ff", "switch:E=2",
                  "--no-validate"]) == 0
     assert f"continue with: moeify train --resume {up}\n" in capsys.readouterr().out
+
+
+def test_tensorboard_says_where_its_logs_go(corpus, tmp_path, capsys, monkeypatch):
+    import moeify.train.metrics as metrics
+
+    class Writer:  # stands in for TensorBoard's SummaryWriter (an optional extra)
+        def __init__(self, log_dir):
+            log_dir.mkdir(parents=True)
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(metrics, "_summary_writer", Writer)
+    run = tmp_path / "tb"
+    argv = [a for a in TINY if a != "--quiet"]
+    assert main(["train", "--data", str(corpus), "--steps", "1", "--out", str(run), *argv,
+                 "--set", "tensorboard=true"]) == 0
+    assert f"TensorBoard logs go to {run / 'tensorboard'}" in capsys.readouterr().err
+    assert (run / "tensorboard").is_dir()
