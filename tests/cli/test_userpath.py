@@ -304,3 +304,12 @@ def test_tensorboard_says_where_its_logs_go(corpus, tmp_path, capsys, monkeypatc
                  "--set", "tensorboard=true"]) == 0
     assert f"TensorBoard logs go to {run / 'tensorboard'}" in capsys.readouterr().err
     assert (run / "tensorboard").is_dir()
+
+
+def test_float64_angles_are_formed_on_the_cpu_for_mps_only():
+    from moeify.ops.positional import angle_device, rope_inv_freq
+
+    assert angle_device("mps") == torch.device("cpu")
+    assert angle_device("cpu") == "cpu" and angle_device(None) is None
+    assert angle_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert rope_inv_freq(8, device="mps").device.type == "cpu"  # no MPS tensor is made

@@ -126,7 +126,7 @@ def score_continuations(logits_fn: LogitsFn, items: Sequence[tuple[Sequence[int]
         tok_logp_BT = logp_BTV.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
         mask = torch.from_numpy(mask_BT)
         counts = [n_cont[i] for i in idx]   # row-major masking keeps each row's tokens together
-        logps = torch.split(tok_logp_BT.double().cpu()[mask], counts)
+        logps = torch.split(tok_logp_BT.cpu().double()[mask], counts)  # (MPS has no float64)
         argmax = logits_BTV.argmax(-1).cpu()[mask].tolist() if greedy else None
         offset = 0
         for i, lp, c in zip(idx, logps, counts):
