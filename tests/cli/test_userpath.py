@@ -130,6 +130,10 @@ def test_install_hints_name_the_checkout_install_the_readme_uses():
         text = path.read_text()
         assert "pip install moeify" not in text and "pip install 'moeify[" not in text, path
     assert "pip install 'moeify[" not in readme and "pip install moeify" not in readme
+    # Nor the skip reasons make test lists (-rs), nor the docs' scripts.
+    for path in [*(root / "tests").rglob("*.py"), *(root / "docs").rglob("*.py")]:
+        if path.name != "test_userpath.py":
+            assert "'moeify[" not in path.read_text(), path
 
 
 def test_version_and_py_typed(capsys):

@@ -50,7 +50,7 @@ def test_a_missing_extra_is_a_one_line_error(monkeypatch, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def harness():
     pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install "
-                        "'moeify[harness]' (make test installs it)")
+                        "-e '.[harness]' (make test installs it)")
     import moeify.interop.harness
 
     return moeify.interop.harness
