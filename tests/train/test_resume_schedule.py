@@ -120,3 +120,16 @@ def test_runs_without_a_schedule_change_record_their_settings_as_before():
     assert "lr_extensions" not in d and "init_from" not in d
     ext = TrainConfig(lr_extensions=((3, 9, 0.5, 0.0),))
     assert TrainConfig.from_dict(json.loads(json.dumps(ext.to_dict()))) == ext
+
+
+def test_a_schedule_choice_with_nothing_to_decide_says_so():
+    from moeify.train.schedule import resume_schedule
+
+    cfg = TrainConfig(steps=10, warmup_steps=2)
+    assert resume_schedule(cfg, cfg, 5, None) == (cfg, None)
+    same, note = resume_schedule(cfg, cfg, 5, "extend")
+    assert same == cfg and note == "--schedule extend changes nothing: --steps is the run's own (10)"
+    longer = TrainConfig(steps=20, warmup_steps=2)
+    assert "has not trained a step yet" in resume_schedule(cfg, longer, 0, "keep")[1]
+    with pytest.raises(ValueError, match="--schedule must be one of keep, extend, stretch"):
+        resume_schedule(cfg, longer, 5, "restart")

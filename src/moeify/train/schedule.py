@@ -122,8 +122,12 @@ def resume_schedule(trained, requested, step: int, choice: str | None):
         trained = dataclasses.replace(trained, cosine_steps=requested.cosine_steps,
                                       lr_extensions=ext,
                                       steps=ext[-1][1] if ext else trained.steps)
-    if requested.steps == trained.steps or step == 0:
-        return requested, None  # the same schedule, or nothing trained yet
+    if requested.steps == trained.steps or step == 0:  # the same schedule, or nothing trained
+        return requested, (None if choice is None else
+                           f"--schedule {choice} changes nothing: " + (
+                               "the run has not trained a step yet, so its schedule simply "
+                               f"covers the {requested.steps} steps" if step == 0 else
+                               f"--steps is the run's own ({requested.steps})"))
     W, N = trained.warmup_steps, requested.steps
     keep = dataclasses.replace(requested, cosine_steps=cosine_steps_of(trained))
     if step <= W and not trained.lr_extensions:

@@ -742,7 +742,8 @@ def init_config(source: str | Path) -> TrainConfig:
     base = read_train_config(src_run) if (src_run / CONFIG_FILE).is_file() else TrainConfig()
     model = read_model_config(src_run)
     return dataclasses.replace(base, model=model.to_dict(), model_overrides=(),
-                               cosine_steps=None, lr_extensions=(), init_from=str(ckpt))
+                               cosine_steps=None, lr_extensions=(),
+                               init_from=str(ckpt.resolve()))
 
 
 def train_from(cfg: TrainConfig, run_dir: str | Path, source: str | Path, *, quiet: bool = False,
