@@ -115,6 +115,10 @@ def test_list_settings_lists_model_keys_with_values_and_meanings(capsys):
     assert "model.attention.n_experts" in lines and "lr_extensions" not in lines
     assert main(["train", "--list-settings", "--preset", "tiny-dense"]) == 0
     assert "model.attention.n_heads" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "about 2 minutes on 2 CPU cores" in text  # the README: 1 min 40 s wall
 
 
 def test_install_hints_name_the_checkout_install_the_readme_uses():
