@@ -90,12 +90,12 @@ def test_a_device_this_machine_lacks_is_one_line_and_leaves_no_run_directory(cor
     for device in ("mps", "gpu", "cuda"):
         if device == "cuda" and torch.cuda.is_available():
             continue
-        out = tmp_path / device
+        out = tmp_path / "runs" / device  # runs/ is made by the start too
         assert main(["train", "--data", str(corpus), "--steps", "1", "--out", str(out),
                      *TINY, "--set", f"device={device}"]) == 2
         msg = error(capsys)
         assert f"device={device}" in msg or f"device {device!r}" in msg, msg
-        assert not out.exists()
+        assert not out.exists() and not (tmp_path / "runs").exists()
     assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "m"), *TINY,
                  "--set", "device=mps"]) == 2
     assert "no usable MPS backend" in error(capsys)

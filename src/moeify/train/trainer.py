@@ -143,8 +143,8 @@ class Trainer:
         self.env: DistEnv = setup_distributed(device_type, single=cfg.parallel == "fsdp")
         self.lock = RunLock(self.run_dir)
         # A refused start leaves no directory behind that it created (moeify train on an
-        # unusable device, a bad setting found late, ...).
-        created = not self.run_dir.exists()
+        # unusable device, a bad setting found late, ...), parents such as runs/ included.
+        created = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
         try:
             # Before the run directory is touched: a device this machine lacks is a refusal.
             self.device = pick_device(cfg.device, self.env)
@@ -152,8 +152,10 @@ class Trainer:
             self._setup(resume, quiet)
         except BaseException:
             self.close()  # a process group or lock this run took must not outlive it
-            if created and self.env.is_main:
-                _remove_if_empty(self.run_dir)
+            if self.env.is_main:
+                for path in created:  # innermost first; stops at the first one not empty
+                    if not _remove_if_empty(path):
+                        break
             raise
 
     def _lock_run_dir(self) -> None:
@@ -680,11 +682,12 @@ class Trainer:
         self.env.close()
 
 
-def _remove_if_empty(path: Path) -> None:
+def _remove_if_empty(path: Path) -> bool:
     try:
         path.rmdir()  # only an empty directory
+        return True
     except OSError:
-        pass
+        return False
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = False,
