@@ -34,12 +34,15 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 
+# pip's own output is the progress of the two long steps (a few minutes each on a fresh
+# machine): what it collects and downloads, with a progress bar on a terminal.
 if ! "$py" -c 'import torch' 2>/dev/null; then
-  echo "[setup] installing the CPU build of torch==$torch_version"
+  echo "[setup] installing the CPU build of torch==$torch_version (a large download: a few minutes)"
   # shellcheck disable=SC2086
-  "$py" -m pip install --disable-pip-version-check -q "torch==$torch_version" ${MOEIFY_TORCH_PIP_ARGS:-}
+  "$py" -m pip install --disable-pip-version-check --progress-bar on "torch==$torch_version" ${MOEIFY_TORCH_PIP_ARGS:-}
 fi
 
-echo "[setup] installing moeify[$extras]"
-"$py" -m pip install --disable-pip-version-check -q -e ".[$extras]"
+echo "[setup] installing moeify[$extras] in editable mode (its dependencies: a minute or two)"
+"$py" -m pip install --disable-pip-version-check --progress-bar on -e ".[$extras]"
 touch "$stamp"
+echo "[setup] done: $venv"

@@ -12,10 +12,14 @@ trained from scratch for N + M steps.
 
 The stages print the moeify commands they run. Every run is one process with one thread under
 nice -n 10. Runs go to $RUNS (default runs/upcycling); a finished run is not trained again.
+DEMO_N and DEMO_M change N and M (300 each). The report is written beside this script
+(docs/upcycling/results.md, results.json, curves.png: the committed results) only for the
+committed settings; with others it goes to $RUNS/report, or to --report-dir.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -141,8 +145,33 @@ def stage_scratch() -> None:
         evaluate(key)
 
 
+STAGES = ("all", "dense", "upcycled", "dense+", "switchhead-up", "switchall-up", "scratch",
+          "report")
+# The settings of the committed results beside this script.
+COMMITTED = {"N": 300, "M": 300}
+
+
+def report_dir(given: str | None) -> Path:
+    """Where the report goes: --report-dir, else beside this script for the committed settings
+    (it rewrites the committed results), else $RUNS/report (never over the committed ones)."""
+    if given is not None:
+        return Path(given)
+    return HERE if {"N": N, "M": M} == COMMITTED else RUNS / "report"
+
+
 def main(argv: list[str]) -> int:
-    stages = argv or ["all"]
+    parser = argparse.ArgumentParser(
+        prog="docs/upcycling/demo.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stages", nargs="*", metavar="STAGE",
+                        help=f"what to run, in order: {', '.join(STAGES)} (default: all)")
+    parser.add_argument("--report-dir", help="where the report stage writes results.md, "
+                        "results.json and curves.png (default: see above)")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.stages if s not in STAGES]
+    if unknown:  # (choices= with nargs="*" refuses an empty list on Python 3.11)
+        parser.error(f"unknown stage {unknown[0]!r}: choose from {', '.join(STAGES)}")
+    stages = args.stages or ["all"]
     RUNS.mkdir(parents=True, exist_ok=True)
     for s in stages:
         if s in ("dense", "all"):
@@ -160,7 +189,10 @@ def main(argv: list[str]) -> int:
         if s in ("report", "all"):
             from report import report  # docs/upcycling/report.py
 
-            report(RUNS, RUN_NAMES, N, M, HERE)
+            out = report_dir(args.report_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"# report -> {out}", flush=True)
+            report(RUNS, RUN_NAMES, N, M, out)
     return 0
 
 

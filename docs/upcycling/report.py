@@ -141,7 +141,7 @@ def _plot(runs: Path, names: dict[str, str], N: int, here: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is missing (pip install 'moeify[plot]'): no curves plot")
+        print("matplotlib is missing (pip install -e '.[plot]' in the moeify checkout): no curves plot")
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"dense": ("k", "-"), "dense+": ("k", "--"), "switchhead-up": ("tab:blue", "-"),

@@ -1,6 +1,26 @@
 """The error type for bad user input that the CLI reports without a traceback."""
 
 
+def source_checkout():
+    """The moeify source checkout this package runs from (the directory holding pyproject.toml
+    and src/moeify), or None for an installed copy."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "moeify").is_dir() \
+        else None
+
+
+def install_hint(extra: str | None = None, *, here: bool = True) -> str:
+    """The command that installs moeify, with an optional extra, as the README's setup does:
+    moeify is not on a package index, it is installed (editable) from its source checkout.
+    ``here``: name this machine's checkout (not in files that travel, e.g. an export)."""
+    spec = f".[{extra}]" if extra else "."
+    root = source_checkout() if here else None
+    return f"pip install -e '{spec}' in " + (f"the moeify checkout ({root})" if root
+                                              else "a moeify source checkout")
+
+
 class MoeifyError(Exception):
     """A problem the user can fix (bad config, missing file, corrupt checkpoint, ...).
     The message says what is wrong and what to do."""

@@ -148,7 +148,7 @@ def test_auto_tokenizer_is_bytes_for_byte_presets_and_leftovers_are_cleared(
     (left / "train.log").write_text("ModuleNotFoundError: No module named 'sentencepiece'\n")
 
     def no_matplotlib():
-        raise MoeifyError("plotting needs matplotlib: pip install 'moeify[plot]'")
+        raise MoeifyError("plotting needs matplotlib: pip install -e '.[plot]'")
 
     monkeypatch.setattr(curves, "pyplot", no_matplotlib)
     assert main(_small(text_corpus)) == 0  # tokenizer "auto", a local text file

@@ -231,4 +231,4 @@ def test_bad_input_and_missing_matplotlib(runs, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", "curves", str(runs["tiny-dense"]), "--out",
                  str(tmp_path / "a.png")]) == 2
-    assert "moeify[plot]" in capsys.readouterr().err
+    assert "pip install -e '.[plot]'" in capsys.readouterr().err

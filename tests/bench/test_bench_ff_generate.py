@@ -29,7 +29,7 @@ def test_bench_ff_rows_report_equal_macs_and_what_ran():
 
 def test_bench_ff_hugging_face_rows():
     pytest.importorskip("transformers", reason="the Mixtral rows need transformers "
-                        "(pip install 'moeify[hf]')")
+                        "(pip install -e '.[hf]')")
     res = bench_ff(**SMALL, hf_impls=["eager", "grouped_mm"])
     rows = {r["case"]: r for r in res["rows"]}
     assert res["shape"]["hf_intermediate"] == 4  # 3 · D · I = 2 · D · G

@@ -201,7 +201,8 @@ def test_stale_temporaries_of_dead_processes_are_swept_and_live_ones_kept(corpus
         (root / name).mkdir()
         (root / name / "state.pt").write_bytes(b"x" * 1000)
     (root / f".latest.tmp-{dead}").write_text("step-00000009\n")
-    assert main(["train", "--resume", str(run), "--steps", "3", "--quiet"]) == 0
+    assert main(["train", "--resume", str(run), "--steps", "3", "--schedule", "stretch",
+                 "--quiet"]) == 0
     left = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
     assert left == [f".tmp-step-00000009-{os.getppid()}"]  # a live process's is never touched
 
@@ -468,7 +469,7 @@ def test_edited_config_json_is_refused_or_honoured_on_resume(corpus, tmp_path, c
     assert "config.json was edited" in msg and "lr" in msg
     # A setting a resumed run can change is honoured, and the file says so afterwards.
     path.write_text(json.dumps({**saved, "steps": 6}))
-    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert main(["train", "--resume", str(run), "--schedule", "stretch", "--quiet"]) == 0
     assert ck.load_checkpoint(run).step == 6
     assert json.loads(path.read_text())["steps"] == 6
 

@@ -99,7 +99,8 @@ def test_resume_continues_the_run(trained, capsys):
 
     copy = tmp / "resumed"
     shutil.copytree(run, copy)
-    assert main(["train", "--resume", str(copy), "--steps", "8", "--quiet"]) == 0
+    assert main(["train", "--resume", str(copy), "--steps", "8", "--schedule", "stretch",
+                 "--quiet"]) == 0
     assert "at step 8" in capsys.readouterr().out
     steps = [json.loads(x)["step"] for x in (copy / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]
@@ -151,4 +152,5 @@ def test_bad_eval_input_gives_clear_errors(trained, capsys, tmp_path, monkeypatc
     data_bytes[-10] ^= 0xFF
     weights.write_bytes(bytes(data_bytes))
     _error(capsys, ["eval", "--run", str(broken), "--task", "ppl"], "corrupt")
-    _error(capsys, ["train", "--resume", str(broken), "--steps", "9"], "corrupt")
+    _error(capsys, ["train", "--resume", str(broken), "--steps", "9", "--schedule", "stretch"],
+           "corrupt")

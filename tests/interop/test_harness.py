@@ -40,17 +40,17 @@ def test_a_missing_extra_is_a_one_line_error(monkeypatch, tmp_path, capsys):
         monkeypatch.setenv(k, "1")
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` sees without it
     monkeypatch.delitem(sys.modules, "moeify.interop.harness", raising=False)
-    with pytest.raises(MoeifyError, match=r"pip install 'moeify\[harness\]'"):
+    with pytest.raises(MoeifyError, match=r"pip install -e '\.\[harness\]' in the moeify checkout"):
         import moeify.interop.harness  # noqa: F401
     assert main(["eval", "--run", str(tmp_path), "--harness", "moeify_lambada"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "moeify[harness]" in err
+    assert err.count("\n") == 0 and "pip install -e '.[harness]'" in err
 
 
 @pytest.fixture(scope="module")
 def harness():
     pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install "
-                        "'moeify[harness]' (make test installs it)")
+                        "-e '.[harness]' (make test installs it)")
     import moeify.interop.harness
 
     return moeify.interop.harness
@@ -128,6 +128,18 @@ def test_loglikelihood_equals_scoring_by_hand(lm):
     for (ll, greedy), (ll_ref, greedy_ref) in zip(got, expect):
         assert ll == pytest.approx(ll_ref, abs=1e-5) and greedy == greedy_ref
     assert any(g for _, g in got[:2]) or all(not g for _, g in expect[:2])
+
+
+def test_requests_report_their_progress(lm):
+    seen = []
+    lm.progress = lambda label, done, total: seen.append((label, done, total))
+    try:
+        lm.loglikelihood(requests("loglikelihood", [("the cat", " sees")] * 4))
+        lm.generate_until(requests("generate_until", [("the cat", {"max_gen_toks": 2})] * 2))
+    finally:
+        lm.progress = None
+    assert seen == [("log-likelihoods", 3, 4), ("log-likelihoods", 4, 4),
+                    ("generations", 1, 2), ("generations", 2, 2)]
 
 
 def test_loglikelihood_matches_moeify_blimp_and_lambada_scoring(lm):

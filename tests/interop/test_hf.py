@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install 'moeify[hf]'")
+                                   "pip install -e '.[hf]'")
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.data.tokenizers import ByteTokenizer  # noqa: E402

@@ -203,5 +203,5 @@ def test_tensorboard_without_the_package_names_the_extra(env, monkeypatch):
 
     tmp, corpus = env
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    with pytest.raises(MoeifyError, match=r"moeify\[tensorboard\]"):
+    with pytest.raises(MoeifyError, match=r"pip install -e '\.\[tensorboard\]'"):
         train(tiny_cfg(corpus, steps=1, tensorboard=True), tmp / "tb", quiet=True)

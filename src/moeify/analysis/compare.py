@@ -116,6 +116,18 @@ def ordering_over_last(curves: dict[str, Curve], last_k: int = 3) -> Ordering:
     return Ordering(steps, rankings)
 
 
+def valid_text(valid: dict[str, Any] | None) -> str:
+    """A run's final validation as words: "valid bpc 3.2841 (loss 2.2764 over 65,536 tokens)"."""
+    if not valid:
+        return "no validation"
+    name = "bpc" if "bpc" in valid else "ppl"
+    head = f"valid {name} {valid[name]:.4f}" if name in valid else "valid"
+    rest = [f"loss {valid['loss']:.4f}"] if "loss" in valid else []
+    if "tokens" in valid:
+        rest.append(f"over {valid['tokens']:,} tokens")
+    return head + (f" ({' '.join(rest)})" if rest else "")
+
+
 def _fmt(x: Any, spec: str = ".4f") -> str:
     if x is None:
         return "-"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, install_hint
 
 PANELS_KEY = "moeify:panels"
 
@@ -22,7 +22,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError as e:
-        raise MoeifyError("plotting needs matplotlib: pip install 'moeify[plot]'") from e
+        raise MoeifyError(f"plotting needs matplotlib: {install_hint('plot')}") from e
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -53,7 +53,7 @@ def read_panels(path: str | Path) -> list[str]:
     try:
         from PIL import Image
     except ImportError as e:  # Pillow comes with matplotlib
-        raise MoeifyError("reading plot metadata needs Pillow: pip install 'moeify[plot]'") from e
+        raise MoeifyError(f"reading plot metadata needs Pillow: {install_hint('plot')}") from e
     with Image.open(path) as im:
         text = getattr(im, "text", None) or im.info
         if PANELS_KEY not in text:

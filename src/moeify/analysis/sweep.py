@@ -158,6 +158,18 @@ def sweep_markdown(rows: list[dict[str, Any]], settings: dict[str, Any],
     return "\n".join(lines) + "\n"
 
 
+def main_table(markdown: str) -> str:
+    """What ``moeify sweep`` prints of its results.md: the title and the first table (means and
+    gaps), pointing at the rest (settings, per-seed values, routing) in the file."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return markdown
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join([lines[0], "", *lines[start:end], "",
+                      "(settings, per-seed values and routing: results.md)"])
+
+
 def _fmt_time(s: float | None) -> str:
     if s is None:
         return "-"

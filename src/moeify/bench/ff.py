@@ -29,6 +29,7 @@ import torch
 
 from moeify.bench.attention import autocast_for, omp_wait_policy
 from moeify.bench.timing import expert_impls_run, format_table, interleaved_median_times
+from moeify.errors import install_hint
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
@@ -221,7 +222,7 @@ COLUMNS = ["case", "impl", "expert MACs", "fwd ms", "fwd x dense", "fwd x HF bes
 def table(result: dict) -> str:
     s = result["shape"]
     hf = (f"Mixtral I={s['hf_intermediate']}" if s["hf_intermediate"] else
-          "transformers not installed (pip install 'moeify[hf]' for the Mixtral rows)")
+          f"transformers not installed ({install_hint('hf')} for the Mixtral rows)")
     head = (f"feedforward MoEs, {s['tokens']} tokens, d={s['d_model']}, E={s['experts']}, "
             f"k={s['k']}, G={s['expert_size']}, {hf}; {result['dtype']} on {result['device']} "
             f"({result['threads']} "

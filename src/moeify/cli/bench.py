@@ -15,17 +15,22 @@ def register(sub) -> None:
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
 
     em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs an equal-MAC "
-                         "dense matmul (forward+backward)")
-    em.add_argument("--rows", "-M", type=int, default=8192, dest="M")
+                         "dense matmul (forward+backward)",
+                         description="Every expert-matmul implementation (ops/expert_matmul.py) "
+                         "on M random rows routed to K of E experts with gates, [M, D] x [E, D, "
+                         "F], forward+backward, against one dense matmul with the same "
+                         "multiply-adds: median time of the repeats and the ratio to dense.")
+    em.add_argument("--rows", "-M", type=int, default=8192, dest="M", help="rows (tokens)")
     em.add_argument("-K", type=int, default=2, help="experts per row")
     em.add_argument("-E", type=int, default=8, help="number of experts")
     em.add_argument("-D", type=int, default=512, help="input width")
     em.add_argument("-F", type=int, default=64, help="output width")
-    em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the tensors' dtype")
     em.add_argument("--device", default="cpu",
                     help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
     em.add_argument("--impl", action="append", help="only these implementations (repeatable)")
-    em.add_argument("--repeats", type=positive_int, default=7)
+    em.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (median)")
     em.add_argument("--json", action="store_true", help="print JSON instead of a table")
     em.set_defaults(func=run_expert_matmul)
 
@@ -57,7 +62,7 @@ def register(sub) -> None:
     st.add_argument("--preset", action="append", metavar="NAME",
                     help="preset to include, the first is the baseline (repeatable; default: "
                     "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
-    st.add_argument("--batch", type=int, default=4)
+    st.add_argument("--batch", type=int, default=4, help="sequences per training step")
     _common(st, warmup=1)
     st.set_defaults(func=run_step)
 
@@ -68,9 +73,9 @@ def register(sub) -> None:
         "sparse MoE block with each of its experts implementations (SwiGLU experts of "
         "intermediate size 2G/3: equal multiply-adds), side by side at the same shapes, forward "
         "and forward+backward.")
-    ff.add_argument("--tokens", type=positive_int, default=4096)
-    ff.add_argument("--d-model", type=positive_int, default=512)
-    ff.add_argument("--experts", type=positive_int, default=8)
+    ff.add_argument("--tokens", type=positive_int, default=4096, help="tokens per batch")
+    ff.add_argument("--d-model", type=positive_int, default=512, help="model width d")
+    ff.add_argument("--experts", type=positive_int, default=8, help="experts E")
     ff.add_argument("-k", type=positive_int, default=2, help="experts per token")
     ff.add_argument("--expert-size", type=positive_int, default=384,
                     help="hidden units per sigma-MoE / Switch expert (G)")
@@ -116,8 +121,10 @@ def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,
                    "in training and generation), or passive (they sleep at once: fairer on a "
                    "machine busy with other jobs, slower for many small ops)")
     if repeats:
-        p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--warmup", type=nonnegative_int, default=warmup)
+        p.add_argument("--repeats", type=positive_int, default=5,
+                       help="timed repeats per case, interleaved (the median is reported)")
+    p.add_argument("--warmup", type=nonnegative_int, default=warmup,
+                   help="untimed runs of each case first")
     if memory:
         p.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory measurements (one fresh process per case)")

@@ -59,7 +59,7 @@ def register(sub) -> None:
     p.add_argument("--final-eval-tokens", type=int, default=0, help="validation tokens scored "
                    "after training (default 0: the whole split)")
     p.add_argument("--blimp-per-paradigm", type=int, default=20, help="BLiMP pairs per paradigm "
-                   "(default 20; 0 skips BLiMP)")
+                   "(default 20; 0 skips BLiMP; moeify sweep, with many more runs, defaults to 0)")
     p.add_argument("--blimp-data", help="BLiMP directory (default $MOEIFY_DATA_DIR/blimp)")
     p.add_argument("--last-k", type=int, default=3, help="validation points the ordering is "
                    "checked over (default 3)")
@@ -240,8 +240,10 @@ class _Scheduler:
         _write_json(run_dir / CHILD_RESULT, result)
         self.durations.append((time.time() - t0, _steps(spec)))
         self.done[spec["name"]] = result
-        self._say(f"finished {spec['name']} in {_fmt_s(time.time() - t0)}: valid "
-                  f"{result['final_valid']}")
+        from moeify.analysis.compare import valid_text
+
+        self._say(f"finished {spec['name']} in {_fmt_s(time.time() - t0)}: "
+                  f"{valid_text(result['final_valid'])}")
         if self.on_done is not None:
             self.on_done(spec, result)
 

@@ -52,13 +52,16 @@ def run(args) -> int:
         return 0
     print(f"{name}: {format_count(cost.params)} parameters ({cost.params:,})")
     print("  " + ", ".join(f"{part} {n:,}" for part, n in cost.params_by_part.items() if n))
-    print(f"per attention layer, one sequence of T={cost.T} (C={cost.C}):")
+    print(f"per attention layer, one sequence of T={cost.T} (C={cost.C}); memory: values held "
+          "and their float32 size:")
     width = max(len(r["attention"]) for r in cost.layers)
-    print(f"  {'layers':<8} {'attention':<{width}} {'tokens':>6} {'MACs':>8} {'memory':>8}")
+    print(f"  {'layers':<8} {'attention':<{width}} {'tokens':>6} {'MACs':>8} {'memory':>14} "
+          f"{'fp32':>9}")
     for first, last, row in _runs(cost.layers):
         span = str(first) if first == last else f"{first}-{last}"
+        mib = row["memory"] * 4 / 2**20
         print(f"  {span:<8} {row['attention']:<{width}} {row['tokens']:>6} {row['macs_str']:>8} "
-              f"{row['memory_str']:>8}")
+              f"{row['memory_str'] + ' values':>14} {f'{mib:.1f} MiB':>9}")
     return 0
 
 

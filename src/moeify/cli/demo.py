@@ -9,9 +9,9 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="show the expert-matmul primitive on random data (seconds)",
                        description="Route random rows to experts with sigmoid top-k, run every "
                        "expert-matmul implementation and compare it with the dense reference.")
-    p.add_argument("--rows", type=positive_int, default=2048)
-    p.add_argument("--experts", type=positive_int, default=8)
-    p.add_argument("--k", type=positive_int, default=2)
+    p.add_argument("--rows", type=positive_int, default=2048, help="rows (tokens) routed")
+    p.add_argument("--experts", type=positive_int, default=8, help="experts to route among")
+    p.add_argument("--k", type=positive_int, default=2, help="experts chosen per row")
     p.set_defaults(func=run)
 
 

@@ -23,8 +23,12 @@ def register(sub) -> None:
                    help="ppl: the corpus split (default test)")
     p.add_argument("--limit", type=int, help="score only the first N items (blimp: per paradigm; "
                    "cbt: per group; ppl: N tokens)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="items (sentences, passages, candidates; ppl: streams) scored side by "
+                   "side (default 32)")
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default "
+                   "auto: CUDA when available, else CPU)")
     from moeify.cli import eval_harness
 
     eval_harness.add_arguments(p)
@@ -75,8 +79,16 @@ def run(args) -> int:
     result: dict = {"run": str(tm.run_dir), "checkpoint": tm.checkpoint.path.name,
                     "step": tm.checkpoint.step, "task": args.task}
     task = TASKS[args.task]
-    with torch.no_grad():
-        result.update(task(args, tm, logits_fn, data_path, max_len, device, amp_dtype))
+    from moeify.train.progress import CountProgress
+
+    progress = CountProgress(f"{args.task} of {tm.run_dir.name}", UNITS[args.task],
+                             enabled=not args.quiet)
+    try:
+        with torch.no_grad():
+            result.update(task(args, tm, logits_fn, data_path, max_len, device, amp_dtype,
+                               progress))
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -84,10 +96,12 @@ def run(args) -> int:
     return 0
 
 
-# One function per task: (args, trained run, logits_fn, data path, max length, device, amp dtype)
-# -> the task's result fields.
+# One function per task: (args, trained run, logits_fn, data path, max length, device, amp dtype,
+# progress callback) -> the task's result fields.
+UNITS = {"ppl": "tokens", "lambada": "passages", "blimp": "sentences", "cbt": "candidates"}
 
-def _ppl(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+
+def _ppl(args, tm, logits_fn, data_path, max_len, device, amp_dtype, progress) -> dict:
     from moeify.data.corpora import load_corpus
     from moeify.data.stream import tokenize_split
     from moeify.eval.adapters import evaluate_stream
@@ -99,35 +113,36 @@ def _ppl(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
     tokens = tokenize_split(corpus, tm.tokenizer, args.split)
     res = evaluate_stream(tm.model, tokens, tm.tokenizer, seq_len=tm.model_config.context_length,
                           batch_size=args.batch_size, max_tokens=args.limit or 0,
-                          device=device, amp_dtype=amp_dtype)
+                          device=device, amp_dtype=amp_dtype, progress=progress)
     out = {"corpus": corpus.name, "split": args.split, **res}
     if "bpc" not in res:
         out["ppl"] = res["ppl"]
     return out
 
 
-def _lambada(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+def _lambada(args, tm, logits_fn, data_path, max_len, device, amp_dtype, progress) -> dict:
     from moeify.eval.lambada import lambada_accuracy, load_lambada
 
     texts = load_lambada(data_path, limit=args.limit)
     return lambada_accuracy(logits_fn, tm.tokenizer, texts, batch_size=args.batch_size,
-                            max_len=max_len)
+                            max_len=max_len, progress=progress)
 
 
-def _blimp(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+def _blimp(args, tm, logits_fn, data_path, max_len, device, amp_dtype, progress) -> dict:
     from moeify.eval.blimp import blimp_accuracy, load_blimp
 
     pairs = load_blimp(data_path, limit_per_paradigm=args.limit)
     # Whole sentences: a truncated sentence would not have the score the task defines.
-    return blimp_accuracy(logits_fn, tm.tokenizer, pairs, batch_size=args.batch_size)
+    return blimp_accuracy(logits_fn, tm.tokenizer, pairs, batch_size=args.batch_size,
+                          progress=progress)
 
 
-def _cbt(args, tm, logits_fn, data_path, max_len, device, amp_dtype) -> dict:
+def _cbt(args, tm, logits_fn, data_path, max_len, device, amp_dtype, progress) -> dict:
     from moeify.eval.cbt import cbt_accuracy, load_cbt
 
     examples = load_cbt(data_path, limit=args.limit)
     return cbt_accuracy(logits_fn, tm.tokenizer, examples, batch_size=args.batch_size,
-                        max_len=max_len)
+                        max_len=max_len, progress=progress)
 
 
 TASKS = {"ppl": _ppl, "lambada": _lambada, "blimp": _blimp, "cbt": _cbt}

@@ -21,7 +21,7 @@ BOOTSTRAP_ITERS = 1000
 def add_arguments(p) -> None:
     p.add_argument("--harness", metavar="TASK[,TASK]",
                    help="run lm-evaluation-harness tasks instead of --task (needs "
-                   "moeify[harness]): moeify_lambada, moeify_blimp (the group), "
+                   "pip install -e '.[harness]'): moeify_lambada, moeify_blimp (the group), "
                    "moeify_blimp_<paradigm>, or tasks defined in --harness-include directories; "
                    "offline, data from --data-dir or $MOEIFY_DATA_DIR; --limit is per task (per "
                    "paradigm for BLiMP)")
@@ -99,6 +99,17 @@ def run_harness(args) -> int:
     tm = load_trained(args.run, device)
     lm = MoeifyLM.from_model(tm.model, tm.tokenizer, device=device, batch_size=args.batch_size,
                              amp_dtype=resolve_amp("auto", device)[0])
+    from moeify.train.progress import CountProgress
+
+    shown: dict[str, CountProgress] = {}
+
+    def progress(label: str, done: int, total: int) -> None:
+        if label not in shown:
+            shown[label] = CountProgress(f"harness {label}", "requests",
+                                         enabled=not args.quiet)
+        shown[label](done, total)
+
+    lm.progress = progress
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # one warning per task otherwise
     with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress: stdout is ours
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager,

@@ -11,24 +11,30 @@ def register(sub) -> None:
         "temperature 0 is greedy decoding.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="text to continue")
+    src.add_argument("--prompt", help="text to continue; \"\" samples unconditionally, after the "
+                     "tokenizer's start-of-text token (or a newline)")
     src.add_argument("--prompt-file", metavar="PATH", help="read the text to continue from a "
                      "UTF-8 file, or from standard input with '-' (for prompts longer than a "
                      "command-line argument may be: 128 KiB on Linux)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to sample (at most 10000); the text is printed as it comes")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 = greedy decoding")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities add up to p "
+                   "(nucleus sampling; default: all)")
     p.add_argument("--seed", type=int, default=None, help="make the sample reproducible")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default "
+                   "auto: CUDA when available, else CPU)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import sys
 
-    from moeify.eval.generate import check_sampling_args, iter_generate
+    from moeify.eval.generate import check_sampling_args, iter_generate, start_ids
     from moeify.train.distributed import DistEnv, pick_device
     from moeify.train.rundir import load_trained
 
@@ -40,7 +46,7 @@ def run(args) -> int:
 
         configure_cpu_threads()
     tm = load_trained(args.run, device)
-    ids = tm.tokenizer.encode(prompt)
+    ids = tm.tokenizer.encode(prompt) if prompt else start_ids(tm.tokenizer)
     if not ids:
         raise ValueError(f"the prompt {prompt[:80]!r} encodes to no tokens")
     mc = tm.model_config
@@ -54,8 +60,8 @@ def run(args) -> int:
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt text from --prompt or --prompt-file (``-``: standard input), checked to be
-    UTF-8: a command-line argument in another encoding reaches Python as lone surrogates,
+    """The prompt text from --prompt or --prompt-file (``-``: standard input; empty: sample
+    unconditionally), checked to be UTF-8: a command-line argument in another encoding reaches Python as lone surrogates,
     which no tokenizer can encode."""
     import sys
 
@@ -68,11 +74,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
             prompt = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise decode_error(where, e) from None
-        if not prompt:
-            raise ValueError(f"the prompt read from {where} is empty: give some text to continue")
-        return prompt
-    if not prompt:
-        raise ValueError("--prompt is empty: give some text to continue")
+        return prompt  # empty: unconditional sampling, as --prompt ""
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:

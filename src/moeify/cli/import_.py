@@ -10,7 +10,7 @@ def register(sub) -> None:
         description="Convert a local Hugging Face checkpoint directory (written by "
         "save_pretrained: config.json, model.safetensors, tokenizer.json) into a moeify run "
         "directory that eval, generate, plot, count and train --resume accept. Nothing is "
-        "downloaded. Needs pip install 'moeify[hf]'.")
+        "downloaded. Needs pip install -e '.[hf]' in the moeify checkout.")
     p.add_argument("--hf", required=True, metavar="DIR", help="the checkpoint directory")
     p.add_argument("--out", required=True, metavar="RUN", help="the new run directory")
     p.set_defaults(func=run)
@@ -21,4 +21,27 @@ def run(args) -> int:
 
     out = import_hf(args.hf, args.out)
     print(f"imported {args.hf} into {out}")
+    note = context_note(out)
+    if note:
+        print(f"note: {note}")
     return 0
+
+
+def context_note(run_dir) -> str | None:
+    """A sentence when the run's context (training chunk, generation window) is shorter than
+    the checkpoint's positions: moeify caps it (moeify.interop.hf_import.MAX_IMPORTED_CONTEXT,
+    and a sliding window)."""
+    import json
+    from pathlib import Path
+
+    from moeify.interop.hf_import import HF_CONFIG_COPY
+    from moeify.rundir import read_model_config
+
+    hf = json.loads((Path(run_dir) / HF_CONFIG_COPY).read_text())
+    positions = hf.get("max_position_embeddings") or hf.get("n_positions")
+    T = read_model_config(run_dir).context_length
+    if not positions or int(positions) <= T:
+        return None
+    return (f"the checkpoint has {int(positions)} positions; moeify trains and generates over "
+            f"{T} tokens (its context_length: at most 2048, and at most a sliding window); "
+            "the weights are imported whole")

@@ -53,10 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mixture-of-Experts everywhere inside a Transformer: build, train, evaluate, "
         "benchmark and inspect SwitchHead, MoA, sigma-MoE, Switch and Mixture-of-Depths models.",
     )
+    from moeify import __version__
+
+    parser.add_argument("--version", action="version", version=f"moeify {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"moeify.cli.{MODULES.get(name, name)}").register(sub)
+    show_defaults(parser)
     return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to the help of every option, in every subcommand, that has a
+    default its help does not already state (None, False and empty lists are no defaults)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
+            continue
+        default = action.default
+        if (not action.option_strings or action.help in (None, argparse.SUPPRESS)
+                or default is None or default is False or default == []
+                or default is argparse.SUPPRESS or "default" in action.help):
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        action.help += f" (default: {str(shown).replace('%', '%%')})"
 
 
 def error_line(e: BaseException) -> str:

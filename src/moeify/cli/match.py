@@ -15,7 +15,8 @@ def register(sub) -> None:
     p.add_argument("--experts", "-E", type=int, required=True, help="experts per head E "
                    "(MoA: expert heads)")
     p.add_argument("-k", type=int, default=None, help="active experts per head (SwitchHead)")
-    p.add_argument("--kind", choices=["switchhead", "moa"], default="switchhead")
+    p.add_argument("--kind", choices=["switchhead", "moa"], default="switchhead",
+                   help="the attention that replaces the dense one")
     p.add_argument("--projections", default="vo",
                    help="SwitchHead projections that are experts, a subset of qkvo (default vo)")
     p.add_argument("--shared-selection", action="store_true",

@@ -10,7 +10,7 @@ from pathlib import Path
 def register(sub) -> None:
     p = sub.add_parser("plot", help="attention maps, expert usage and training curves of runs",
                        description="Draw PNG plots of trained runs (run directories written by "
-                       "`moeify train`). Needs matplotlib: pip install 'moeify[plot]'.")
+                       "`moeify train`). Needs matplotlib: pip install -e '.[plot]' in the moeify checkout.")
     kinds = p.add_subparsers(dest="plot_kind", metavar="KIND", required=True)
 
     a = kinds.add_parser("attention", help="per-head attention maps of one text, with "
@@ -36,7 +36,8 @@ def register(sub) -> None:
                          "routes through each block.")
     e.add_argument("--run", required=True, help="run directory")
     e.add_argument("--data", help="corpus name or path (default: the run's training corpus)")
-    e.add_argument("--split", default="valid", choices=("train", "valid", "test"))
+    e.add_argument("--split", default="valid", choices=("train", "valid", "test"),
+                   help="the corpus split whose text the model routes")
     e.add_argument("--tokens", type=int, default=16384, help="tokens in the sample "
                    "(default 16384)")
     e.add_argument("--batch-size", type=int, default=4, help="streams side by side (default 4)")

@@ -56,7 +56,8 @@ def register(sub) -> None:
     p.add_argument("--final-eval-tokens", type=int, default=0, help="validation tokens scored "
                    "after training (default 0: the whole split)")
     p.add_argument("--blimp-per-paradigm", type=int, default=0, help="BLiMP pairs per "
-                   "paradigm (default 0: skipped)")
+                   "paradigm (default 0: skipped, since a sweep trains many runs; moeify compare "
+                   "defaults to 20)")
     p.add_argument("--blimp-data", help="BLiMP directory (default $MOEIFY_DATA_DIR/blimp)")
     p.add_argument("--tabulate", action="store_true", help="train nothing: rewrite the tables "
                    "and plots from the finished runs in OUT")
@@ -153,7 +154,9 @@ def run(args) -> int:
 
 def _report(out: Path, data: dict | None, error: BaseException | None) -> int:
     if data is not None:
-        print((out / "results.md").read_text())
+        from moeify.analysis.sweep import main_table
+
+        print(main_table((out / "results.md").read_text()))
         report_written(out, data)
     if error is not None:
         raise error

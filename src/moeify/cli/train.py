@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import argparse
 
+from moeify.train.schedule import SCHEDULE_CHOICES
+
 
 def register(sub) -> None:
     p = sub.add_parser(
         "train", help="train a model preset on a corpus (default: tiny-switchhead on "
-        "wiki-excerpt, about 5 minutes on 2 CPU cores)",
+        "wiki-excerpt, about 2 minutes on 2 CPU cores)",
         description="Train a model preset on a corpus and print the final validation bpc (or "
         "perplexity). With no arguments: the small SwitchHead preset (tiny-switchhead) on the "
         "wiki-excerpt corpus at byte level. The run directory holds the resolved configs, the "
-        "tokenizer, metrics.jsonl and atomic checkpoints; --resume continues it exactly.",
+        "tokenizer, metrics.jsonl and atomic checkpoints; --resume continues it exactly. "
+        "--init-from starts a new run from another run's weights.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
                "  moeify train\n"
                "  moeify train --preset tiny-dense --steps 500 --out runs/dense\n"
                "  moeify train --data shakespeare --set tokenizer=byte256 --set lr=1e-3\n"
                "  moeify train --set model.d_model=64 --set model.n_layers=2\n"
-               "  moeify train --resume runs/tiny-switchhead-wiki-excerpt --steps 600\n"
+               "  moeify train --resume runs/tiny-switchhead-wiki-excerpt --steps 600 "
+               "--schedule stretch\n"
+               "  moeify train --init-from runs/tiny-switchhead-wiki-excerpt --data shakespeare "
+               "--set lr=1e-3\n"
                "  torchrun --nproc-per-node 2 -m moeify.cli.main train --out runs/ddp\n"
                "settings (--set key=value): see `moeify train --list-settings`")
     p.add_argument("--preset", help="model preset (`moeify presets`; default tiny-switchhead)")
@@ -34,9 +40,21 @@ def register(sub) -> None:
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                    help="continue a run from its latest checkpoint (DIR: the run directory or "
                    "one of its checkpoints; without DIR, the run in --out)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES,
+                   help="with --resume and a new --steps, what the learning-rate schedule does "
+                   "after the decay has begun: keep (the run's own schedule; past its end, "
+                   "its final rate), extend (the decay continues from the current rate down to "
+                   "the floor at the new last step), stretch (warm-up and cosine recomputed "
+                   "over the new steps; the rate jumps to that curve). Without it such a "
+                   "resume is refused, saying what each would do")
+    p.add_argument("--init-from", metavar="RUN",
+                   help="start a new run from the weights (and tokenizer) of RUN or one of "
+                   "its checkpoints, with RUN's training settings and a fresh optimizer and "
+                   "schedule; change data, steps or --set lr=... freely")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--list-settings", action="store_true",
-                   help="print the training settings with their defaults and exit")
+                   help="print every --set key (training settings, then the model.* fields of "
+                   "--preset) with its default, accepted values and meaning, and exit")
     p.set_defaults(func=run)
 
 
@@ -52,14 +70,26 @@ def run(args) -> int:
     from moeify.train.trainer import train
 
     if args.list_settings:
-        for f in dataclasses.fields(TrainConfig):
-            print(f"{f.name:<18} {getattr(TrainConfig(), f.name)!r}")
+        from moeify.train.settings import settings_rows
+
+        rows = settings_rows(args.preset or TrainConfig().preset)
+        w = max(len(r[0]) for r in rows)
+        for key, default, kind, text in rows:
+            print(f"{key:<{w}}  {default:<15} {kind:<22} {text}".rstrip())
         return 0
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     explicit = {k: v for k, v in (("preset", args.preset), ("data", args.data),
                                   ("steps", args.steps)) if v is not None}
     resume = args.resume
+    if args.schedule is not None and resume is None:
+        raise ValueError("--schedule goes with --resume RUN --steps N (what the learning-rate "
+                         "schedule does when a resumed run's length changes)")
+    if args.init_from is not None:
+        if resume is not None or args.preset is not None:
+            raise ValueError("--init-from starts a new run with the model of RUN: it does not go "
+                             "with --resume or --preset")
+        return _init_from(args, explicit)
     if resume is not None:
         if resume is True:
             if args.out is None:
@@ -90,7 +120,28 @@ def run(args) -> int:
 
         configure_cpu_threads()
     result = train(cfg, run_dir, resume=resume if resume is not None else False,
-                   quiet=args.quiet)
+                   quiet=args.quiet, schedule=args.schedule)
+    return _report(result)
+
+
+def _init_from(args, explicit: dict) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from moeify.train.rundir import default_run_dir
+    from moeify.train.trainer import init_config, train_from
+
+    cfg = dataclasses.replace(init_config(args.init_from), **explicit
+                              ).with_overrides(args.overrides)
+    run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset, cfg.data)
+    if not cfg.device.startswith("cuda"):
+        from moeify.train.distributed import configure_cpu_threads
+
+        configure_cpu_threads()
+    return _report(train_from(cfg, run_dir, args.init_from, quiet=args.quiet))
+
+
+def _report(result) -> int:
     from moeify.train.progress import format_duration, format_rate
 
     if result.interrupted:

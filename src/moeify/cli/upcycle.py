@@ -12,8 +12,8 @@ def register(sub) -> None:
         "Switch, Mixture-of-Depths) that `train --resume` continues",
         description="Convert the latest checkpoint of a dense run into a Mixture-of-Experts "
         "model and write it as a new run directory: the resolved configs, the source's "
-        "tokenizer, and a step-0 checkpoint with a fresh optimizer. `moeify train --resume OUT "
-        "--steps M` trains it; count, eval and generate accept it. The source run is only read.",
+        "tokenizer, and a step-0 checkpoint with a fresh optimizer. `moeify train --resume OUT` "
+        "trains it for --steps; count, eval and generate accept it. The source run is only read.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="conversions (options key=value, comma-separated; defaults in brackets):\n"
                "  --attention switchhead:E=,k=[E],experts=[vo],router_scale=[0.1],seed=[0]\n"
@@ -32,7 +32,7 @@ def register(sub) -> None:
                "  moeify upcycle --run runs/dense --out runs/sh --attention switchhead:E=4,k=2\n"
                "  moeify upcycle --run runs/dense --out runs/all --attention switchhead:E=4,k=2 "
                "--ff sigma-moe:E=8,k=2\n"
-               "  moeify train --resume runs/all --steps 600")
+               "  moeify train --resume runs/all")
     p.add_argument("--run", required=True, help="the dense source run (or one of its "
                    "checkpoints)")
     p.add_argument("--out", required=True, help="the new run directory (must not exist yet, "
@@ -119,7 +119,7 @@ def run(args) -> int:
         dense = summary.get("dense_valid")
         was = f"dense {dense[name]:.4f} at step {dense['step']}, " if dense else ""
         print(f"  validation {name}: {was}upcycled {valid[name]:.4f}")
-    print(f"continue with: moeify train --resume {out} --steps N")
+    print(f"continue with: moeify train --resume {out}")
     return 0
 
 

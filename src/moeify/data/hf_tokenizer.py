@@ -17,7 +17,7 @@ from typing import Sequence
 
 from moeify.data import cache
 from moeify.data.tokenizer_base import Tokenizer
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, install_hint
 
 HF_TOKENIZER_FILE = "hf_tokenizer.json"
 
@@ -27,7 +27,7 @@ def import_tokenizers():
         import tokenizers
     except ImportError as e:
         raise MoeifyError("Hugging Face tokenizers need the tokenizers package: "
-                          "pip install 'moeify[hf]'") from e
+                          + install_hint("hf")) from e
     return tokenizers
 
 

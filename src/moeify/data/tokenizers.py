@@ -28,7 +28,7 @@ from moeify.data import cache
 from moeify.data.gpt2_bpe import GPT2Tokenizer
 from moeify.data.tokenizer_base import META as _META
 from moeify.data.tokenizer_base import Tokenizer
-from moeify.errors import MoeifyError, read_utf8
+from moeify.errors import MoeifyError, install_hint, read_utf8
 
 TOKENIZER_KINDS = ("byte", "byte256", "sentencepiece", "gpt2")
 
@@ -96,7 +96,7 @@ def _import_sentencepiece():
         import sentencepiece
     except ImportError as e:
         raise MoeifyError("the SentencePiece tokenizer needs the sentencepiece package: "
-                          "pip install 'moeify[tokenizers]'") from e
+                          + install_hint("tokenizers")) from e
     return sentencepiece
 
 

@@ -58,7 +58,7 @@ def xl_logits_fn(model: torch.nn.Module, device: torch.device,
 
 def evaluate_stream(model: torch.nn.Module, tokens, tokenizer, *, seq_len: int, batch_size: int,
                     max_tokens: int = 0, device: torch.device | None = None,
-                    amp_dtype: torch.dtype | None = None) -> dict:
+                    amp_dtype: torch.dtype | None = None, progress=None) -> dict:
     """Loss, perplexity and (byte-level) bits per character of a token stream.
 
     ``max_tokens`` > 0 scores only the first ``max_tokens`` targets. The model is put in eval
@@ -72,7 +72,7 @@ def evaluate_stream(model: torch.nn.Module, tokens, tokenizer, *, seq_len: int, 
     try:
         fn, reset = xl_logits_fn(model, device, amp_dtype)
         res = perplexity(fn, tokens, tokenizer=tokenizer, batch_size=batch_size,
-                         seq_len=seq_len, reset_fn=reset)
+                         seq_len=seq_len, reset_fn=reset, progress=progress)
     finally:
         model.train(was_training)
     out = {"loss": res["loss"], "tokens": res["tokens"]}

@@ -9,12 +9,13 @@ mean over that field's paradigms.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from moeify.eval import paths
-from moeify.eval.scoring import LogitsFn, score_continuations
+from moeify.eval.scoring import LogitsFn, ProgressFn, score_continuations
 from moeify.errors import MoeifyError, read_utf8
 
 
@@ -30,7 +31,8 @@ def load_blimp(path: str | Path | None = None, *,
                limit_per_paradigm: int | None = None) -> list[BlimpPair]:
     """Pairs from a directory of BLiMP paradigm files (or one file).
 
-    The paradigm is the record's ``UID`` (else the file name) and the field its ``field``."""
+    The paradigm is the record's ``UID`` (else the file name) and the field its ``field``, one
+    spelling per field (``field_name``)."""
     p = paths.locate("blimp", path)
     files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
     if not files:
@@ -45,7 +47,7 @@ def load_blimp(path: str | Path | None = None, *,
                 r = json.loads(line)
                 pairs.append(BlimpPair(good=r["sentence_good"], bad=r["sentence_bad"],
                                        paradigm=r.get("UID", f.stem),
-                                       field=r.get("field", "unknown")))
+                                       field=field_name(r.get("field", "unknown"))))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise MoeifyError(f"{f}:{lineno}: not a BLiMP record with sentence_good and "
                                   f"sentence_bad ({e!r})") from e
@@ -53,6 +55,12 @@ def load_blimp(path: str | Path | None = None, *,
             if limit_per_paradigm is not None and n >= limit_per_paradigm:
                 break
     return pairs
+
+
+def field_name(field: str) -> str:
+    """The release spells one field two ways (1 paradigm "syntax/semantics", 13
+    "syntax_semantics"): one name, so that the field's mean covers all 14 paradigms."""
+    return re.sub(r"[/\s-]+", "_", str(field).strip())
 
 
 def sentence_items(tokenizer, sentences: Sequence[str]) -> list[tuple[list[int], list[int]]]:
@@ -66,7 +74,8 @@ def sentence_items(tokenizer, sentences: Sequence[str]) -> list[tuple[list[int],
 
 
 def blimp_accuracy(logits_fn: LogitsFn, tokenizer, pairs: Sequence[BlimpPair], *,
-                   batch_size: int = 32, max_len: int | None = None) -> dict:
+                   batch_size: int = 32, max_len: int | None = None,
+                   progress: ProgressFn | None = None) -> dict:
     """``accuracy`` (mean over paradigms), ``paradigms`` {uid: acc}, ``fields`` {field: mean of
     its paradigms}, ``pairs`` (count). ``logits_fn`` must be stateless."""
     if not pairs:
@@ -74,7 +83,7 @@ def blimp_accuracy(logits_fn: LogitsFn, tokenizer, pairs: Sequence[BlimpPair], *
                          "--limit) give none")
     sentences = [p.good for p in pairs] + [p.bad for p in pairs]
     scores = score_continuations(logits_fn, sentence_items(tokenizer, sentences),
-                                 batch_size=batch_size, max_len=max_len)
+                                 batch_size=batch_size, max_len=max_len, progress=progress)
     n = len(pairs)
     per_paradigm: dict[str, list[int]] = {}
     field_of: dict[str, str] = {}

@@ -115,13 +115,16 @@ def example_items(tokenizer, ex: CBTExample) -> list[tuple[list[int], list[int]]
 
 
 def cbt_accuracy(logits_fn: LogitsFn, tokenizer, examples: Mapping[str, Sequence[CBTExample]], *,
-                 batch_size: int = 16, max_len: int | None = None) -> dict:
-    """``accuracy`` (mean over the groups given), ``groups`` {group: acc}, ``n`` examples."""
+                 batch_size: int = 16, max_len: int | None = None, progress=None) -> dict:
+    """``accuracy`` (mean over the groups given), ``groups`` {group: acc}, ``n`` examples.
+    ``progress(done, total)``: candidates scored, over all groups."""
     if not examples:
         raise ValueError("CBT scoring needs at least one group of examples; the CBT files hold "
                          "none")
     groups = {}
     n_total = 0
+    n_items = sum(len(ex.candidates) for exs in examples.values() for ex in exs)
+    done = 0
     for g, exs in examples.items():
         if not exs:
             raise MoeifyError(f"CBT group {g} has no examples")
@@ -130,7 +133,11 @@ def cbt_accuracy(logits_fn: LogitsFn, tokenizer, examples: Mapping[str, Sequence
             its = example_items(tokenizer, ex)
             spans.append((len(items), len(its), ex.candidates.index(ex.answer)))
             items += its
-        scores = score_continuations(logits_fn, items, batch_size=batch_size, max_len=max_len)
+        scores = score_continuations(
+            logits_fn, items, batch_size=batch_size, max_len=max_len,
+            progress=None if progress is None else
+            (lambda d, _t, base=done: progress(base + d, n_items)))
+        done += len(items)
         correct = 0
         for ex, (start, k, gold) in zip(exs, spans):
             means = [scores[start + j].mean for j in range(k)]

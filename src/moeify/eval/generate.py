@@ -88,6 +88,31 @@ def generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_token
                               window=window, stop_ids=stop_ids, should_stop=should_stop))
 
 
+# Special tokens a document starts after, most specific first (Llama 3, Llama 2 / Mistral,
+# Gemma, GPT-2 and Qwen).
+START_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
+
+
+def start_ids(tokenizer) -> list[int]:
+    """The prompt of unconditional sampling (an empty prompt): the tokenizer's start-of-document
+    or end-of-text token when it has one, else a newline (byte-level and SentencePiece
+    tokenizers, whose corpora separate documents by lines)."""
+    lookups = [getattr(getattr(tokenizer, "tok", None), "token_to_id", None),
+               getattr(getattr(tokenizer, "encoder", None), "get", None)]
+    for lookup in lookups:
+        if lookup is None:
+            continue
+        for name in START_TOKENS:
+            i = lookup(name)
+            if i is not None and 0 <= int(i) < tokenizer.vocab_size:
+                return [int(i)]
+    ids = tokenizer.encode("\n")
+    if not ids:
+        raise ValueError(f"the {tokenizer.name} tokenizer has no start-of-text token and encodes "
+                         "a newline to nothing: give a prompt")
+    return ids[-1:]
+
+
 def iter_generate(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int = 100,
                   temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None, seed: int | None = None,

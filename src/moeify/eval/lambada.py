@@ -58,7 +58,7 @@ def split_passage(text: str) -> tuple[str, str, str]:
 
 def lambada_accuracy(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], *,
                      batch_size: int = 16, max_len: int | None = None,
-                     return_predictions: bool = False) -> dict:
+                     return_predictions: bool = False, progress=None) -> dict:
     """Accuracy over ``texts``; ``logits_fn`` must be stateless (no memory between calls).
 
     Returns ``accuracy``, ``correct``, ``n`` and, with ``return_predictions``, the predicted
@@ -71,7 +71,7 @@ def lambada_accuracy(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], *,
         items.append((tokenizer.encode(context), tokenizer.encode(target)))
         gold.append(word)
     scores = score_continuations(logits_fn, items, batch_size=batch_size, max_len=max_len,
-                                 greedy=True)
+                                 greedy=True, progress=progress)
     predicted = []
     for s in scores:
         words = tokenizer.decode(s.greedy).split()

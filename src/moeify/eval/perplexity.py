@@ -25,7 +25,8 @@ from moeify.eval.scoring import LogitsFn, check_logits, upcast
 @torch.no_grad()
 def perplexity(logits_fn: LogitsFn, tokens, *, tokenizer=None, batch_size: int = 1,
                seq_len: int = 512, n_chars: int | None = None,
-               reset_fn: Callable[[], None] | None = None) -> dict:
+               reset_fn: Callable[[], None] | None = None,
+               progress: Callable[[int, int], None] | None = None) -> dict:
     """Score a 1-D token sequence (array, memmap, list or tensor).
 
     Returns ``tokens`` (targets scored), ``loss`` (mean nats/token), ``ppl``,
@@ -46,6 +47,7 @@ def perplexity(logits_fn: LogitsFn, tokens, *, tokenizer=None, batch_size: int =
     total_nll = torch.zeros((), dtype=torch.float64)
     max_id = int(tokens.max())
     longest = int(len_B[0])
+    scored = 0
     for offset in range(0, longest, seq_len):
         T = min(seq_len, longest - offset)
         pos_T = torch.arange(T)
@@ -58,6 +60,9 @@ def perplexity(logits_fn: LogitsFn, tokens, *, tokenizer=None, batch_size: int =
         nll_BT = F.cross_entropy(upcast(logits_BTV).flatten(0, 1),
                                  tgt_BT.flatten().to(logits_BTV.device), reduction="none")
         total_nll += nll_BT.view(B, T).cpu().double().masked_fill(~mask_BT, 0.0).sum()
+        if progress is not None:
+            scored += int(mask_BT.sum())
+            progress(scored, n_targets)
     loss = float(total_nll) / n_targets
     out = {"tokens": n_targets, "loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf,
            "bits_per_token": loss / math.log(2)}

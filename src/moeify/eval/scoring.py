@@ -25,6 +25,8 @@ import torch
 from moeify.errors import MoeifyError
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+# progress(done, total): called after each batch with the items scored so far (a display).
+ProgressFn = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,14 @@ def check_logits(logits_BTV: torch.Tensor, B: int, T: int, max_id: int) -> None:
 @torch.no_grad()
 def score_continuations(logits_fn: LogitsFn, items: Sequence[tuple[Sequence[int], Sequence[int]]],
                         *, batch_size: int = 16, max_len: int | None = None, pad_id: int = 0,
-                        greedy: bool = False) -> list[ContinuationScore]:
+                        greedy: bool = False,
+                        progress: ProgressFn | None = None) -> list[ContinuationScore]:
     """Score each (prefix_ids, continuation_ids) pair; both must be non-empty.
 
     ``max_len`` bounds the model input length (the model's context): longer inputs lose tokens
     from the left of the prefix. ``greedy`` also records the argmax at each continuation
-    position. Items are batched by length to limit padding."""
+    position. Items are batched by length to limit padding. ``progress(done, total)`` is called
+    after each batch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     inputs, n_cont = [], []
@@ -122,10 +126,12 @@ def score_continuations(logits_fn: LogitsFn, items: Sequence[tuple[Sequence[int]
         tok_logp_BT = logp_BTV.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
         mask = torch.from_numpy(mask_BT)
         counts = [n_cont[i] for i in idx]   # row-major masking keeps each row's tokens together
-        logps = torch.split(tok_logp_BT.double().cpu()[mask], counts)
+        logps = torch.split(tok_logp_BT.cpu().double()[mask], counts)  # (MPS has no float64)
         argmax = logits_BTV.argmax(-1).cpu()[mask].tolist() if greedy else None
         offset = 0
         for i, lp, c in zip(idx, logps, counts):
             results[i] = ContinuationScore(lp, argmax[offset:offset + c] if argmax else [])
             offset += c
+        if progress is not None:
+            progress(start + B, len(order))
     return results  # type: ignore[return-value]

@@ -3,7 +3,7 @@ Llama family, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and out (``export_hf``: the 
 remote code, or ``format="native"``, transformers' own model types, ``hf_native``), and
 lm-evaluation-harness (``moeify.interop.harness``: the model type ``moeify`` and task
 definitions that read local files). Optional dependencies (transformers, tokenizers:
-``pip install 'moeify[hf]'``; lm-eval: ``pip install 'moeify[harness]'``) are imported lazily;
+``pip install -e '.[hf]'`` in the checkout; lm-eval: ``pip install -e '.[harness]'``) are imported lazily;
 the rest of moeify never needs this package."""
 
 from moeify.interop.hf_export import export_hf

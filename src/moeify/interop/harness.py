@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, install_hint
 from moeify.eval.generate import generate
 from moeify.eval.adapters import stateless_logits_fn
 from moeify.eval.scoring import score_continuations, zero_shot_context
@@ -48,7 +48,7 @@ try:
     from lm_eval.api.registry import register_model
 except ImportError:
     raise MoeifyError("the lm-evaluation-harness integration needs lm-eval: "
-                      "pip install 'moeify[harness]'") from None
+                      + install_hint("harness")) from None
 
 TASKS_DIR = Path(__file__).with_name("harness_tasks")
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,6 +123,13 @@ class MoeifyLM(LM):
         self.batch_size = batch_size
         self.max_len = zero_shot_context(model.config)
         self.logits_fn = stateless_logits_fn(model, self._device, amp_dtype)
+        # progress(label, done, total): told after each scored batch or generated request (a
+        # display; moeify eval --harness sets it). None: silent.
+        self.progress = None
+
+    def _report(self, label: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(label, done, total)
 
     # ------------------------------------------------------------------ requests
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
@@ -141,12 +148,16 @@ class MoeifyLM(LM):
         ``moeify eval`` scores BLiMP sentences, whatever their length)."""
         fits = [len(cont) <= self.max_len for _, cont in items]
         out: list = [None] * len(items)
+        done = 0
         for ok in (True, False):
             idx = [i for i, f in enumerate(fits) if f == ok]
             if idx:
-                scores = score_continuations(self.logits_fn, [items[i] for i in idx],
-                                             batch_size=self.batch_size, greedy=greedy,
-                                             max_len=self.max_len if ok else None)
+                scores = score_continuations(
+                    self.logits_fn, [items[i] for i in idx], batch_size=self.batch_size,
+                    greedy=greedy, max_len=self.max_len if ok else None,
+                    progress=lambda d, _t, base=done: self._report("log-likelihoods",
+                                                                   base + d, len(items)))
+                done += len(idx)
                 for i, s in zip(idx, scores):
                     out[i] = s
         return out
@@ -175,11 +186,12 @@ class MoeifyLM(LM):
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
         out = []
-        for r in requests:
+        for n, r in enumerate(requests, 1):
             context, gen_kwargs = r.args[0], dict(r.args[1] or {})
             text = self.generate_one(context, **gen_kwargs)
             self.cache_hook.add_partial("generate_until", r.args, text)
             out.append(text)
+            self._report("generations", n, len(requests))
         return out
 
     def generate_one(self, context: str, *, until: str | Sequence[str] | None = None,

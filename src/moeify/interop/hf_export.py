@@ -20,7 +20,7 @@ The moeify format:
          README.md
 
 The modeling code imports moeify (every family runs moeify's own layers), so the directory needs
-``pip install moeify`` wherever it is loaded; config.json and the README say so. What is
+moeify installed (from its source checkout) wherever it is loaded; config.json and the README say so. What is
 preserved: the weights exactly, hence the logits (tests hold transformers' logits to moeify's
 within 1e-5 for every family) and greedy generation. Routing statistics buffers are not
 exported (they are not part of a checkpoint either).
@@ -33,11 +33,11 @@ import shutil
 from pathlib import Path
 
 from moeify.data.cache import atomic_directory, sweep_stale_directories
-from moeify.errors import MoeifyError, os_error_of
+from moeify.errors import MoeifyError, install_hint, os_error_of
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
-REQUIRES = "the modeling code imports moeify: pip install moeify (trust_remote_code=True)"
+REQUIRES = f"the modeling code imports moeify: {install_hint(here=False)} (trust_remote_code=True)"
 
 
 def hf_config(model_cfg, hf_source: dict | None) -> dict:

@@ -92,7 +92,8 @@ class RoutingStats:
         if self.kind == "mod":
             n = self.counts.sum().clamp_min(1)
             return {"counts": self.counts, "fraction_routed": self.counts[0, 1].float() / n}
-        c = self.real_counts().double()
+        c = self.real_counts()
+        c = c.to(torch.float32 if c.device.type == "mps" else torch.float64)  # MPS: no float64
         share = c / c.sum(-1, keepdim=True).clamp_min(1.0)
         entropy = -(share * share.clamp_min(1e-30).log()).sum(-1).mean()
         return {"counts": self.counts, "usage_entropy": entropy.float(),

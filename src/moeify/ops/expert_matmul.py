@@ -35,7 +35,7 @@ Implementations (``impl=``):
                  (moeify.ops.set_matmul).
     "triton"     fused Triton kernels (moeify.ops.triton_matmul): rows read through the sorted
                  selection inside the GEMM and results written to their unsorted place, no
-                 [N, D] copy made or kept; CUDA (optional extra moeify[triton]), or the CPU only
+                 [N, D] copy made or kept; CUDA (optional extra triton), or the CPU only
                  under Triton's interpreter (TRITON_INTERPRET=1, for tests).
     "auto"       the fastest correct one for the device, dtype, shapes and routing, decided in
                  one place for every layer (``choose_impl``); on CPU "pairs" or "all" for a

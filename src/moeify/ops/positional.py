@@ -7,6 +7,8 @@ Shape legend
 
 Positions are integers. Angles are formed in float64 and only their sines and cosines are cast to
 the working dtype, so large absolute positions (long decoding) lose no precision in the angle.
+On a device without float64 (Apple's MPS) the angles are formed on the CPU and their sines and
+cosines moved to the device (``angle_device``); everywhere else on the tensors' own device.
 
 RoPE (SwitchHead spec §2): only the first ``rope_dims(d_head, 0.5)`` channels of each head are
 rotated, base 10000, rotate-half convention (channel i pairs with channel i + n/2).
@@ -58,9 +60,18 @@ def _positions_2d(pos: torch.Tensor) -> torch.Tensor:
     return pos if pos.dim() == 2 else pos.unsqueeze(0)
 
 
+def angle_device(device) -> torch.device | None:
+    """Where float64 angles of tensors on ``device`` are formed: that device, or the CPU for
+    one without float64 (MPS)."""
+    if device is not None and torch.device(device).type == "mps":
+        return torch.device("cpu")
+    return device
+
+
 def rope_inv_freq(n_rot: int, base: float = ROPE_BASE, device=None) -> torch.Tensor:
-    """float64 [n_rot / 2]: base^(-2f / n_rot), the RoPE frequencies of the rotated channels."""
-    exps = torch.arange(0, n_rot, 2, dtype=torch.float64, device=device) / n_rot
+    """float64 [n_rot / 2]: base^(-2f / n_rot), the RoPE frequencies of the rotated channels
+    (on ``angle_device(device)``)."""
+    exps = torch.arange(0, n_rot, 2, dtype=torch.float64, device=angle_device(device)) / n_rot
     return base ** -exps
 
 
@@ -106,9 +117,9 @@ def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
         return x_BHTC
     half = n_rot // 2
     inv_F = rope_inv_freq(n_rot, base, x_BHTC.device)
-    ang_BTF = _positions_2d(pos_BT).to(torch.float64)[..., None] * inv_F
-    cos_B1TF = ang_BTF.cos().to(x_BHTC.dtype)[:, None]
-    sin_B1TF = ang_BTF.sin().to(x_BHTC.dtype)[:, None]
+    ang_BTF = _positions_2d(pos_BT).to(inv_F.device, torch.float64)[..., None] * inv_F
+    cos_B1TF = ang_BTF.cos().to(x_BHTC.device, x_BHTC.dtype)[:, None]
+    sin_B1TF = ang_BTF.sin().to(x_BHTC.device, x_BHTC.dtype)[:, None]
     if torch.compiler.is_compiling():
         # The Function writes into slices with out= (no concatenation), which torch.compile
         # cannot trace; the compiler fuses the plain expression into one kernel anyway.
@@ -123,16 +134,17 @@ def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
 
 
 def sinusoid_inv_freq(d_model: int, device=None) -> torch.Tensor:
-    """float64 [ceil(D / 2)]: 10000^(-2f / D)."""
-    f = torch.arange(0, (d_model + 1) // 2, dtype=torch.float64, device=device)
+    """float64 [ceil(D / 2)]: 10000^(-2f / D) (on ``angle_device(device)``)."""
+    f = torch.arange(0, (d_model + 1) // 2, dtype=torch.float64, device=angle_device(device))
     return SINUSOID_BASE ** (-2.0 * f / d_model)
 
 
 def sinusoidal_embedding(pos_N: torch.Tensor, d_model: int, dtype=torch.float32) -> torch.Tensor:
     """[N, D]: [sin(p ω) ; cos(p ω)] for integer (or real) positions or distances p; for odd D the
     last cosine is dropped."""
-    ang_NF = pos_N.to(torch.float64)[:, None] * sinusoid_inv_freq(d_model, pos_N.device)
-    return torch.cat([ang_NF.sin(), ang_NF.cos()], -1)[:, :d_model].to(dtype)
+    inv_F = sinusoid_inv_freq(d_model, pos_N.device)
+    ang_NF = pos_N.to(inv_F.device, torch.float64)[:, None] * inv_F
+    return torch.cat([ang_NF.sin(), ang_NF.cos()], -1)[:, :d_model].to(pos_N.device, dtype)
 
 
 def rel_shift(x_BHTR: torch.Tensor, S: int) -> torch.Tensor:
@@ -221,8 +233,9 @@ def xl_logits_at(qp_BHTC: torch.Tensor, w_pos_DHC: torch.Tensor, pos_q_BT: torch
     if D % 2:
         b = F.pad(b, (0, 1))
     inv_F = sinusoid_inv_freq(D, qp_BHTC.device)
-    ang_q = _positions_2d(pos_q_BT).to(torch.float64)[..., None] * inv_F
-    sin_q, cos_q = ang_q.sin().to(dt)[:, None], ang_q.cos().to(dt)[:, None]
+    ang_q = _positions_2d(pos_q_BT).to(inv_F.device, torch.float64)[..., None] * inv_F
+    dev = qp_BHTC.device
+    sin_q, cos_q = ang_q.sin().to(dev, dt)[:, None], ang_q.cos().to(dev, dt)[:, None]
     q_fac = torch.cat([a * sin_q + b * cos_q, b * sin_q - a * cos_q], -1)
     k_fac = _key_factors(_positions_2d(pos_k_BS), D, inv_F, dt)[:, None]
     return q_fac @ k_fac.transpose(-1, -2)
@@ -241,8 +254,8 @@ def _key_factors(pos_BS: torch.Tensor, D: int, inv_F: torch.Tensor, dt) -> torch
     table of exactly these values (computed the same way, so the results are identical), grown
     by doubling; anything else is computed directly (no host sync on accelerators)."""
     def direct(p):
-        ang = p.to(torch.float64)[..., None] * inv_F
-        return torch.cat([ang.cos(), ang.sin()], -1).to(dt)
+        ang = p.to(inv_F.device, torch.float64)[..., None] * inv_F
+        return torch.cat([ang.cos(), ang.sin()], -1).to(p.device, dt)
 
     if pos_BS.device.type != "cpu" or pos_BS.is_floating_point() or pos_BS.numel() == 0:
         return direct(pos_BS)

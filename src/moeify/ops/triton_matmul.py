@@ -67,6 +67,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moeify.errors import install_hint
 from moeify.ops.amp import amp_backward, amp_forward
 
 # Dtypes the kernels take (float64 is not a tensor-core type; use another implementation).
@@ -77,7 +78,7 @@ _AVAILABLE: list[bool] = []
 
 
 def triton_available() -> bool:
-    """Whether triton can be imported (the optional extra ``moeify[triton]``); checked once."""
+    """Whether triton can be imported (the optional extra ``triton``); checked once."""
     if not _AVAILABLE:
         try:
             import triton  # noqa: F401
@@ -96,7 +97,7 @@ def interpreting() -> bool:
 def unavailable_reason(x: torch.Tensor) -> str | None:
     """Why the triton implementation cannot run on x here (what to do instead), or None."""
     if not triton_available():
-        return ('impl="triton" needs triton: pip install "moeify[triton]" (or pick another '
+        return (f'impl="triton" needs triton: {install_hint("triton")} (or pick another '
                 'implementation, e.g. impl="auto")')
     if x.dtype not in DTYPES:
         return (f'impl="triton" runs float32, float16 and bfloat16, got {x.dtype}; use '

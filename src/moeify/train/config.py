@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ class TrainConfig:
     (T_max = 100k) after an optional linear warm-up, 100k steps of batch 64, gradient clipping
     0.1 (small) / 0.25 (big, enwik8), fp16 autocast with a grad scaler: ``paper_recipe(preset)``
     returns it. The defaults below keep the optimiser, schedule shape and clipping style but are
-    sized so that ``moeify train`` finishes in about five minutes on two CPU cores: 300 steps of
+    sized so that ``moeify train`` finishes in about two minutes on two CPU cores: 300 steps of
     16 x 128 bytes with a larger learning rate and clipping 0.25, since a 1M-parameter model
     over 300 steps learns far too little at the paper's 2.5e-4. The learning rate 5e-3 (20
     warm-up steps) was chosen on tiny-switchhead / wiki-excerpt: validation bpc after 100 steps
@@ -79,12 +80,18 @@ class TrainConfig:
                       split); eval_batch_size: streams scored side by side.
     checkpoint_every: steps between checkpoints (0 = only at the end); keep_checkpoints: how many
                       complete checkpoints stay on disk.
-    tensorboard:      also write TensorBoard scalars (needs moeify[tensorboard]).
+    tensorboard:      also write TensorBoard scalars (the tensorboard extra).
     compile:          torch.compile every block (moeify.train.parallel).
     parallel:         with several processes (torchrun): "ddp" replicates the model, "fsdp"
                       shards parameters, gradients and optimizer state per block (FSDP2) and
                       writes sharded checkpoints (moeify.train.sharded); "fsdp" also works in one
                       process.
+    lr_extensions:    written by a resume with ``--schedule extend|stretch``, not set by hand:
+                      each (start, end, factor, phase) replaces the schedule from update
+                      ``start`` on by a cosine decay to the floor at update ``end``
+                      (moeify.train.schedule).
+    init_from:        the checkpoint whose weights this run started from (``--init-from``);
+                      None for a run initialised at random. A record, not an input.
     """
 
     preset: str = "tiny-switchhead"
@@ -115,6 +122,8 @@ class TrainConfig:
     tensorboard: bool = False
     compile: bool = False
     parallel: str = "ddp"
+    lr_extensions: tuple[tuple[int, int, float, float], ...] = ()
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "grad_accum", "vocab_size", "log_every",
@@ -156,6 +165,17 @@ class TrainConfig:
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got "
                              f"{self.tokenizer!r}")
+        try:
+            ext = tuple((int(a), int(b), float(f), float(p)) for a, b, f, p in self.lr_extensions)
+        except (TypeError, ValueError):
+            raise ValueError(f"lr_extensions holds (start, end, factor, phase), got "
+                             f"{self.lr_extensions!r}") from None
+        if any(not 0 <= a < b or not 0.0 <= f <= 1.0 or not 0.0 <= p <= math.pi
+               for a, b, f, p in ext):
+            raise ValueError(f"lr_extensions holds (start, end, factor, phase) with 0 <= start < "
+                             f"end, 0 <= factor <= 1, 0 <= phase <= pi; got "
+                             f"{self.lr_extensions!r}")
+        object.__setattr__(self, "lr_extensions", ext)
         if self.model is not None and not isinstance(self.model, dict):
             raise ValueError(f"model must be a ModelConfig dict or none, got "
                              f"{type(self.model).__name__}")
@@ -169,6 +189,10 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         d["model_overrides"] = list(self.model_overrides)
+        d["lr_extensions"] = [list(e) for e in self.lr_extensions]
+        for name, default in OPTIONAL_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -197,12 +221,26 @@ class TrainConfig:
                                  ", model settings start with model. (e.g. model.d_model=64)")
             if key in ("model_overrides", "model"):
                 raise ValueError(f"set model fields with model.<field>=value, not {key}")
+            if key in WRITTEN_BY_MOEIFY:
+                raise ValueError(f"--set {item}: {key} is recorded by moeify, not set by hand ("
+                                 + WRITTEN_BY_MOEIFY[key] + ")")
             changes[key] = parse_value(value, hints[key], what=f"--set {item}")
         out = dataclasses.replace(self, **changes, model_overrides=tuple(model_ovr))
         if len(model_ovr) > len(self.model_overrides) and (
                 out.model is not None or out.preset != RUN_MODEL_PRESET):
             apply_model_overrides(base_config_of(out), model_ovr)  # fail early
         return out
+
+
+# Written to JSON only when they differ from their default, so that config.json, checkpoint
+# records and compare/sweep run specs of runs without them read exactly as before they existed
+# (a sweep refuses a run directory whose recorded settings differ from its own).
+OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None}
+
+# Fields moeify writes itself, with what writes them.
+WRITTEN_BY_MOEIFY = {"lr_extensions": "moeify train --resume RUN --steps N --schedule extend|"
+                                      "stretch",
+                     "init_from": "moeify train --init-from RUN"}
 
 
 # The largest float32: settings become float32 tensors inside the optimizer and the scheduler.
@@ -237,10 +275,13 @@ def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
 
 
 # Settings that may change when a run is resumed: they do not change what is learnt up to the
-# checkpoint (steps extends or shortens the run; the schedule follows the new length).
+# checkpoint (steps extends or shortens the run; what the schedule does then is
+# moeify.train.schedule.resume_schedule's decision, which also checks SCHEDULE_FIELDS).
 RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_batch_size",
                      "checkpoint_every", "keep_checkpoints", "tensorboard", "device", "compile",
                      "parallel")
+# The schedule's shape after the warm-up: it may change on resume for the steps still to come.
+SCHEDULE_FIELDS = ("cosine_steps", "lr_extensions")
 
 
 def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
@@ -257,7 +298,7 @@ def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
     if weights_only:
         return
     bad = [f.name for f in dataclasses.fields(TrainConfig)
-           if f.name not in RESUMABLE_CHANGES + ("preset", "model_overrides")
+           if f.name not in RESUMABLE_CHANGES + SCHEDULE_FIELDS + ("preset", "model_overrides")
            and getattr(saved, f.name) != getattr(requested, f.name)]
     if bad:
         raise ValueError(f"cannot change {', '.join(bad)} when resuming (the run was trained with "

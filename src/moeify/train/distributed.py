@@ -116,8 +116,15 @@ def setup_distributed(device_type: str, *, single: bool = False) -> DistEnv:
                    int(os.environ.get("LOCAL_RANK", "0")), owns_group=True)
 
 
+def mps_available() -> bool:
+    """Whether this torch build has Apple's Metal (MPS) backend and the machine can use it."""
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
 def pick_device(spec: str, env: DistEnv) -> torch.device:
-    """``auto``: CUDA (this process's local rank) when available, else CPU."""
+    """``auto``: CUDA (this process's local rank) when available, else CPU. ``mps`` (Apple
+    GPUs) is used only when asked for: not every operation moeify runs has an MPS kernel."""
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", env.local_rank % torch.cuda.device_count())
@@ -125,8 +132,16 @@ def pick_device(spec: str, env: DistEnv) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise ValueError(f"device {spec!r} is not a torch device: use auto, cpu, cuda or "
-                         "cuda:N") from None
+        raise ValueError(f"device {spec!r} is not a torch device: use auto, cpu, cuda, cuda:N "
+                         "or mps") from None
+    if device.type == "mps":
+        if not mps_available():
+            raise ValueError(f"device={spec} was requested but this torch has no usable MPS "
+                             "backend (it needs Apple silicon and a macOS build of torch): use "
+                             "device=cpu (or auto)")
+        return device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {spec!r} is not supported: use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device=cuda was requested but CUDA is not available: use "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moeify.data.cache import read_jsonl
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, install_hint
 
 METRICS_FILE = "metrics.jsonl"
 # Statistics with more entries than this are summarised (mean/min/max) instead of listed.
@@ -90,8 +90,9 @@ def _summary_writer(log_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise MoeifyError("TensorBoard logging needs the tensorboard package: pip install "
-                          "'moeify[tensorboard]' (or drop --set tensorboard=true)") from None
+        raise MoeifyError("TensorBoard logging needs the tensorboard package: "
+                          f"{install_hint('tensorboard')} (or drop --set tensorboard=true)"
+                          ) from None
     return SummaryWriter(log_dir=str(log_dir))
 
 

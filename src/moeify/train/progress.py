@@ -41,6 +41,11 @@ class Progress:
         self._last_print = -float("inf")
         self._open_line = False
 
+    def restart(self, step: int) -> None:
+        """Count the rate (hence the ETA) from ``step`` on, e.g. after compilation."""
+        self.t0 = time.perf_counter()
+        self.start_step = step
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
@@ -87,6 +92,53 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled and self._open_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open_line = False
+
+
+class CountProgress:
+    """``LABEL: done/total UNIT (pct), elapsed, ETA`` for work counted in items (evaluation
+    items, harness requests), as a ``progress(done, total)`` callback. Redrawn in place on a
+    terminal; otherwise a line at most every ``min_interval_s`` seconds, and the last one."""
+
+    def __init__(self, label: str, unit: str, *, stream: TextIO | None = None,
+                 enabled: bool = True, min_interval_s: float = 10.0) -> None:
+        self.label, self.unit = label, unit
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.min_interval_s = 0.2 if self.tty else min_interval_s
+        self.t0 = time.perf_counter()
+        self._last = -float("inf")
+        self._open_line = False
+
+    def line(self, done: int, total: int) -> str:
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (total - done) if done else float("nan")
+        pct = 100.0 * done / total if total else 100.0
+        return (f"{self.label}: {done:,}/{total:,} {self.unit} ({pct:.0f}%), "
+                f"{format_duration(elapsed)} elapsed, ETA "
+                f"{format_duration(eta) if eta == eta else '?'}")
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if done < total and now - self._last < self.min_interval_s:
+            return
+        self._last = now
+        if self.tty:
+            self.stream.write("\r\033[K" + self.line(done, total))
+            self._open_line = done < total
+            if not self._open_line:
+                self.stream.write("\n")
+        else:
+            self.stream.write(self.line(done, total) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._open_line:
             self.stream.write("\n")
             self.stream.flush()
             self._open_line = False

@@ -20,6 +20,7 @@ the same hardware and process count.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -44,7 +45,7 @@ from moeify.train.overrides import BYTE_VOCAB, byte_level_preset
 from moeify.train.progress import Progress
 from moeify.train.rundir import (CONFIG_FILE, model_config_dict, read_model_config,
                                  read_train_config, write_run_files)
-from moeify.train.schedule import make_scheduler
+from moeify.train.schedule import make_scheduler, resume_schedule, schedule_factor
 from moeify.train.signals import StopRequests
 from moeify.train.validate import autocast_context, evaluate_stream
 
@@ -61,6 +62,7 @@ class _Clock:
     mark: float = field(default_factory=time.perf_counter)
     train_s: float = 0.0
     window: list[float] = field(default_factory=list)   # losses since the last metric record
+    skipped_tokens: int = 0          # trained while compiling: not in train_s, not in the rate
 
     def pause(self) -> None:
         self.train_s += time.perf_counter() - self.mark
@@ -102,6 +104,7 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     np_state = np.random.get_state()
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "mps": torch.mps.get_rng_state() if device.type == "mps" else None,
             "python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                       int(np_state[2]), int(np_state[3]), float(np_state[4])]}
@@ -111,6 +114,8 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+    if state.get("mps") is not None and device.type == "mps":
+        torch.mps.set_rng_state(state["mps"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -121,10 +126,15 @@ class Trainer:
     """Set up a run (fresh or resumed) in ``run_dir``; ``fit()`` trains it."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = False,
-                 quiet: bool = False, stream: TextIO | None = None, tokenizer=None) -> None:
+                 quiet: bool = False, stream: TextIO | None = None, tokenizer=None,
+                 schedule: str | None = None) -> None:
         """``tokenizer``: use this one in a fresh run instead of building one from the corpus
-        (a run that continues another model's training keeps that model's tokenizer)."""
+        (a run that continues another model's training keeps that model's tokenizer).
+        ``schedule``: on a resume with another ``steps``, what the learning-rate schedule does
+        (keep, extend, stretch: moeify.train.schedule.resume_schedule)."""
         self.cfg = cfg
+        self.schedule_choice = schedule
+        self.schedule_note: str | None = None
         self._given_tokenizer = tokenizer
         self.run_dir = Path(run_dir)
         self.stream = stream if stream is not None else sys.stderr
@@ -132,11 +142,20 @@ class Trainer:
             cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.env: DistEnv = setup_distributed(device_type, single=cfg.parallel == "fsdp")
         self.lock = RunLock(self.run_dir)
+        # A refused start leaves no directory behind that it created (moeify train on an
+        # unusable device, a bad setting found late, ...), parents such as runs/ included.
+        created = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
         try:
+            # Before the run directory is touched: a device this machine lacks is a refusal.
+            self.device = pick_device(cfg.device, self.env)
             self._lock_run_dir()
             self._setup(resume, quiet)
         except BaseException:
             self.close()  # a process group or lock this run took must not outlive it
+            if self.env.is_main:
+                for path in created:  # innermost first; stops at the first one not empty
+                    if not _remove_if_empty(path):
+                        break
             raise
 
     def _lock_run_dir(self) -> None:
@@ -163,7 +182,6 @@ class Trainer:
 
     def _setup(self, resume: bool | str | Path, quiet: bool) -> None:
         cfg = self.cfg
-        self.device = pick_device(cfg.device, self.env)
         self.quiet = quiet or not self.env.is_main
         self.amp_dtype, use_scaler = resolve_amp(cfg.amp, self.device)
         W = self.env.world_size
@@ -175,6 +193,7 @@ class Trainer:
         self.micro = self.rows // cfg.grad_accum
 
         ckpt_dir = self._check_run_dir(resume)
+        cfg = self.cfg  # a resume may have settled the schedule (_check_run_dir)
         self.corpus, self.tokenizer = self._data(resume=ckpt_dir is not None)
         self.model_cfg = resolve_model_config(cfg, self.tokenizer.vocab_size, self.run_dir)
         if ckpt_dir is not None:
@@ -256,7 +275,8 @@ class Trainer:
             raise MoeifyError(f"checkpoint {ckpt} belongs to run {ckpt_io.run_dir_of(ckpt)}, not "
                               f"{self.run_dir}; resume it with --out {ckpt_io.run_dir_of(ckpt)}")
         self.weights_only = bool(ckpt_io.read_meta(ckpt).get("weights_only"))
-        check_resume_compatible(self._trained_config(ckpt), self.cfg,
+        trained = self._trained_config(ckpt)
+        check_resume_compatible(trained, self.cfg,
                                 weights_only=self.weights_only)
         step = int(ckpt_io.read_meta(ckpt)["step"])
         if step >= self.cfg.steps:
@@ -264,6 +284,9 @@ class Trainer:
                 f"{self.run_dir} has already trained {step} steps (checkpoint {ckpt.name}), so "
                 f"--steps {self.cfg.steps} leaves nothing to do: give --steps above {step} to "
                 "train further")
+        if not self.weights_only:
+            self.cfg, self.schedule_note = resume_schedule(
+                trained, self.cfg, step, self.schedule_choice)
         return ckpt
 
     def _trained_config(self, ckpt: Path) -> TrainConfig:
@@ -331,6 +354,12 @@ class Trainer:
             if "optimizer" in st:
                 self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])
+            # The optimizer's state holds the rate the old schedule set for the next update;
+            # this run's schedule (changed by resume_schedule, or the same) decides it.
+            factor = schedule_factor(self.cfg, int(st["step"]))
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * factor
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
             if self.scaler.is_enabled() and st.get("scaler"):
                 self.scaler.load_state_dict(st["scaler"])
             self.batcher.load_state_dict(st["data"])
@@ -491,7 +520,7 @@ class Trainer:
         params = self.model.parameters()
         grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(
             params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged as such)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -528,6 +557,12 @@ class Trainer:
         try:
             if not self.quiet:
                 progress.message(self.describe())
+            if self.schedule_note:
+                self._say(progress, self.schedule_note)
+            if cfg.tensorboard and not self.quiet:
+                tb = self.run_dir / "tensorboard"
+                progress.message(f"TensorBoard logs go to {tb} (view them with: tensorboard "
+                                 f"--logdir {tb})")
             with stop:
                 while self.step < cfg.steps and (stop_after is None or self.step < stop_after):
                     if self._stop_agreed(stop):
@@ -544,7 +579,7 @@ class Trainer:
                 sink.close()
         result.step = self.step
         result.wall_s = time.perf_counter() - clock.start
-        n_trained = len(result.losses) * cfg.batch_size * self.T
+        n_trained = len(result.losses) * cfg.batch_size * self.T - clock.skipped_tokens
         result.tokens_per_s = n_trained / max(clock.train_s, 1e-9) if clock.train_s else 0.0
         return result
 
@@ -552,7 +587,21 @@ class Trainer:
                   clock: "_Clock") -> None:
         """One update, then the metrics, validation and checkpoint that fall due after it."""
         cfg = self.cfg
+        compiling = cfg.compile and not getattr(self, "_compiled", False)
+        if compiling:
+            progress.message("compiling the model's blocks (torch.compile): the first step "
+                             "takes longer, minutes on a CPU; the ETA and tokens/s leave it out")
+            t0 = time.perf_counter()
         rec = self.train_step()
+        if compiling:
+            self._compiled = True
+            from moeify.train.progress import format_duration
+
+            progress.message(f"compiled: the first step took "
+                             f"{format_duration(time.perf_counter() - t0)}")
+            progress.restart(self.step)
+            clock.skipped_tokens += cfg.batch_size * self.T
+            clock.resume(self.tokens_seen)
         result.losses[self.step] = rec["loss"]
         clock.window.append(rec["loss"])
         done = self.step == cfg.steps
@@ -648,12 +697,22 @@ class Trainer:
         self.env.close()
 
 
+def _remove_if_empty(path: Path) -> bool:
+    try:
+        path.rmdir()  # only an empty directory
+        return True
+    except OSError:
+        return False
+
+
 def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = False,
           stop_after: int | None = None, quiet: bool = False,
-          stream: TextIO | None = None) -> TrainResult:
+          stream: TextIO | None = None, schedule: str | None = None) -> TrainResult:
     """Train ``cfg`` into ``run_dir`` (resuming its latest checkpoint, or the checkpoint
-    ``resume`` names, when ``resume`` is given)."""
-    trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream)
+    ``resume`` names, when ``resume`` is given; ``schedule``: keep, extend or stretch, what the
+    learning-rate schedule does when a resume changes ``steps``)."""
+    trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream,
+                      schedule=schedule)
     try:
         return trainer.fit(stop_after)
     finally:
@@ -698,3 +757,43 @@ def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.
         return valid
     finally:
         trainer.close()
+
+
+def init_config(source: str | Path) -> TrainConfig:
+    """The settings a new run started from ``source``'s weights begins with (``--init-from``):
+    the source run's own training settings, its model as a whole ModelConfig, a fresh schedule
+    over ``steps``, and ``init_from`` naming the checkpoint. Change data, lr, steps, ... on the
+    result (dataclasses.replace, with_overrides)."""
+    from moeify.rundir import read_model_config
+
+    ckpt = ckpt_io.resolve_checkpoint(source)
+    src_run = ckpt_io.run_dir_of(ckpt)
+    base = read_train_config(src_run) if (src_run / CONFIG_FILE).is_file() else TrainConfig()
+    model = read_model_config(src_run)
+    return dataclasses.replace(base, model=model.to_dict(), model_overrides=(),
+                               cosine_steps=None, lr_extensions=(),
+                               init_from=str(ckpt.resolve()))
+
+
+def train_from(cfg: TrainConfig, run_dir: str | Path, source: str | Path, *, quiet: bool = False,
+               stream: TextIO | None = None) -> TrainResult:
+    """Train a new run in ``run_dir`` that starts from the weights of run (or checkpoint)
+    ``source``, with its tokenizer, under ``cfg`` (``init_config(source)`` with changes): a
+    fresh optimizer, schedule and data position. ``cfg``'s model overrides may change what does
+    not change a weight's shape (dropout, implementations)."""
+    from moeify.train.rundir import load_trained
+
+    src = load_trained(source, "cpu")
+    model_cfg = resolve_model_config(cfg, src.tokenizer.vocab_size)
+    model = model_cfg.build()
+    try:
+        model.load_state_dict(src.model.state_dict(), strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise MoeifyError(f"the weights of {src.run_dir} do not fit the model these settings "
+                          f"describe ({first}); change only settings that keep the weights' "
+                          "shapes, or use moeify upcycle to convert the architecture") from None
+    cfg = dataclasses.replace(cfg, model=model_cfg.to_dict(), model_overrides=())
+    start_run_from_model(cfg, run_dir, model, src.tokenizer, validate=False, quiet=True,
+                         stream=stream)
+    return train(cfg, run_dir, resume=True, quiet=quiet, stream=stream)

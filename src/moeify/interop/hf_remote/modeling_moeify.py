@@ -1,6 +1,6 @@
 """Hugging Face wrapper of an exported moeify model (``moeify export``).
 
-Requires the moeify package (``pip install moeify``): the layers themselves (SwitchHead, MoA,
+Requires the moeify package (installed from its source checkout: ``pip install -e .`` there): the layers themselves (SwitchHead, MoA,
 sigma-MoE, Switch, Mixture-of-Depths, the dense layers) are moeify's code, imported below, so the
 exported model computes exactly what moeify computes. This file is copied next to config.json;
 load the directory with ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``.
