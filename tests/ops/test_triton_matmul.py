@@ -25,8 +25,8 @@ CUDA = torch.cuda.is_available()
 _SAVED_ENV = os.environ.get("TRITON_INTERPRET")
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install "
-                             "'moeify[triton]'); the fused expert-matmul kernels need it")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e "
+                             "'.[triton]' in the checkout); the fused expert-matmul kernels need it")
 
 from moeify.ops import triton_matmul  # noqa: E402
 from moeify.ops.expert_matmul import chosen_impl, expert_matmul, make_plan  # noqa: E402
