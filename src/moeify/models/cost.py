@@ -187,7 +187,8 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     attention, feedforward, norms (the LayerNorms) and other (depth routers, ...), plus total.
 
     Built on the meta device; a layer that repeats (same attention, feedforward and depth
-    config) is built once and counted as often as it occurs."""
+    config) is built once and counted as often as it occurs. With MoEUT's grouping
+    (group_size G) only the G distinct blocks hold parameters."""
     from moeify.models.lm import TransformerLM, build_block
 
     class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
@@ -199,7 +200,7 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     with torch.device("meta"):
         _add_parts(parts, _Shell(config), "", 1)
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
-                          config.depth_layers()))
+                          config.depth_layers()))[:config.n_blocks]
         unique: list[tuple] = []  # by equality: layer configs need not be hashable
         for key in layers:
             if key not in unique:
