@@ -37,7 +37,11 @@ keeps every token's router score, its rotated key and its value (a token dropped
 selected later, when k has grown), so this definition does not shrink the KV cache; the
 paper's smaller KV cache is a property of a fixed selection that this definition does not
 make. Decoding equals the full forward of each prefix (tests/layers/test_mosa.py), not the full
-forward of the whole sequence at earlier positions.
+forward of the whole sequence at earlier positions. In a model of several layers, the earlier
+positions' outputs a later layer reads were computed when those positions were last: decoding
+is then the causal model in which every MoSA layer routes each position on its own prefix,
+independent of how the tokens are chunked (tests/models/test_mosa_presets.py); it is not the
+teacher-forced full forward, whose routing sees later tokens (as with Mixture-of-Depths).
 
 Initialisation (deviation): W_Q, W_K, W_V and the router N(0, s²/d), W_O N(0, s²/(H·h')) with
 s = sqrt(2/L), as SwitchHead's in this library; the authors' code draws uniform weights

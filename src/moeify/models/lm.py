@@ -182,7 +182,7 @@ class TransformerLM(nn.Module):
             raise ValueError("pass either memory (chunked XL training/evaluation) or cache "
                              "(incremental decoding), not both")
         if memory is not None and len(memory) != cfg.n_layers:
-            raise ValueError(f"memory must hold one tensor per layer ({cfg.n_layers}), "
+            raise ValueError(f"memory must hold one tensor per block ({cfg.n_layers}), "
                              f"got {len(memory)}")
         if memory is not None and any(m.dim() != 3 or m.shape[0] != ids_BT.shape[0]
                                       or m.shape[2] != cfg.d_model for m in memory):
@@ -191,7 +191,7 @@ class TransformerLM(nn.Module):
                              "pass the previous call's output.memory for the same batch rows, "
                              "or memory=None to start afresh")
         if cache is not None and len(cache) != cfg.n_layers:
-            raise ValueError(f"cache must hold one entry per layer ({cfg.n_layers}); "
+            raise ValueError(f"cache must hold one entry per block ({cfg.n_layers}); "
                              "make it with model.new_cache()")
 
     def _embed(self, ids_BT: torch.Tensor, cache: list | None) -> torch.Tensor:

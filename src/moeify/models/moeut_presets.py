@@ -19,13 +19,15 @@ entropy; the untied output layer is initialised N(0, 1/d) with a zero bias (the 
 output layer), where the authors keep PyTorch's default Linear init.
 
 ``tiny-moeut`` is the tiny family's shape (byte vocabulary, d = 128, T = 128) with 4 layers in
-2 groups; ``repro-moeut`` is its CPU-study counterpart beside repro-dense / repro-switchhead.
+2 groups; ``repro-moeut`` is its CPU-study counterpart, parameter-matched to ``repro-rope-dense``
+(the repro family's dense model without XL memory, also MoSA's baseline).
 """
 
 from __future__ import annotations
 
 from moeify.layers.feedforward import SigmaMoEConfig
 from moeify.layers.switchhead import SwitchHeadConfig
+from moeify.models.builders import Size, dense_lm
 from moeify.models.config import ModelConfig
 from moeify.models.registry import PaperRecipe, Preset, paper
 
@@ -49,18 +51,18 @@ def moeut_lm(*, vocab: int = VOCAB_C4, d: int, L: int, G: int, H: int, d_h: int,
 
 # name -> (the row's published size in parameters, the configuration)
 MOEUT_ROWS: dict[str, tuple[str, dict]] = {
-    "c4-moeut-44m": ("44M", dict(d=412, L=16, G=2, H=4, d_h=82, att_E=8, ff_E=155, ff_k=12)),
-    "c4-moeut-126m": ("126M", dict(d=768, L=18, G=2, H=4, d_h=96, att_E=10, ff_E=254,
+    "c4-44m-moeut": ("44M", dict(d=412, L=16, G=2, H=4, d_h=82, att_E=8, ff_E=155, ff_k=12)),
+    "c4-126m-moeut": ("126M", dict(d=768, L=18, G=2, H=4, d_h=96, att_E=10, ff_E=254,
                                    ff_k=12)),
-    "c4-moeut-244m": ("244M", dict(d=1024, L=18, G=2, H=4, d_h=128, att_E=10, ff_E=387,
+    "c4-244m-moeut": ("244M", dict(d=1024, L=18, G=2, H=4, d_h=128, att_E=10, ff_E=387,
                                    ff_k=16)),
-    "c4-moeut-318m": ("318M", dict(d=1024, L=24, G=3, H=4, d_h=128, att_E=10, ff_E=338,
+    "c4-318m-moeut": ("318M", dict(d=1024, L=24, G=3, H=4, d_h=128, att_E=10, ff_E=338,
                                    ff_k=16)),
     # As released this row counts 581.9M, not 727M (every other row matches its name): the
     # profile and the paper's table disagree, and the paper's table could not be checked here.
-    "c4-moeut-727m": ("727M", dict(d=1024, L=36, G=4, H=5, d_h=128, att_E=13, ff_E=467,
+    "c4-727m-moeut": ("727M", dict(d=1024, L=36, G=4, H=5, d_h=128, att_E=13, ff_E=467,
                                    ff_k=20)),
-    "c4-moeut-1b": ("1B", dict(d=1536, L=36, G=4, H=6, d_h=128, att_E=12, ff_E=565,
+    "c4-1b-moeut": ("1B", dict(d=1536, L=36, G=4, H=6, d_h=128, att_E=12, ff_E=565,
                                   ff_k=24)),
 }
 
@@ -70,11 +72,20 @@ def tiny_moeut() -> ModelConfig:
                     expert_size=64, T=128, entropy_coef=0.01)
 
 
+# The CPU-study shape of models/repro_presets.py (byte vocabulary, d = 128, L = 4, T = 128)
+# without XL memory: MoEUT and MoSA are RoPE models, so their baseline is this dense RoPE model.
+REPRO_ROPE = Size(256, 128, 4, 128, False, 0.0, 8, 16, 512)
+
+
+def repro_rope_dense() -> ModelConfig:
+    return dense_lm(REPRO_ROPE, H=8)
+
+
 def repro_moeut() -> ModelConfig:
-    # The CPU-study shape (models/repro_presets.py: d = 128, L = 4, T = 128, byte vocabulary);
-    # G = 2 as the paper's small rows. Not parameter-matched: a shared-layer model at the
-    # dense model's width has about half its block parameters (moeify count reports it).
-    return moeut_lm(vocab=256, d=128, L=4, G=2, H=2, d_h=32, att_E=4, ff_E=8, ff_k=2,
+    # G = 2 as the paper's small rows; parameter-matched to repro-rope-dense as the paper's
+    # MoEUT rows are to their dense baselines: the sigma-MoE's 19 experts of 64 (k = 2) absorb
+    # what sharing removes (862,464 vs 857,088 parameters, +0.6%; tests check 1%).
+    return moeut_lm(vocab=256, d=128, L=4, G=2, H=2, d_h=32, att_E=4, ff_E=19, ff_k=2,
                     expert_size=64, T=128, entropy_coef=0.01)
 
 
@@ -88,7 +99,9 @@ def _row(name: str, size: str, kw: dict) -> Preset:
 MOEUT_PRESETS: tuple[Preset, ...] = tuple(_row(n, s, kw) for n, (s, kw) in MOEUT_ROWS.items()) + (
     Preset("tiny-moeut", "tiny RoPE: MoEUT, 4 layers in G=2 shared peri-layernorm blocks: "
            "SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 8 x 64 k=2", tiny_moeut),
+    Preset("repro-rope-dense", "CPU-scale family without XL memory: dense RoPE H=8 d_h=16, "
+           "d_ff=512 (the baseline of repro-moeut and repro-mosa)", repro_rope_dense),
     Preset("repro-moeut", "CPU-scale family (RoPE, no memory): MoEUT, 4 layers in G=2 shared "
-           "blocks, SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 8 x 64 k=2", repro_moeut,
-           baseline="repro-dense"),
+           "blocks, SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 19 x 64 k=2, matched to "
+           "repro-rope-dense", repro_moeut, baseline="repro-rope-dense"),
 )

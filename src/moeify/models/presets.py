@@ -56,6 +56,7 @@ from moeify.models.registry import (
     paper,
 )
 from moeify.models.moeut_presets import MOEUT_PRESETS
+from moeify.models.mosa_presets import MOSA_PRESETS
 from moeify.models.repro_presets import REPRO_PRESETS
 
 # ---------------------------------------------------------------------------- tiny presets
@@ -436,7 +437,7 @@ TINY_PRESETS: tuple[Preset, ...] = (
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in PAPER_PRESETS + TINY_PRESETS + REPRO_PRESETS
-                              + MOEUT_PRESETS}
+                              + MOEUT_PRESETS + MOSA_PRESETS}
 
 
 def register(name: str, description: str, **facts: Any) -> Callable:
