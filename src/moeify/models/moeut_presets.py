@@ -81,6 +81,14 @@ def repro_rope_dense() -> ModelConfig:
     return dense_lm(REPRO_ROPE, H=8)
 
 
+def repro_rope_switchhead() -> ModelConfig:
+    # SwitchHead H = 2, E = 4, k = 2 matched to repro-rope-dense (spec §5), so the follow-ups
+    # are compared with both of their predecessors at the same positional encoding.
+    from moeify.models.match import match_attention
+
+    return match_attention(repro_rope_dense(), n_heads=2, n_experts=4, k=2).config
+
+
 def repro_moeut() -> ModelConfig:
     # G = 2 as the paper's small rows; parameter-matched to repro-rope-dense as the paper's
     # MoEUT rows are to their dense baselines: the sigma-MoE's 19 experts of 64 (k = 2) absorb
@@ -101,6 +109,9 @@ MOEUT_PRESETS: tuple[Preset, ...] = tuple(_row(n, s, kw) for n, (s, kw) in MOEUT
            "SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 8 x 64 k=2", tiny_moeut),
     Preset("repro-rope-dense", "CPU-scale family without XL memory: dense RoPE H=8 d_h=16, "
            "d_ff=512 (the baseline of repro-moeut and repro-mosa)", repro_rope_dense),
+    Preset("repro-rope-switchhead", "CPU-scale family without XL memory: SwitchHead RoPE "
+           "H=2 E=4 k=2, d_h and d_ff matched to repro-rope-dense", repro_rope_switchhead,
+           baseline="repro-rope-dense"),
     Preset("repro-moeut", "CPU-scale family (RoPE, no memory): MoEUT, 4 layers in G=2 shared "
            "blocks, SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 19 x 64 k=2, matched to "
            "repro-rope-dense", repro_moeut, baseline="repro-rope-dense"),
