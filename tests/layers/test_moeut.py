@@ -166,3 +166,11 @@ def test_peri_ln_and_grouping_are_validated():
     # The JSON of a model without the MoEUT options reads as before they existed.
     plain = dataclasses.replace(cfg, group_size=0, block="pre_ln")
     assert "group_size" not in plain.to_dict() and "block" not in plain.to_dict()
+
+
+def test_attention_maps_of_a_shared_block():
+    from moeify.analysis.attention_maps import compute_attention_maps
+
+    m = make().float()
+    maps = compute_attention_maps(m, list(range(6)), layer=1)
+    assert maps is not None

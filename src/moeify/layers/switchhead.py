@@ -403,11 +403,13 @@ class SwitchHeadAttention(nn.Module):
         return y_BTD, aux
 
     @torch.no_grad()
-    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
+    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None,
+                value_BSD=None):
         """For analysis (the paper's Figure 2): ``probs_BHTS``, the attention probabilities of the
         forward pass (no cache, no dropout), and per side with experts the kept gates scattered
         over each head's experts (0 = not selected): ``sel_dst_BTHE`` (O/Q, from the queries)
-        and ``sel_src_BSHE`` (V/K, from the source tokens)."""
+        and ``sel_src_BSHE`` (V/K, from the source tokens). ``value_BSD`` (MoEUT) changes
+        neither, and is accepted so that a captured forward call can be replayed."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
