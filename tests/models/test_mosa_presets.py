@@ -76,3 +76,21 @@ def test_upcycling_and_hf_export_say_where_they_do_not_apply():
     with pytest.raises(MoeifyError, match="MoSA"):
         hf_config(get_preset("tiny-mosa"), None)
     assert hf_config(get_preset("tiny-moeut"), None)["num_hidden_layers"] == 4
+
+
+def test_moeut_and_mosa_train_under_bf16_autocast():
+    import dataclasses
+
+    import torch
+
+    for cfg in (get_preset("tiny-moeut"), get_preset("tiny-mosa"),
+                dataclasses.replace(get_preset("tiny-mosa"), attention=dataclasses.replace(
+                    get_preset("tiny-mosa").attention[0], n_dense_heads=0))):
+        torch.manual_seed(0)
+        m = cfg.build()
+        ids = torch.randint(0, 256, (2, 32))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(ids, ids)
+        (out.loss + out.aux_loss).backward()
+        assert torch.isfinite(out.loss)
+        assert all(p.grad is not None for p in m.parameters())

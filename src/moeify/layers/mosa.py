@@ -265,8 +265,11 @@ class MoSAAttention(nn.Module):
             gate_BHK = gate_BHK * keep_BHK
         a_BHKC = self._attend(q, k, v, allowed[:, :, :, :]) * gate_BHK[..., None].to(q.dtype)
         ys_BHKD = torch.einsum("bhkc,hcd->bhkd", a_BHKC, self.w_o)
-        y_BTD = y_BTD.scatter_add(1, idx_BHK.reshape(B, H * K, 1).expand(-1, -1, c.d_model),
-                                  ys_BHKD.reshape(B, H * K, c.d_model))
+        # Y = scatter(Y_s, I), summed over heads, then the dense heads' output added (under
+        # autocast the two may differ in dtype; the sum promotes)
+        y_BTD = ys_BHKD.new_zeros(B, T, c.d_model).scatter_add(
+            1, idx_BHK.reshape(B, H * K, 1).expand(-1, -1, c.d_model),
+            ys_BHKD.reshape(B, H * K, c.d_model)) + y_BTD
         aux = Aux()
         with torch.no_grad():
             n_sel = K * B * H if keep_BHK is None else keep_BHK.sum()
