@@ -14,7 +14,7 @@ EXACT = {
     "c4-126m-moeut": 125_669_696,
     "c4-244m-moeut": 243_326_784,
     "c4-318m-moeut": 318_107_456,
-    "c4-727m-moeut": 581_941_056,
+    "c4-727m-moeut": 727_424_320,
     "c4-1b-moeut": 1_040_319_296,
 }
 
@@ -40,11 +40,10 @@ def test_moeut_1b_row_matches_1b():
     assert format_count(model_parameters(get_preset("c4-1b-moeut"))["total"]) == "1.0G"
 
 
-def test_moeut_727m_row_as_released_does_not_count_727m():
-    # A known discrepancy, kept visible: the released profile of the 727M row counts 581.9M
-    # (the only row that does not match its name); see moeify/models/moeut_presets.py.
-    n = model_parameters(get_preset("c4-727m-moeut"))["total"]
-    assert format_count(n) == "581.9M"
+def test_moeut_727m_row_matches_727m():
+    # with d_model = 1280 from the authors' sweep; their profiles.py's 1024 would give 581.9M
+    assert round(model_parameters(get_preset("c4-727m-moeut"))["total"] / 1e6) == 727
+    assert get_preset("c4-727m-moeut").d_model == 1280
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))
