@@ -130,6 +130,9 @@ def test_only_k_tokens_per_head_and_the_rest_get_nothing_from_it():
     y = m(x)[0]
     chosen = torch.zeros(2, 12, dtype=torch.bool).scatter_(1, idx.flatten(1), True)
     assert torch.all(y[~chosen] == 0)  # a token no head picked gets no attention output
+    stats = m(x)[1].stats
+    assert stats["selected_fraction"] == 4 / 12
+    assert stats["covered_fraction"] == chosen.float().mean()
 
 
 @pytest.mark.parametrize("n_dense,include_first", [(0, False), (2, False), (1, True)])

@@ -231,7 +231,8 @@ class MoSAAttention(nn.Module):
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
         """``aux.stats["selected_fraction"]``: the fraction of (token, MoSA head) pairs selected
-        (k / T without padding). The dense heads' output is added."""
+        (k / T without padding); ``["covered_fraction"]``: the fraction of tokens at least one
+        sparse head selected. The dense heads' output is added. Decoding returns no stats."""
         c = self.config
         if kv_BSD is not None or not causal:
             raise ValueError("MoSA is causal self-attention: it takes no kv input (no XL "
@@ -275,6 +276,13 @@ class MoSAAttention(nn.Module):
             n_sel = K * B * H if keep_BHK is None else keep_BHK.sum()
             n_all = B * T * H if valid_k is None else valid_k.sum() * H
             aux.stats["selected_fraction"] = torch.as_tensor(n_sel / n_all, dtype=torch.float32)
+            # tokens that at least one sparse head selected (the others get only the dense
+            # heads' output, or none)
+            picked_BT = torch.zeros(B, T, dtype=torch.bool, device=q_BTD.device).scatter_(
+                1, idx_BHK.reshape(B, H * K),
+                True if keep_BHK is None else keep_BHK.reshape(B, H * K))
+            n_tok = B * T if valid_k is None else valid_k.sum()
+            aux.stats["covered_fraction"] = (picked_BT.sum() / n_tok).float()
         return y_BTD, aux
 
     def _decode(self, x_BTD, r_BHT, pos_BT, valid_BT, cache: MoSACache) -> torch.Tensor:
