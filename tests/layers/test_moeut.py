@@ -1,6 +1,6 @@
 """MoEUT (arXiv 2405.16039) against an independent float64 transcription of the whole shared-layer
 model: embedding, L = R·G layer applications where application i uses the parameters of block
-i mod G (§2.2), each a peri-layernorm block (§2.3):
+i mod G (layer grouping), each a peri-layernorm block:
 
     h = LN1(x);  x = x + SwitchHead(q = h, k = h, selections on h, v = x)     (SwitchHead Eq. 7-10)
     x = x + sigmaMoE(experts on x, selection on LN2(x))
@@ -83,7 +83,7 @@ def ref_sigma_moe(ff, x, r):
 
 def moeut_reference(m, ids):
     x = m.embedding.weight[ids]
-    for i in range(L):  # §2.2: application i runs block i mod G
+    for i in range(L):  # layer grouping: application i runs block i mod G
         blk = m.blocks[i % G]
         x = x + ref_switchhead(blk.attention, ref_ln(x, blk.ln1), x)
         x = x + ref_sigma_moe(blk.feedforward, x, ref_ln(x, blk.ln2))
@@ -139,7 +139,7 @@ def test_kv_cache_decoding_equals_the_full_forward():
 
 
 def test_initialisation_uses_the_depth_of_all_applications():
-    # §2.4 / the authors' reset_parameters: s = sqrt(2 / (n_repeats · G)) = sqrt(2 / L).
+    # the authors' reset_parameters: s = sqrt(2 / (n_repeats · G)) = sqrt(2 / L).
     torch.manual_seed(0)
     cfg = moeut_lm(vocab=V, d=256, L=8, G=2, H=2, d_h=64, att_E=4, ff_E=8, ff_k=2,
                    expert_size=64, T=16)

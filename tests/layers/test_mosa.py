@@ -1,4 +1,4 @@
-"""MoSA (arXiv 2505.00315, §3) against an independent float64 transcription: one (sequence, head)
+"""MoSA (arXiv 2505.00315, method section) against an independent float64 transcription: one (sequence, head)
 at a time, r = σ(X W_r), I = the k highest scores (k = T // ρ clamped to [2, T]), attention among
 X[I] only with causality by original position, the output scaled by r[I], projected by W_O and
 put back at I; plus the dense heads of the hybrid written out as plain causal RoPE attention.

@@ -1,10 +1,15 @@
 """MoEUT's block (Csordás, Irie, Schmidhuber, Potts, Manning, NeurIPS 2024, arXiv 2405.16039):
-SwitchHead attention and a sigma-MoE feedforward under the "peri-layernorm" scheme (§2.3).
+SwitchHead attention and a sigma-MoE feedforward under the paper's "peri-layernorm" scheme.
+
+Section names, not numbers, are cited here: the paper's text was not available to this
+implementation beyond its abstract and summaries; the equations follow the authors' released code
+(RobertCsordas/moeut, moeut.py), which the tests transcribe independently.
 
 Peri-layernorm normalises only the inputs of the projections that are followed by a sigmoid or
 softmax, i.e. Q, K and the expert selections; V, the feedforward's experts and the residual
 stream see the un-normalised x, and there is no norm on the residual path between layers (a
-universal Transformer repeats the block, and pre-LN's growing residual norm is what §2.3 avoids):
+universal Transformer repeats the block; the paper motivates the scheme by signal propagation
+through shared layers):
 
     h  = LN1(x)
     x  = x + Drop(SwitchHead(q = h, k = h, sel_V = h, sel_O = h, v = x))
@@ -13,11 +18,11 @@ universal Transformer repeats the block, and pre-LN's growing residual norm is w
 (the authors' MoEUTLayer.forward: ``attention(xnorm, xnorm, x)`` and ``ffn(x, ln2(x))``). The
 final LayerNorm before the output layer is the LM's ``ln_f``.
 
-Layer grouping and weight sharing (§2.2, G) live in the model (ModelConfig.group_size,
+Layer grouping and weight sharing (the paper's G) live in the model (ModelConfig.group_size,
 models/lm.py): G blocks are built and applied in order n_layers / G times. The initialisation
-(§2.4) is that of SwitchHead and sigma-MoE with s = sqrt(2 / L), L the number of layer
-*applications* (the authors' ``sqrt(2 / (n_repeats * G))``), which the layer configs' ``n_layers``
-carries.
+(the authors' reset_parameters) is that of SwitchHead and sigma-MoE with s = sqrt(2 / L), L the
+number of layer *applications* (the authors' ``sqrt(2 / (n_repeats * G))``), which the layer
+configs' ``n_layers`` carries.
 
 Shape legend: B batch, T tokens, D d_model.
 """

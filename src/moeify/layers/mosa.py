@@ -1,8 +1,9 @@
-"""Mixture of Sparse Attention (MoSA; Piękos, Csordás, Schmidhuber 2025, arXiv 2505.00315, §3).
+"""Mixture of Sparse Attention (MoSA; Piękos, Csordás, Schmidhuber 2025, arXiv 2505.00315, the method section).
 
 Every MoSA head h is an expert-choice router over the tokens of the sequence: it picks k of the T
 tokens and attends among those only, so a head costs O(k² + T) instead of O(T²). Per head, for a
-sequence X ∈ R^{T×d} (the paper's notation, §3 "MoSA"):
+sequence X ∈ R^{T×d} (the paper's notation; equation numbers are not cited because the paper's text was
+read only in excerpts):
 
     r        = σ(X W_r)                      ∈ R^T     router scores (sigmoid in float32)
     r_s, I   = TopK(r, k)                             k = T / ρ tokens (ρ: the sparsity)
@@ -19,7 +20,7 @@ by the original positions I (the authors' code rotates half of each head's chann
 ``rope_fraction`` 0.5 default). k = T // ρ clamped to [2, T], as the authors' code; with
 ``include_first`` the first token is always selected (the authors' option; off by default).
 
-Hybrid (§3 / §4): the paper's MoSA models keep a few dense heads beside the sparse ones (the
+Hybrid: the paper's MoSA models keep a few dense heads beside the sparse ones (the
 authors' ``MoSA(num_mosa_heads, num_other_heads, hybrid_type="dense" | "local")``).
 ``n_dense_heads`` adds that many ordinary RoPE heads (a DenseAttention of the same d_head) whose
 output is added; the "local" (sliding-window) hybrid is not implemented.

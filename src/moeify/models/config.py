@@ -64,7 +64,7 @@ class ModelConfig:
                     token embedding (GPT-2); 0 = none (positions come from the attention).
     tie_embeddings: the output layer reuses the token embedding matrix (no bias then).
     output_bias:    the untied output layer has a bias (the papers' models) or not.
-    group_size:     MoEUT's layer grouping G (§2.2): 0 = every layer has its own weights; G > 0
+    group_size:     MoEUT's layer grouping G: 0 = every layer has its own weights; G > 0
                     (dividing n_layers) builds G blocks and applies them in order n_layers / G
                     times, block i using the weights of block i mod G (G = 1: a universal
                     Transformer). Each application keeps its own KV cache and XL memory.

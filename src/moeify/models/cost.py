@@ -128,7 +128,7 @@ def gqa_cost(*, d_model: int, n_heads: int, n_kv_heads: int, d_head: int, T: int
 
 def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
               n_dense_heads: int = 0) -> AttentionCost:
-    """MoSA (arXiv 2505.00315 §3), in the terms of ``dense_attention_cost``: per sparse head the
+    """MoSA (arXiv 2505.00315), in the terms of ``dense_attention_cost``: per sparse head the
     router over all T tokens (d·T), the Q, K, V and O projections of its k selected tokens
     (4·d·h'·k) and the attention among them (2·h'·k²): O(k² + T) per head. Memory: the k×k
     attention twice, the four k×h' projections and the T router scores. The hybrid's dense heads

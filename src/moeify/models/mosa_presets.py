@@ -1,5 +1,5 @@
 """MoSA presets (Piękos, Csordás, Schmidhuber 2025, arXiv 2505.00315): the paper compares MoSA
-with dense attention at equal compute, spending what the sparse heads save on more heads (§4),
+with dense attention at equal compute, spending what the sparse heads save on more heads,
 and keeps a few dense heads beside the sparse ones (the hybrid).
 
 ``tiny-mosa`` and ``repro-mosa`` replace the 4-head (tiny) / 8-head (repro) dense RoPE attention
