@@ -246,12 +246,13 @@ class MoSAAttention(nn.Module):
             past = 0 if cache is None else len(cache)
             pos_q = torch.arange(past, past + T, device=q_BTD.device).expand(B, T)
         dense_cache = None if cache is None else cache.dense
-        y_BTD = (q_BTD.new_zeros(q_BTD.shape) if self.dense is None else
-                 self.dense(q_BTD, None, causal=True, cache=dense_cache, pos_q=pos_q,
-                            pos_k=pos_q, valid_k=valid_k)[0])
+        dense_BTD = None if self.dense is None else self.dense(
+            q_BTD, None, causal=True, cache=dense_cache, pos_q=pos_q, pos_k=pos_q,
+            valid_k=valid_k)[0]
         r_BHT = self._scores(q_BTD)
         if cache is not None:
-            return y_BTD + self._decode(q_BTD, r_BHT, pos_q, valid_k, cache), Aux()
+            y_BTD = self._decode(q_BTD, r_BHT, pos_q, valid_k, cache)
+            return (y_BTD if dense_BTD is None else y_BTD + dense_BTD), Aux()
 
         idx_BHK, keep_BHK = self._select(r_BHT, valid_k)
         q, k, v = self._project(q_BTD, idx_BHK, pos_q)
@@ -265,13 +266,15 @@ class MoSAAttention(nn.Module):
         gate_BHK = r_BHT.gather(-1, idx_BHK)  # r_s: the router's gradient flows through it
         if keep_BHK is not None:
             gate_BHK = gate_BHK * keep_BHK
-        a_BHKC = self._attend(q, k, v, allowed[:, :, :, :]) * gate_BHK[..., None].to(q.dtype)
+        a_BHKC = self._attend(q, k, v, allowed) * gate_BHK[..., None].to(q.dtype)
         ys_BHKD = torch.einsum("bhkc,hcd->bhkd", a_BHKC, self.w_o)
         # Y = scatter(Y_s, I), summed over heads, then the dense heads' output added (under
         # autocast the two may differ in dtype; the sum promotes)
         y_BTD = ys_BHKD.new_zeros(B, T, c.d_model).scatter_add(
             1, idx_BHK.reshape(B, H * K, 1).expand(-1, -1, c.d_model),
-            ys_BHKD.reshape(B, H * K, c.d_model)) + y_BTD
+            ys_BHKD.reshape(B, H * K, c.d_model))
+        if dense_BTD is not None:
+            y_BTD = y_BTD + dense_BTD
         aux = Aux()
         with torch.no_grad():
             n_sel = K * B * H if keep_BHK is None else keep_BHK.sum()
