@@ -12,7 +12,8 @@
 # STAGES picks the stages to run (default: all, in the order below), e.g. STAGES=edc. Stages
 # a, b, f and g fill RUNS_DIR/wiki (300 and 1000 steps, the paper's settings, learning rates);
 # c and e fill RUNS_DIR/wiki-3000steps-d256 (the longest budget and the larger family, each
-# with its own dense baseline); d and h fill RUNS_DIR/shakespeare.
+# with its own dense baseline); d and h fill RUNS_DIR/shakespeare; m (the follow-ups, MoEUT and
+# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups.
 set -euo pipefail
 R=${1:?usage: study.sh RUNS_DIR}
 MOEIFY=${MOEIFY:-moeify}
@@ -36,6 +37,7 @@ stage() { [[ $STAGES == *"$1"* ]]; }
 W=$R/wiki
 L=$R/wiki-3000steps-d256
 S=$R/shakespeare
+F=$R/wiki-followups
 
 # (a) the claim at 1000 steps: dense 8 heads vs SwitchHead, 3 seeds; the same pair at 300 steps
 stage a && sweep --data wiki-excerpt --out "$W" --presets repro-dense,repro-switchhead \
@@ -67,4 +69,14 @@ stage h && sweep --data shakespeare --out "$S" --presets repro-dense,repro-switc
     --budgets 1000 --seeds 1-2
 stage h && sweep --data wiki-excerpt --out "$L" --presets repro-dense,repro-switchhead \
     --budgets 3000 --seeds 1-2
+# (m) the follow-ups (issue 31): MoEUT and MoSA beside dense and SwitchHead, 1000 steps, 3 seeds,
+# the same recipe. Both are RoPE models without XL memory, so the baseline is the dense RoPE
+# model (repro-rope-dense) and SwitchHead appears at RoPE too (repro-rope-switchhead,
+# parameter-matched); repro-moeut is parameter-matched, repro-mosa attention-MAC-matched (the
+# papers' respective comparisons). repro-dense / repro-switchhead (XL) tie the table to stage a.
+stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
+    --out "$F" --presets repro-rope-dense,repro-rope-switchhead,repro-moeut,repro-mosa \
+    --budgets 1000 --seeds 0-2
+stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
+    --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2
 true

@@ -12,11 +12,14 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.depth import MoDConfig
 from moeify.layers.feedforward import DenseFFConfig, SigmaMoEConfig, SwitchFFConfig
 from moeify.layers.moa import MoAConfig
+from moeify.layers.mosa import MoSAConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
 from moeify.models.presets import PRESETS, get_preset
 
-PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))]
+# The MoEUT paper's rows have their own tests (tests/models/test_moeut_presets.py).
+PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
+         and not n.endswith("-moeut")]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
@@ -156,6 +159,8 @@ TINY_FAMILY = {  # name -> (attention type, feedforward type, MoD on blocks)
     "tiny-mod": (DenseAttentionConfig, DenseFFConfig, True),
     "tiny-mode": (DenseAttentionConfig, (SwitchFFConfig, SigmaMoEConfig), True),
     "tiny-mode-integrated": (DenseAttentionConfig, SwitchFFConfig, False),
+    "tiny-moeut": (SwitchHeadConfig, SigmaMoEConfig, False),
+    "tiny-mosa": (MoSAConfig, DenseFFConfig, False),
 }
 
 
@@ -214,10 +219,13 @@ def test_every_preset_name_is_written_in_the_source():
     # A preset is found by grepping its name: the table is literal, no name is assembled.
     from pathlib import Path
 
+    import moeify.models.moeut_presets as moeut_module
+    import moeify.models.mosa_presets as mosa_module
     import moeify.models.presets as presets_module
     import moeify.models.repro_presets as repro_module
 
-    text = Path(presets_module.__file__).read_text() + Path(repro_module.__file__).read_text()
+    text = "".join(Path(m.__file__).read_text()
+                   for m in (presets_module, repro_module, moeut_module, mosa_module))
     assert [n for n in PRESETS if f'"{n}"' not in text] == []
 
 

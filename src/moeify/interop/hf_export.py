@@ -42,7 +42,16 @@ REQUIRES = f"the modeling code imports moeify: {install_hint(here=False)} (trust
 
 def hf_config(model_cfg, hf_source: dict | None) -> dict:
     """config.json of the exported directory."""
+    from moeify.layers.mosa import MoSAConfig
     from moeify.train.rundir import model_config_dict
+
+    if any(isinstance(a, MoSAConfig) for a in model_cfg.attention):
+        # Its decoding state (every token's router scores plus the hybrid's dense cache) is not
+        # a KVCache, which the exported cache layer (hf_remote/modeling_moeify.py) wraps and
+        # reorders for beam search; MoEUT models export (one KVCache per layer application).
+        raise MoeifyError("Hugging Face export does not apply to MoSA attention: its prefix-"
+                          "routing decoding cache is not a transformers cache layer; use the "
+                          "run directory with moeify's own generate")
 
     src = hf_source or {}
     cfg = {"model_type": "moeify", "architectures": ["MoeifyForCausalLM"],

@@ -141,14 +141,20 @@ class SigmaMoE(nn.Module):
             gates_MK = gates_MK.masked_fill(exclude_ME.gather(-1, top.idx), 0.0)
         return logits_ME, gates_MK, top.idx
 
-    def forward(self, x_BTD: torch.Tensor, *,
-                valid_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
+    def forward(self, x_BTD: torch.Tensor, *, valid_BT: torch.Tensor | None = None,
+                router_BTD: torch.Tensor | None = None) -> tuple[torch.Tensor, Aux]:
+        """``router_BTD``: the selection's input when it is not the experts' (MoEUT's
+        peri-layernorm routes on LN(x) and runs the experts on x; layers/moeut.py)."""
         c = self.config
         check_token_input("SigmaMoE", x_BTD, c.d_model, valid_BT)
+        if router_BTD is not None and router_BTD.shape != x_BTD.shape:
+            raise ValueError(f"router_BTD must have the shape of x_BTD {tuple(x_BTD.shape)}, "
+                             f"got {tuple(router_BTD.shape)}")
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
         valid_M = None if valid_BT is None else valid_BT.reshape(B * T)
-        logits_ME, gates_MK, idx_MK = self.route(x_MD)
+        logits_ME, gates_MK, idx_MK = self.route(
+            x_MD if router_BTD is None else router_BTD.reshape(B * T, D))
         M, K = idx_MK.shape
 
         # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's

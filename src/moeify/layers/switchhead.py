@@ -255,7 +255,8 @@ class SwitchHeadAttention(nn.Module):
                 out["dst"] = self._route(q_BTD, self._sel_weight("dst"), logits.get("dst"))
         return out
 
-    def _fused_projections(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None
+    def _fused_projections(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None,
+                           value_BSD: torch.Tensor | None = None
                            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The dense Q / K projections and the selection logits, those that read the same
         input in one matmul (``project_by_input``: x · [W_K | W_Sᵀ] over the source, and in
@@ -275,7 +276,7 @@ class SwitchHeadAttention(nn.Module):
             return {}, {}
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
         shared_once = c.shared_selection and kv_BSD is None  # the source's selection serves both
-        inputs = {"q": q_BTD, "k": src_BSD, "v": src_BSD}
+        inputs = {"q": q_BTD, "k": src_BSD, "v": src_BSD if value_BSD is None else value_BSD}
         pieces = [(n, inputs[n], getattr(self, f"w_{n}")) for n in ("k", "q")
                   if n not in c.experts]
         pieces += [(f"{n}@all", inputs[n], getattr(self, f"w_{n}").permute(1, 0, 2))
@@ -352,28 +353,37 @@ class SwitchHeadAttention(nn.Module):
                           impl=c.expert_impl, plan=sel.plan)
         return y.view(B, T, c.d_model)
 
-    def _qkv(self, q_BTD, kv_BSD):
+    def _qkv(self, q_BTD, kv_BSD, value_BSD=None):
         """The one projection path of ``forward`` and ``inspect``: Q, K, V as [B, H, N, C] and
-        the selections by side."""
+        the selections by side. ``value_BSD``: V's input when it is not the K input (MoEUT's
+        peri-layernorm, layers/moeut.py); the V selection still reads the K input."""
         src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        projs, logits = self._fused_projections(q_BTD, kv_BSD)
+        val_BSD = src_BSD if value_BSD is None else value_BSD
+        projs, logits = self._fused_projections(q_BTD, kv_BSD, value_BSD)
         sels = self.select(q_BTD, kv_BSD, logits=logits)
         src, dst = sels.get("src"), sels.get("dst")
         q, k, v = (projs[n] if n in projs else
                    self._from_all(projs[f"{n}@all"], sel) if f"{n}@all" in projs else
                    self._project(n, x, sel)
-                   for n, x, sel in (("q", q_BTD, dst), ("k", src_BSD, src), ("v", src_BSD, src)))
+                   for n, x, sel in (("q", q_BTD, dst), ("k", src_BSD, src), ("v", val_BSD, src)))
         return q, k, v, sels
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
-                valid_k=None):
+                valid_k=None, value_BSD=None):
         """docs/interfaces.md. ``aux.routing["src"]`` / ``["dst"]``: the source-side (V, K) and
         destination-side (O, Q) selections, counts [H, E] per head and expert (valid tokens
         only), also added to the ``usage_{p}`` buffers of the projections each serves in
-        training mode. No aux losses (the paper uses none)."""
+        training mode. No aux losses (the paper uses none). ``value_BSD`` (same shape as the
+        K input): V reads it instead of the K input (MoEUT's peri-layernorm: K, Q and both
+        selections read LN(x), V reads x)."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
-        q, k, v, sels = self._qkv(q_BTD, kv_BSD)
+        if value_BSD is not None and value_BSD.shape != (q_BTD if kv_BSD is None
+                                                          else kv_BSD).shape:
+            raise ValueError("value_BSD must have the shape of the key/value input "
+                             f"{tuple((q_BTD if kv_BSD is None else kv_BSD).shape)}, "
+                             f"got {tuple(value_BSD.shape)}")
+        q, k, v, sels = self._qkv(q_BTD, kv_BSD, value_BSD)
         o_BHTC = self.core(q, k, v, causal=causal, self_attention=kv_BSD is None, cache=cache,
                            pos_q=pos_q, pos_k=pos_k, valid_k=valid_k)
         dst = sels.get("dst")
@@ -393,11 +403,13 @@ class SwitchHeadAttention(nn.Module):
         return y_BTD, aux
 
     @torch.no_grad()
-    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None):
+    def inspect(self, q_BTD, kv_BSD=None, *, causal=True, pos_q=None, pos_k=None, valid_k=None,
+                value_BSD=None):
         """For analysis (the paper's Figure 2): ``probs_BHTS``, the attention probabilities of the
         forward pass (no cache, no dropout), and per side with experts the kept gates scattered
         over each head's experts (0 = not selected): ``sel_dst_BTHE`` (O/Q, from the queries)
-        and ``sel_src_BSHE`` (V/K, from the source tokens)."""
+        and ``sel_src_BSHE`` (V/K, from the source tokens). ``value_BSD`` (MoEUT) changes
+        neither, and is accepted so that a captured forward call can be replayed."""
         c = self.config
         check_inputs(q_BTD, kv_BSD, c.d_model)
         src_BSD = q_BTD if kv_BSD is None else kv_BSD

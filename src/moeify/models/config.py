@@ -33,11 +33,14 @@ LAYER_CONFIG_MODULES = (
     "moeify.layers.gqa",
     "moeify.layers.mlp",
     "moeify.layers.norm",
+    "moeify.layers.mosa",
 )
 
 # Fields written to JSON only when they differ from their default, so that the model.json and
 # checkpoint records of models without them read exactly as before these options existed.
-OPTIONAL_FIELDS = ("norm", "max_positions", "tie_embeddings", "output_bias")
+OPTIONAL_FIELDS = ("norm", "max_positions", "tie_embeddings", "output_bias", "group_size",
+                   "block")
+BLOCKS = ("pre_ln", "peri_ln")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,13 @@ class ModelConfig:
                     token embedding (GPT-2); 0 = none (positions come from the attention).
     tie_embeddings: the output layer reuses the token embedding matrix (no bias then).
     output_bias:    the untied output layer has a bias (the papers' models) or not.
+    group_size:     MoEUT's layer grouping G: 0 = every layer has its own weights; G > 0
+                    (dividing n_layers) builds G blocks and applies them in order n_layers / G
+                    times, block i using the weights of block i mod G (G = 1: a universal
+                    Transformer). Each application keeps its own KV cache and XL memory.
+    block:          "pre_ln" (the papers' pre-LN block, layers/block.py) or "peri_ln" (MoEUT's
+                    peri-layernorm, layers/moeut.py; SwitchHead attention, sigma-MoE
+                    feedforward, no XL memory).
     """
 
     vocab_size: int
@@ -76,6 +86,8 @@ class ModelConfig:
     max_positions: int = 0
     tie_embeddings: bool = False
     output_bias: bool = True
+    group_size: int = 0
+    block: str = "pre_ln"
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "d_model", "n_layers", "context_length")
@@ -97,10 +109,41 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.xl_memory must be True or False, got {self.xl_memory!r}")
         for name in ("attention", "feedforward", "depth"):
             object.__setattr__(self, name, self._pattern(name, getattr(self, name)))
+        self._check_grouping()
         if self.xl_memory and any(d is not None for d in self.depth):
             # The memory would hold tokens a routed block never saw (layers/depth.py).
             raise ValueError("depth routing (Mixture-of-Depths) cannot be combined with XL "
                              "memory; set xl_memory=False and use RoPE attention")
+
+    def _check_grouping(self) -> None:
+        G = self.group_size
+        if isinstance(G, bool) or not isinstance(G, int) or G < 0 or (G and self.n_layers % G):
+            raise ValueError(f"ModelConfig.group_size must be 0 (no sharing) or a divisor of "
+                             f"n_layers={self.n_layers}, got {G!r}")
+        for name in ("attention", "feedforward", "depth"):
+            if G and G % len(getattr(self, name)):
+                raise ValueError(f"ModelConfig.{name} has a pattern of "
+                                 f"{len(getattr(self, name))} configs, which does not divide "
+                                 f"group_size={G}: the shared blocks repeat every G layers")
+        if self.block not in BLOCKS:
+            raise ValueError(f"ModelConfig.block must be one of {BLOCKS}, got {self.block!r}")
+        if self.block == "peri_ln":
+            from moeify.layers.feedforward import SigmaMoEConfig
+            from moeify.layers.switchhead import SwitchHeadConfig
+
+            if not all(isinstance(a, SwitchHeadConfig) for a in self.attention) or not all(
+                    isinstance(f, SigmaMoEConfig) for f in self.feedforward):
+                raise ValueError("block='peri_ln' (MoEUT) needs SwitchHeadConfig attention and "
+                                 "SigmaMoEConfig feedforwards (their inputs are split between "
+                                 "LN(x) and x); use block='pre_ln' for other layers")
+            if self.xl_memory:
+                raise ValueError("block='peri_ln' (MoEUT) takes no XL memory; set "
+                                 "xl_memory=False and use RoPE attention")
+
+    @property
+    def n_blocks(self) -> int:
+        """Distinct blocks (parameter sets): group_size, or n_layers without sharing."""
+        return self.group_size or self.n_layers
 
     def _pattern(self, name: str, value: Any) -> tuple:
         pattern = tuple(value) if isinstance(value, (tuple, list)) else (value,)

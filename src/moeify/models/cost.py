@@ -126,14 +126,37 @@ def gqa_cost(*, d_model: int, n_heads: int, n_kv_heads: int, d_head: int, T: int
     return AttentionCost(macs, mem)
 
 
+def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
+              n_dense_heads: int = 0) -> AttentionCost:
+    """MoSA (arXiv 2505.00315), in the terms of ``dense_attention_cost``: per sparse head the
+    router over all T tokens (d·T), the Q, K, V and O projections of its k selected tokens
+    (4·d·h'·k) and the attention among them (2·h'·k²): O(k² + T) per head. Memory: the k×k
+    attention twice, the four k×h' projections and the T router scores. The hybrid's dense heads
+    add ``dense_attention_cost`` (RoPE, no memory). Our accounting: the paper prints no formula
+    in this form."""
+    _positive(d_model=d_model, n_heads=n_heads, d_head=d_head, k=k, T=T)
+    d, H, dh = d_model, n_heads, d_head
+    macs = H * (d * T + 4 * d * dh * k + 2 * dh * k * k)
+    mem = H * (2 * k * k + 4 * dh * k + T)
+    if n_dense_heads:
+        dense = dense_attention_cost(d_model=d, n_heads=n_dense_heads, d_head=dh, T=T, C=1,
+                                     xl=False)
+        macs, mem = macs + dense.macs, mem + dense.memory
+    return AttentionCost(macs, mem)
+
+
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
     GroupedQueryAttentionConfig)."""
     from moeify.layers.attention import DenseAttentionConfig
     from moeify.layers.gqa import GroupedQueryAttentionConfig
     from moeify.layers.moa import MoAConfig
+    from moeify.layers.mosa import MoSAConfig
     from moeify.layers.switchhead import SwitchHeadConfig
 
+    if isinstance(cfg, MoSAConfig):
+        return mosa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
+                         k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads)
     if isinstance(cfg, GroupedQueryAttentionConfig):
         return gqa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                         d_head=cfg.d_head, T=T, C=C)
@@ -151,7 +174,7 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
                         n_experts=cfg.n_experts, T=T, C=C, xl=xl)
     raise ValueError(f"no cost formula for attention config {type(cfg).__name__}; "
                      "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig, "
-                     "GroupedQueryAttentionConfig")
+                     "GroupedQueryAttentionConfig, MoSAConfig")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -187,7 +210,8 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     attention, feedforward, norms (the LayerNorms) and other (depth routers, ...), plus total.
 
     Built on the meta device; a layer that repeats (same attention, feedforward and depth
-    config) is built once and counted as often as it occurs."""
+    config) is built once and counted as often as it occurs. With MoEUT's grouping
+    (group_size G) only the G distinct blocks hold parameters."""
     from moeify.models.lm import TransformerLM, build_block
 
     class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
@@ -199,7 +223,7 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     with torch.device("meta"):
         _add_parts(parts, _Shell(config), "", 1)
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
-                          config.depth_layers()))
+                          config.depth_layers()))[:config.n_blocks]
         unique: list[tuple] = []  # by equality: layer configs need not be hashable
         for key in layers:
             if key not in unique:
@@ -233,6 +257,9 @@ def attention_summary(cfg: Any) -> str:
     name = type(cfg).__name__.removesuffix("Config").removesuffix("Attention") or "Dense"
     if name == "GroupedQuery":
         return f"GQA H={cfg.n_heads} Hk={cfg.n_kv_heads} d_h={cfg.d_head} {cfg.pos}"
+    if name == "MoSA":
+        return (f"MoSA H={cfg.n_heads} d_h={cfg.d_head} rho={cfg.sparsity} "
+                f"+{cfg.n_dense_heads} dense {cfg.pos}")
     parts = [name]
     if hasattr(cfg, "n_experts") and name == "MoA":
         parts += [f"H={cfg.k}/{cfg.n_experts}", f"d_h={cfg.d_head}"]

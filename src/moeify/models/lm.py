@@ -90,8 +90,15 @@ class TransformerLM(nn.Module):
         self.reset_parameters()
 
     def _build_blocks(self, config: ModelConfig) -> nn.ModuleList:
-        return nn.ModuleList(build_block(config, attn, ff, depth) for attn, ff, depth in zip(
-            config.attention_layers(), config.feedforward_layers(), config.depth_layers()))
+        """One block per layer, or with MoEUT's grouping (config.group_size = G) the first G,
+        which ``layer_blocks`` repeats."""
+        layers = list(zip(config.attention_layers(), config.feedforward_layers(),
+                          config.depth_layers()))[:config.n_blocks]
+        return nn.ModuleList(build_block(config, attn, ff, depth) for attn, ff, depth in layers)
+
+    def layer_blocks(self) -> list[nn.Module]:
+        """The block applied at each of the n_layers layers (shared ones repeat)."""
+        return [self.blocks[i % len(self.blocks)] for i in range(self.config.n_layers)]
 
     def reset_parameters(self) -> None:
         """Embedding and output layer only; every layer initialises itself (§3)."""
@@ -111,7 +118,7 @@ class TransformerLM(nn.Module):
         ``cache=`` on successive pieces of a sequence (the first piece may be the whole prompt)
         and the logits equal those of one full forward pass without memory (Switch feedforwards:
         of the dropless model, moeify.layers.switch_ff's decoding rule)."""
-        return [attention_of(b).new_cache() for b in self.blocks]
+        return [attention_of(b).new_cache() for b in self.layer_blocks()]
 
     def forward(
         self,
@@ -137,7 +144,7 @@ class TransformerLM(nn.Module):
         losses: dict[str, torch.Tensor] = {}
         stats: dict[str, torch.Tensor] = {}
         routing: dict[str, RoutingStats] = {}
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.layer_blocks()):
             if keep_memory:
                 new_memory.append(x_BTD.detach())
             mem_BMD = None if memory is None else memory[i]
@@ -174,8 +181,8 @@ class TransformerLM(nn.Module):
         if memory is not None and cache is not None:
             raise ValueError("pass either memory (chunked XL training/evaluation) or cache "
                              "(incremental decoding), not both")
-        if memory is not None and len(memory) != len(self.blocks):
-            raise ValueError(f"memory must hold one tensor per block ({len(self.blocks)}), "
+        if memory is not None and len(memory) != cfg.n_layers:
+            raise ValueError(f"memory must hold one tensor per block ({cfg.n_layers}), "
                              f"got {len(memory)}")
         if memory is not None and any(m.dim() != 3 or m.shape[0] != ids_BT.shape[0]
                                       or m.shape[2] != cfg.d_model for m in memory):
@@ -183,8 +190,8 @@ class TransformerLM(nn.Module):
                              f"d_model={cfg.d_model}], got {[tuple(m.shape) for m in memory]}: "
                              "pass the previous call's output.memory for the same batch rows, "
                              "or memory=None to start afresh")
-        if cache is not None and len(cache) != len(self.blocks):
-            raise ValueError(f"cache must hold one entry per block ({len(self.blocks)}); "
+        if cache is not None and len(cache) != cfg.n_layers:
+            raise ValueError(f"cache must hold one entry per block ({cfg.n_layers}); "
                              "make it with model.new_cache()")
 
     def _embed(self, ids_BT: torch.Tensor, cache: list | None) -> torch.Tensor:
@@ -230,8 +237,10 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
 
 def build_block(config: ModelConfig, attn, ff, depth) -> nn.Module:
     """One layer: a pre-LN block of ``attn`` and ``ff``, wrapped by depth routing if ``depth``."""
-    block = TransformerBlock(config.d_model, attn.build(), ff.build(), config.dropout,
-                             norm=config.norm)
+    cls = TransformerBlock
+    if config.block == "peri_ln":
+        from moeify.layers.moeut import PeriNormBlock as cls
+    block = cls(config.d_model, attn.build(), ff.build(), config.dropout, norm=config.norm)
     if depth is None:
         return block
     from moeify.layers.depth import MixtureOfDepths

@@ -55,6 +55,8 @@ from moeify.models.registry import (
     Preset,
     paper,
 )
+from moeify.models.moeut_presets import MOEUT_PRESETS
+from moeify.models.mosa_presets import MOSA_PRESETS
 from moeify.models.repro_presets import REPRO_PRESETS
 
 # ---------------------------------------------------------------------------- tiny presets
@@ -434,7 +436,8 @@ TINY_PRESETS: tuple[Preset, ...] = (
            tiny_mode_integrated),
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in PAPER_PRESETS + TINY_PRESETS + REPRO_PRESETS}
+PRESETS: dict[str, Preset] = {p.name: p for p in PAPER_PRESETS + TINY_PRESETS + REPRO_PRESETS
+                              + MOEUT_PRESETS + MOSA_PRESETS}
 
 
 def register(name: str, description: str, **facts: Any) -> Callable:

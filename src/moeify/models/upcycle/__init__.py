@@ -66,7 +66,8 @@ DEPTH = {
 }
 
 
-MOE_CONFIGS = ("SwitchHeadConfig", "MoAConfig", "SigmaMoEConfig", "SwitchFFConfig")
+MOE_CONFIGS = ("SwitchHeadConfig", "MoAConfig", "SigmaMoEConfig", "SwitchFFConfig",
+               "MoSAConfig")
 
 
 # Dense components that no conversion takes, and why (named in the error).
@@ -82,6 +83,12 @@ def check_dense(config: ModelConfig, *, attention: bool = True, feedforward: boo
     SwitchHead takes its multi-head form, attention.py), the papers' ReLU MLP (DenseFFConfig) and
     an imported two-layer MLP (MLPConfig, e.g. GPT-2's GELU MLP). Other dense components (gated
     MLPs...) are not converted; they may stay as they are beside a converted part."""
+    if config.group_size or config.block != "pre_ln":
+        # No conversion maps per-layer dense weights onto G shared blocks: which layer's
+        # weights a shared block would take is a choice, not a function-preserving conversion.
+        raise ValueError("upcycling does not apply to shared-layer (MoEUT: group_size, "
+                         "peri_ln) models; upcycle a model with group_size=0 and "
+                         "block='pre_ln'")
     for name, dense, convert in (("attention", (DenseAttentionConfig,
                                                GroupedQueryAttentionConfig), attention),
                                  ("feedforward", (DenseFFConfig, MLPConfig), feedforward)):

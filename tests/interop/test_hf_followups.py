@@ -1,0 +1,56 @@
+"""Hugging Face export of the follow-ups: a MoEUT model (shared peri-layernorm blocks, one KV
+cache per layer application) exports through the remote-code model and decodes greedily as
+moeify does; MoSA is refused with the reason (its prefix-routing cache is not a transformers
+cache layer)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
+                                   "pip install 'moeify[hf]'")
+
+from moeify.data.tokenizers import ByteTokenizer  # noqa: E402
+from moeify.errors import MoeifyError  # noqa: E402
+from moeify.eval.generate import generate  # noqa: E402
+from moeify.interop import export_hf  # noqa: E402
+from moeify.train.checkpoint import save_checkpoint  # noqa: E402
+from moeify.train.config import TrainConfig, resolve_model_config  # noqa: E402
+from moeify.train.rundir import load_trained, model_config_dict, write_run_files  # noqa: E402
+
+
+def make_run(root, preset):
+    cfg = TrainConfig(preset=preset, model_overrides=("model.context_length=32",),
+                      tokenizer="byte256")
+    model_cfg = resolve_model_config(cfg, 256)
+    torch.manual_seed(0)
+    model = model_cfg.build()
+    run = root / preset
+    write_run_files(run, cfg, model_cfg, ByteTokenizer())
+    save_checkpoint(run, 1, model.state_dict(), {"step": 1},
+                    meta={"preset": preset, "model_config": model_config_dict(model_cfg)})
+    return run
+
+
+def test_moeut_exports_and_generates_as_moeify(tmp_path):
+    run = make_run(tmp_path, "tiny-moeut")
+    out = export_hf(run, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    model = load_trained(run).model
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(ids, use_cache=False).logits - model(ids).logits).abs().max() < 1e-5
+    new = generate(model, ids[0, :6].tolist(), max_new_tokens=10, temperature=0.0)
+    assert hf.generate(ids[:1, :6], max_new_tokens=10, do_sample=False)[0, 6:].tolist() == new
+
+
+def test_mosa_export_is_refused_with_the_reason(tmp_path):
+    run = make_run(tmp_path, "tiny-mosa")
+    with pytest.raises(MoeifyError, match="MoSA"):
+        export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
