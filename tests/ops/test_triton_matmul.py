@@ -262,3 +262,18 @@ def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():
     for a, b in zip(torch.autograd.grad(y, ins, g.to(DEVICE, f32)),
                     torch.autograd.grad(want, refs, g)):
         assert rel_err(a, b) <= TOL[f32]
+
+
+def test_autotune_off_gives_each_gpu_kernel_its_first_configuration(monkeypatch):
+    from moeify.ops import _triton_kernels as k
+
+    monkeypatch.setattr(k, "INTERPRET", False)
+    monkeypatch.setattr(k, "AUTOTUNE", False)
+    fixed = k.build()
+    assert fixed["autotuned"] is False
+    for name, configs in (("fwd", k.FWD_CONFIGS), ("bwd_w", k.BWD_W_CONFIGS)):
+        kernel, meta = fixed[name]
+        c = configs[0]
+        assert meta == {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    monkeypatch.setattr(k, "AUTOTUNE", True)
+    assert k.build()["autotuned"] is True

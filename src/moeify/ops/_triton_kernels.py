@@ -184,9 +184,30 @@ BWD_W_CONFIGS = [_cfg(64, 64, 64, 4, 3, ITERS=8), _cfg(64, 64, 128, 4, 3, ITERS=
                  _cfg(64, 128, 128, 8, 3, ITERS=4), _cfg(32, 64, 64, 4, 4, ITERS=16)]
 
 
+# MOEIFY_TRITON_AUTOTUNE=0: one fixed configuration per kernel on a GPU too, the first of each
+# list. Autotuning compiles and times every configuration of every kernel for each new (D, F, E):
+# seconds per shape, which a training run pays once, but a test suite that tries dozens of
+# shapes pays dozens of times (the GPU suite did not finish in 4 minutes with it).
+AUTOTUNE = os.environ.get("MOEIFY_TRITON_AUTOTUNE", "1") not in ("", "0")
+
+
+def _fixed(configs) -> tuple[dict, dict]:
+    """The first configuration's meta-parameters and its launch options (warps, stages)."""
+    c = configs[0]
+    return dict(c.kwargs), dict(num_warps=c.num_warps, num_stages=c.num_stages)
+
+
 def build():
-    """{name: (kernel, fixed meta-parameters)}: autotuned kernels on a GPU, one small fixed
-    configuration in the interpreter."""
+    """{name: (kernel, fixed meta-parameters)}: autotuned kernels on a GPU (one fixed
+    configuration each with MOEIFY_TRITON_AUTOTUNE=0), one small fixed configuration in the
+    interpreter."""
+    if not INTERPRET and not AUTOTUNE:
+        out = {}
+        for name, kernel, configs in (("fwd", _fwd, FWD_CONFIGS), ("bwd_x", _bwd_x, BWD_X_CONFIGS),
+                                      ("bwd_w", _bwd_w, BWD_W_CONFIGS)):
+            meta, launch = _fixed(configs)
+            out[name] = (kernel, {**meta, **launch})
+        return dict(out, autotuned=False)
     if INTERPRET:
         # One small configuration: the interpreter is slow and tests use tiny shapes.
         fixed = dict(BLOCK_M=16, BLOCK_D=32, BLOCK_F=32)
