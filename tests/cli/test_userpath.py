@@ -128,13 +128,13 @@ def test_install_hints_name_the_checkout_install_the_readme_uses():
     root = source_checkout()
     assert root is not None and (root / "pyproject.toml").is_file()
     readme = (root / "README.md").read_text()
-    assert 'pip install -e ".[dev,plot,tokenizers,hf,harness]"` in the checkout' in readme
+    assert 'pip install -e ".[dev,plot,tokenizers,hf,harness,triton]"` in the checkout' in readme
     # No message or help names a package that is not on any index.
     for path in (root / "src" / "moeify").rglob("*.py"):
         text = path.read_text()
         assert "pip install moeify" not in text and "pip install 'moeify[" not in text, path
     assert "pip install 'moeify[" not in readme and "pip install moeify" not in readme
-    # Nor the skip reasons make test lists (-rs), nor the docs' scripts.
+    # Nor the skip reasons make test lists (-rfEs), nor the docs' scripts.
     for path in [*(root / "tests").rglob("*.py"), *(root / "docs").rglob("*.py")]:
         if path.name != "test_userpath.py":
             assert "'moeify[" not in path.read_text(), path
@@ -210,7 +210,8 @@ def test_setup_and_make_test_say_what_they_do():
     setup = (root / "scripts" / "setup_env.sh").read_text()
     installs = [line for line in setup.splitlines() if "pip install" in line]
     assert installs and not any(" -q" in line for line in installs)  # pip shows its progress
-    assert "-rs" in (root / "pyproject.toml").read_text().split("addopts")[1].splitlines()[0]
+    report = (root / "pyproject.toml").read_text().split("addopts")[1].splitlines()[0]
+    assert "-rfEs" in report  # failures and errors summarised too, not only the skips
 
 
 def test_generate_samples_unconditionally_from_an_empty_prompt(corpus, tmp_path, capsys):

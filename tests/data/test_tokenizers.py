@@ -117,7 +117,7 @@ def test_sentencepiece_errors(small_corpus, monkeypatch):
     with pytest.raises(ValueError, match="at least 300"):
         train_sentencepiece(small_corpus, vocab_size=100)
     monkeypatch.setitem(sys.modules, "sentencepiece", None)
-    with pytest.raises(MoeifyError, match=r"moeify\[tokenizers\]"):
+    with pytest.raises(MoeifyError, match=r"pip install -e '\.\[tokenizers\]'"):
         train_sentencepiece(small_corpus, vocab_size=400)
 
 

@@ -19,22 +19,15 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
 from moeify.cli.main import main  # noqa: E402
 from moeify.data.tokenizers import ByteTokenizer  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
-from moeify.interop.hf_export import byte_level_tokenizer_json  # noqa: E402
 from moeify.models.cost import model_parameters  # noqa: E402
 from moeify.train.rundir import load_trained  # noqa: E402
+from hf_checkpoints import padded_batch, random_run, save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 V = 300  # model vocabulary; the byte-level test tokenizer has 256 ids (padded rows beyond)
 MAX_DIFF: dict[str, float] = {}  # measured differences, printed at the end of the module
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from transformers' tiny default init, so that every term shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(noise * 0.15 if p.dim() > 1 else 1.0 + 0.1 * noise)
 
 
 HF_CONFIGS = {
@@ -63,16 +56,7 @@ HF_CONFIGS = {
 
 def make_hf_checkpoint(root: Path, name: str, seed: int = 0):
     """A save_pretrained directory with random weights and a byte-level tokenizer.json."""
-    torch.manual_seed(seed)
-    cfg = HF_CONFIGS[name]()
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    _randomise(model, seed)
-    model.eval()
-    path = root / name
-    model.save_pretrained(path)
-    (path / "tokenizer.json").write_bytes(byte_level_tokenizer_json(range(256), unk=False))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "\u0120"}))  # "Ġ", id 32
-    return model, path
+    return save_checkpoint(HF_CONFIGS[name](), root, name, seed)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +72,7 @@ def imported(hf_dirs, tmp_path_factory):
 
 
 def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (2, 12), generator=g)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, 8:] = 0  # the second row is right-padded
-    return ids, mask
+    return padded_batch(V, seed)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -184,19 +164,7 @@ SMALL = ("model.n_layers=2", "model.context_length=32")
 
 def make_run(root: Path, preset: str, seed: int = 0) -> Path:
     """A run directory holding one checkpoint of a randomly initialised preset (byte256)."""
-    from moeify.train.checkpoint import save_checkpoint
-    from moeify.train.config import TrainConfig, resolve_model_config
-    from moeify.train.rundir import model_config_dict, write_run_files
-
-    cfg = TrainConfig(preset=preset, model_overrides=SMALL, tokenizer="byte256")
-    model_cfg = resolve_model_config(cfg, 256)
-    torch.manual_seed(seed)
-    model = model_cfg.build()
-    run = root / preset
-    write_run_files(run, cfg, model_cfg, ByteTokenizer())
-    save_checkpoint(run, 1, model.state_dict(), {"step": 1},
-                    meta={"preset": preset, "model_config": model_config_dict(model_cfg)})
-    return run
+    return random_run(root, preset, seed, SMALL)
 
 
 def load_exported(path: Path):

@@ -13,28 +13,17 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install 'moeify[hf]'")
+                                   "pip install -e '.[hf]' in the checkout")
 
-from moeify.data.tokenizers import ByteTokenizer  # noqa: E402
 from moeify.errors import MoeifyError  # noqa: E402
 from moeify.eval.generate import generate  # noqa: E402
 from moeify.interop import export_hf  # noqa: E402
-from moeify.train.checkpoint import save_checkpoint  # noqa: E402
-from moeify.train.config import TrainConfig, resolve_model_config  # noqa: E402
-from moeify.train.rundir import load_trained, model_config_dict, write_run_files  # noqa: E402
+from moeify.train.rundir import load_trained  # noqa: E402
+from hf_checkpoints import random_run  # noqa: E402
 
 
 def make_run(root, preset):
-    cfg = TrainConfig(preset=preset, model_overrides=("model.context_length=32",),
-                      tokenizer="byte256")
-    model_cfg = resolve_model_config(cfg, 256)
-    torch.manual_seed(0)
-    model = model_cfg.build()
-    run = root / preset
-    write_run_files(run, cfg, model_cfg, ByteTokenizer())
-    save_checkpoint(run, 1, model.state_dict(), {"step": 1},
-                    meta={"preset": preset, "model_config": model_config_dict(model_cfg)})
-    return run
+    return random_run(root, preset, overrides=("model.context_length=32",))
 
 
 def test_moeut_exports_and_generates_as_moeify(tmp_path):

@@ -17,13 +17,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install 'moeify[hf]'")
+                                   "pip install -e '.[hf]' in the checkout")
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
-from moeify.interop.hf_export import byte_level_tokenizer_json  # noqa: E402
 from moeify.models.cost import model_parameters  # noqa: E402
 from moeify.train.rundir import load_trained  # noqa: E402
+from hf_checkpoints import padded_batch, randomise, save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 V = 300
@@ -70,29 +70,13 @@ DENSE_CONFIGS = {
 CONFIGS = {**MOE_CONFIGS, **DENSE_CONFIGS}
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from transformers' tiny default init (and routers far from uniform), so that
-    every term, and every routing decision, shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(noise * 0.15 if p.dim() > 1 else 1.0 + 0.1 * noise)
 
 
 def make_checkpoint(root: Path, name: str, seed: int = 0, **overrides):
     cfg = CONFIGS[name]()
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    _randomise(model, seed)
-    model.eval()
-    path = root / name
-    model.save_pretrained(path)
-    (path / "tokenizer.json").write_bytes(byte_level_tokenizer_json(range(256), unk=False))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "\u0120"}))
-    return model, path
+    return save_checkpoint(cfg, root, name, seed)
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +92,7 @@ def imported(checkpoints, tmp_path_factory):
 
 
 def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (2, 12), generator=g)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, 8:] = 0  # the second row is right-padded
-    return ids, mask
+    return padded_batch(V, seed)
 
 
 def _load_native(path: Path, model_type: str):
@@ -340,7 +320,7 @@ def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
 
     cfg = _native_moeify_model(kind)
     model = cfg.build()
-    _randomise(model, 4)
+    randomise(model, 4)
     run = tmp_path / "run"
     write_run_files(run, TrainConfig(preset=RUN_MODEL_PRESET, tokenizer="byte256"), cfg,
                     ByteTokenizer())

@@ -413,5 +413,5 @@ def test_triton_is_optional(monkeypatch):
     monkeypatch.setattr(triton_matmul, "triton_available", lambda: False)
     x, idx, w, gates = routed_inputs(8, 2, 4, 16, 8, dtype=f32)
     assert chosen_impl("auto", x, idx, w) != "triton"
-    with pytest.raises(ValueError, match=r"moeify\[triton\]"):
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[triton\]'"):
         expert_matmul(x, idx, w, gates, impl="triton")

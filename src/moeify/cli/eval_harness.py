@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import sys
+from pathlib import Path
 
 HF_OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 # Bootstrap resamples for the stderr of non-mean metrics (LAMBADA perplexity); lm-eval's CLI
@@ -69,16 +70,29 @@ def default_out(run_dir, checkpoint: str, tasks: list[str], limit: int | None):
 
 
 def run_harness(args) -> int:
-    import json
-    import logging
-    from pathlib import Path
-
     if args.task is not None or args.data is not None:
         raise ValueError("--harness replaces --task and --data: the task configs name their "
                          "files (point them at your data with --data-dir or $MOEIFY_DATA_DIR)")
     tasks = parse_tasks(args.harness)
-    if args.data_dir is not None:
-        os.environ["MOEIFY_DATA_DIR"] = str(Path(args.data_dir).expanduser())
+    if args.data_dir is None:
+        return _run_harness(args, tasks)
+    # The task configs read the data directory from the environment: set for this command only
+    # (a caller in the same process, e.g. a test or a notebook, keeps its own).
+    old = os.environ.get("MOEIFY_DATA_DIR")
+    os.environ["MOEIFY_DATA_DIR"] = str(Path(args.data_dir).expanduser())
+    try:
+        return _run_harness(args, tasks)
+    finally:
+        if old is None:
+            os.environ.pop("MOEIFY_DATA_DIR", None)
+        else:
+            os.environ["MOEIFY_DATA_DIR"] = old
+
+
+def _run_harness(args, tasks) -> int:
+    import json
+    import logging
+
     go_offline()
     from moeify.interop.harness import MoeifyLM, local_task_manager
 
