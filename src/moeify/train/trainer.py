@@ -37,6 +37,7 @@ from moeify.ops.optim import adamw
 from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
 from moeify.train import parallel
+from moeify.train.balancing import Balancing
 from moeify.train import sharded as sharded_io
 from moeify.train.distributed import DistEnv, pick_device, setup_distributed
 from moeify.train.lock import RunLock
@@ -213,6 +214,7 @@ class Trainer:
             self.model, cfg.parallel, device=self.device, distributed=self.env.enabled,
             compile=cfg.compile)
         self.sharded = cfg.parallel == "fsdp"
+        self.balancing = Balancing(self.model, self.env)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = adamw(  # fused where torch can (moeify.ops.optim)
@@ -497,11 +499,13 @@ class Trainer:
         sums_2 = torch.zeros(2, device=self.device, dtype=torch.float32)
         new_memory: list[list[torch.Tensor]] = []
         out = None
+        self.balancing.start_step()
         for a, w_bT, mem in self._micro_batches(window_BT):
             with parallel.gradient_sync(self.train_model, a == cfg.grad_accum - 1):
                 with autocast_context(self.device, self.amp_dtype):
                     out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem,
                                            return_logits=False)
+                self.balancing.after_forward(out)
                 total = (out.loss + out.aux_loss) / cfg.grad_accum
                 self.scaler.scale(total).backward()
             sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
@@ -524,11 +528,12 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        load = self.balancing.after_optimizer_step()  # loss-free bias updates, once per step
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += cfg.batch_size * self.T
         return {"loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
-                "losses": out.losses, "stats": out.stats}
+                "losses": out.losses, "stats": out.stats, "load": load}
 
     def validate(self) -> dict[str, float]:
         return evaluate_stream(self.model, self.valid_tokens, self.tokenizer, seq_len=self.T,
@@ -634,6 +639,11 @@ class Trainer:
                       "aux_loss": rec["aux_loss"]}
             record.update({f"aux/{k}": float(v.detach()) for k, v in rec["losses"].items()})
             record.update({f"stats/{k}": summarise_tensor(v) for k, v in rec["stats"].items()})
+            for k, c in rec.get("load", {}).items():
+                # Per-expert load of the update, all micro-batches and processes: the counts and
+                # max / mean (1 = perfectly balanced).
+                record[f"load/{k}"] = [int(v) for v in c.tolist()]
+                record[f"load_spread/{k}"] = float(c.max() / c.mean().clamp_min(1e-9))
             sink.write(record)
         progress.update(self.step, {"loss": mean_loss, name: score, "lr": rec["lr"]}, tps,
                         force=force)
