@@ -76,6 +76,8 @@ class SigmaMoEConfig:
     shared:         an MLPConfig or GatedMLPConfig: a shared expert (DeepSeekMoE) added to
                     every token; e.g. MLPConfig(d_model=D, d_ff=n_shared * G, activation="relu",
                     bias=False) for n_shared experts of the routed ones' size. None = none.
+    n_shared:       DeepSeekMoE's shared experts: n_shared experts of the routed ones' form and
+                    size, always on (instead of ``shared``; moeify.layers.shared_expert).
     shared_gate:    scale the shared expert by σ(w · x) (Qwen2-MoE); DeepSeekMoE has none.
     lossfree_rate:  gamma of loss-free balancing (0 = off; the paper's 1e-3).
     lossfree_centre: subtract the mean from the bias after each update (not the paper's)."""
@@ -92,6 +94,7 @@ class SigmaMoEConfig:
     bias: bool = False
     activation: str = "relu"
     shared: MLPConfig | GatedMLPConfig | None = later_option(None)
+    n_shared: int = later_option(0)
     shared_gate: bool = later_option(False)
     lossfree_rate: float = later_option(0.0)
     lossfree_centre: bool = later_option(False)

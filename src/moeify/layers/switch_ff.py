@@ -118,6 +118,8 @@ class SwitchFFConfig:
     shared:         a GatedMLPConfig (or MLPConfig): a dense expert every token goes through
                     (Qwen2-MoE, DeepSeekMoE), its output added to the routed experts'; None =
                     none.
+    n_shared:       DeepSeekMoE's shared experts: n_shared experts of the routed ones' form and
+                    size, always on (instead of ``shared``; moeify.layers.shared_expert).
     shared_gate:    the shared expert's output is scaled by σ(w · x), a learned scalar per
                     token (``shared_gate.weight`` [1, D]; Qwen2-MoE's ``shared_expert_gate``).
     balance_scope:  "batch" (the Switch paper's loss over this forward's tokens) or "global"
@@ -144,6 +146,7 @@ class SwitchFFConfig:
     gated: bool = later_option(False)
     renormalize: bool = later_option(False)
     shared: GatedMLPConfig | MLPConfig | None = later_option(None)
+    n_shared: int = later_option(0)
     shared_gate: bool = later_option(False)
     balance_scope: str = later_option("batch")
     lossfree_rate: float = later_option(0.0)
