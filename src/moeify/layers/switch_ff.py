@@ -330,15 +330,17 @@ class SwitchFeedForward(nn.Module):
         return y_ND.view(M, K, -1).sum(1)
 
     def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
-        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto".
+        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto". The
+        # plan spans the experts this module holds (a shard of them under expert parallelism).
         c = self.config
+        E_here = self.w_in_EDF.shape[0]
         if c.gated:
             return gated_expert_mlp(x_RD, ids_RK, self.w_gate_EDF, self.w_in_EDF, self.w_out_EFD,
                                     gates_RK, activation=ACTIVATIONS[c.activation],
-                                    impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
+                                    impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                                     dropout=c.expert_dropout, training=self.training)
         return expert_mlp(x_RD, ids_RK, self.w_in_EDF, self.w_out_EFD, gates_RK,
-                          impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
+                          impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                           dropout=c.expert_dropout, training=self.training,
                           bias_EG=self.bias_EF if c.bias else None,
                           activation=expert_activation(c.activation))

@@ -208,6 +208,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights in every process
         self.model = self.model_cfg.build().to(self.device)
         torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
+        # Expert parallelism: each process keeps its shard of the experts (before DDP, which
+        # must ignore them, and before the optimizer, which must see the shards).
+        self.ep = None
+        if cfg.expert_parallel > 1:
+            from moeify.train.expert_parallel import ExpertParallel
+
+            self.ep = ExpertParallel(self.model, cfg.expert_parallel, self.device)
+            if self.env.enabled:
+                self.ep.ignore_in_ddp(self.model)
         # Compiled and/or sharded in place, or wrapped by DDP; before the optimizer, which must
         # see the sharded parameters under FSDP.
         self.train_model: torch.nn.Module = parallel.parallelize(
@@ -341,8 +350,14 @@ class Trainer:
                                   "parallel=ddp (sharded runs resume sharded checkpoints)")
             ckpt = ckpt_io.load_checkpoint(ckpt_dir, map_location="cpu",
                                            model_config=model_config_dict(self.model_cfg))
-            ckpt_io.load_model_state(self.model, ckpt)
             st = ckpt.train_state
+            if self.ep is not None:  # full experts on disk: keep this process's rows
+                model_state, opt_state = self.ep.load_full_state(
+                    ckpt.model_state, st.get("optimizer"), self.optimizer)
+                ckpt = dataclasses.replace(ckpt, model_state=model_state)
+                if opt_state is not None:
+                    st = {**st, "optimizer": opt_state}
+            ckpt_io.load_model_state(self.model, ckpt)
             if self.weights_only:
                 # Weights without a training state (moeify import): training starts at step 0
                 # with a fresh optimizer and data position, under the settings of this
@@ -404,6 +419,9 @@ class Trainer:
         meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg),
                 "train_config": self.cfg.to_dict()}
         state = None
+        full = None
+        if self.ep is not None and not self.sharded:  # collective: gathers the expert shards
+            full = self.ep.full_state(self.model, self.optimizer)
         if self.env.is_main:
             memory = None if any(m is None for m in mems) else [
                 torch.cat([m[i] for m in mems], 0) for i in range(len(mems[0]))]
@@ -423,9 +441,11 @@ class Trainer:
         error = None
         path = None
         if self.env.is_main:
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer"] = self.optimizer.state_dict() if full is None else full[1]
             try:
-                path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
+                path = ckpt_io.save_checkpoint(self.run_dir, self.step,
+                                               self.model.state_dict() if full is None
+                                               else full[0],
                                                state, meta=meta, keep=self.cfg.keep_checkpoints)
             except ckpt_io.NonFiniteState as e:
                 error = f"{e}. {self._last_good()}"
@@ -511,6 +531,8 @@ class Trainer:
             sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
             if out.memory is not None:
                 new_memory.append(out.memory)
+        if self.ep is not None:
+            self.ep.sync_grads()  # DDP averaged the rest; the expert shards are ours to reduce
         if new_memory:
             self.memory = [torch.cat(parts, 0) for parts in zip(*new_memory)]
         losses_2 = self.env.all_reduce_mean_(sums_2 / cfg.grad_accum)
@@ -522,8 +544,11 @@ class Trainer:
                            "weights")
         self.scaler.unscale_(self.optimizer)
         params = self.model.parameters()
-        grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(
-            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        if self.ep is not None:
+            grad_norm = self.ep.clip_grad_norm_(params, max_norm)
+        else:
+            grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged as such)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -614,7 +639,8 @@ class Trainer:
             self._log_train(rec, sink, progress, clock, force=done)
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
             clock.pause()
-            if self.env.is_main or self.sharded:  # a sharded forward is collective
+            # A sharded or expert-parallel forward is collective.
+            if self.env.is_main or self.sharded or self.ep is not None:
                 result.valid = self._log_validation(sink, progress)
             valid_loss = self.env.broadcast_object(result.valid and result.valid["loss"])
             if valid_loss is not None and not math.isfinite(valid_loss):
