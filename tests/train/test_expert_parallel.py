@@ -198,3 +198,32 @@ def test_twenty_steps_equal_one_process_and_the_checkpoint_resumes_in_one(setup)
     b = train(more, tmp / "ep", resume=True, quiet=True, schedule="extend")
     for s in (STEPS + 1, STEPS + 2):
         assert abs(a.losses[s] - b.losses[s]) < 1e-3, (s, a.losses[s], b.losses[s])
+
+
+def test_switch_with_capacity_trains_like_data_parallel(setup):
+    """Capacity is per process under expert parallelism, as under plain DDP: an expert-parallel
+    Switch run with a capacity (tokens dropped) equals the DDP run of the same processes."""
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-switch", data=str(corpus), tokenizer="byte256", steps=5,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                      model_overrides=TINY[:3] + ("model.feedforward.d_ff=32",
+                                                  "model.feedforward.capacity_factor=1.0"))
+    runs = {}
+    for degree in (1, 2):
+        out = tmp / f"switch{degree}.pt"
+        c = TrainConfig.from_dict({**cfg.to_dict(), "expert_parallel": degree})
+        gc.collect()
+        mp.start_processes(_train_worker, args=(2, str(tmp / f"pg{degree}"), c.to_dict(),
+                                                str(tmp / f"switch{degree}"), str(out)),
+                           nprocs=2, join=True, start_method="fork")
+        runs[degree] = torch.load(out)
+    for s in range(1, 6):
+        assert abs(runs[2]["losses"][s] - runs[1]["losses"][s]) < 1e-5, s
+    import json
+
+    records = [json.loads(line) for line in (tmp / "switch2" / "metrics.jsonl").open()]
+    dropped = [v for r in records for k, v in r.items() if k.endswith("fraction_dropped")]
+    assert dropped and max(dropped) > 0  # the capacity did drop tokens
+    loads = [v for r in records for k, v in r.items() if k.startswith("load/")]
+    assert loads and all(sum(v) == 2 * 2 * 16 for v in loads)  # every process's tokens, k=1
