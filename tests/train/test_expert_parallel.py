@@ -227,3 +227,55 @@ def test_switch_with_capacity_trains_like_data_parallel(setup):
     assert dropped and max(dropped) > 0  # the capacity did drop tokens
     loads = [v for r in records for k, v in r.items() if k.startswith("load/")]
     assert loads and all(sum(v) == 2 * 2 * 16 for v in loads)  # every process's tokens, k=1
+
+
+def test_four_processes_two_data_parallel_by_two_expert_parallel(setup):
+    """The 2-D mesh with both dimensions > 1: 4 processes, expert_parallel=2 (dp 2 x ep 2) with
+    gradient accumulation, train like one process for 5 steps (expert gradients reduced over
+    the dp group too); the checkpoint resumes at expert_parallel=2 in 2 processes."""
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=5,
+                      batch_size=8, grad_accum=2, warmup_steps=1, lr=3e-3, min_lr_ratio=0.1,
+                      log_every=1, eval_every=0, eval_tokens=256, eval_batch_size=2,
+                      checkpoint_every=0, model_overrides=TINY)
+    single = _fit(cfg, tmp / "one")
+    out = tmp / "four.pt"
+    gc.collect()
+    mp.start_processes(_train_worker, args=(4, str(tmp / "pg4"),
+                                            {**cfg.to_dict(), "expert_parallel": 2},
+                                            str(tmp / "four"), str(out)),
+                       nprocs=4, join=True, start_method="fork")
+    four = torch.load(out)
+    for s in range(1, 6):
+        assert abs(four["losses"][s] - single["losses"][s]) < 1e-5, s
+    for s, (g4, g1) in enumerate(zip(four["grads"], single["grads"]), 1):
+        for k in g1:
+            err = (g4[k] - g1[k]).norm().item()
+            assert err <= (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7, (s, k)
+    # Written by 4 processes at degree 2, resumed by 2 processes at degree 2 (another mesh).
+    more = {**cfg.to_dict(), "steps": 7, "expert_parallel": 2}
+    a = train(TrainConfig.from_dict({**more, "expert_parallel": 1}), tmp / "one", resume=True,
+              quiet=True, schedule="extend")
+    out2 = tmp / "resumed.pt"
+    gc.collect()
+    mp.start_processes(_resume_worker, args=(2, str(tmp / "pg2"), more, str(tmp / "four"),
+                                             str(out2)), nprocs=2, join=True,
+                       start_method="fork")
+    b = torch.load(out2)
+    for s in (6, 7):
+        assert abs(a.losses[s] - b[s]) < 1e-3, (s, a.losses[s], b[s])
+
+
+def _resume_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        res = train(TrainConfig.from_dict(cfg_dict), run_dir, resume=True, quiet=True,
+                    schedule="extend")
+        if rank == 0:
+            torch.save(res.losses, out_file)
+    finally:
+        dist.destroy_process_group()
