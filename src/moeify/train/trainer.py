@@ -668,7 +668,7 @@ class Trainer:
             for k, c in rec.get("load", {}).items():
                 # Per-expert load of the update, all micro-batches and processes: the counts and
                 # max / mean (1 = perfectly balanced).
-                record[f"load/{k}"] = [int(v) for v in c.tolist()]
+                record[f"load/{k}"] = summarise_tensor(c)  # the counts (up to 64 experts)
                 record[f"load_spread/{k}"] = float(c.max() / c.mean().clamp_min(1e-9))
             sink.write(record)
         progress.update(self.step, {"loss": mean_loss, name: score, "lr": rec["lr"]}, tps,
@@ -720,6 +720,8 @@ class Trainer:
 
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.model.parameters())
+        if self.ep is not None:  # the other processes' expert shards
+            n_params += (self.ep.P - 1) * sum(p.numel() for p in self.ep.params.values())
         return (f"training {self.cfg.preset} ({n_params / 1e6:.2f}M parameters) on "
                 f"{self.corpus.name} with the {self.tokenizer.name} tokenizer (vocab "
                 f"{self.tokenizer.vocab_size}): {self.cfg.steps} steps x {self.cfg.batch_size} x "
