@@ -279,3 +279,15 @@ def _resume_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
             torch.save(res.losses, out_file)
     finally:
         dist.destroy_process_group()
+
+
+def test_expert_parallel_settings_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="does not compose with parallel=fsdp"):
+        TrainConfig(expert_parallel=2, parallel="fsdp")
+    with pytest.raises(ValueError, match="positive integer"):
+        TrainConfig(expert_parallel=0)
+    assert "expert_parallel" not in TrainConfig().to_dict()  # old config.json files unchanged
+    assert TrainConfig.from_dict({**TrainConfig().to_dict(), "expert_parallel": 2}) \
+        .expert_parallel == 2
