@@ -389,6 +389,12 @@ def test_native_export_names_the_expert_difference(imported):
     gated = dataclasses.replace(switch, gated=True, bias=False, activation="silu")
     with pytest.raises(MoeifyError, match="dropless=False"):
         native_type(_upcycled_gpt2(imported, gated))
+    # A loss-free balancing bias, or shared experts given as n_shared, have no native form.
+    for change, why in (({"lossfree_rate": 1e-3}, "loss-free balancing bias"),
+                        ({"n_shared": 1}, "n_shared")):
+        with pytest.raises(MoeifyError, match=why):
+            native_type(_upcycled_gpt2(imported, dataclasses.replace(gated, dropless=True,
+                                                                      **change)))
 
 
 def test_native_export_names_what_a_changed_import_no_longer_matches(imported, tmp_path,

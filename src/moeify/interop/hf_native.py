@@ -140,6 +140,9 @@ def _experts(m: _Model, *, renormalize: bool | None, shared: bool, dense_ok: boo
     _need(f.dropless, "its routing has a capacity limit (dropless=False) that drops tokens; "
           "transformers' MoE blocks drop none")
     _need(f.expert_dropout == 0, f"its expert dropout is {f.expert_dropout} (needs 0)")
+    _need(f.lossfree_rate == 0, "its routing adds a loss-free balancing bias to the scores "
+          "(lossfree_rate), which transformers' MoE blocks do not")
+    _need(f.n_shared == 0, "its shared experts are given as n_shared (DeepSeekMoE form)")
     if renormalize is not None:
         _need(f.renormalize == renormalize, "its top-k gates are " +
               ("not renormalised" if renormalize else "renormalised to sum 1"))

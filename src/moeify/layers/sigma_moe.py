@@ -14,6 +14,11 @@ output bias: the form of a dense MLP with biases and another activation, for upc
 Regulariser (coefficient gamma = ``entropy_coef``, returned as the aux loss "entropy"): minus the
 entropy of the batch-averaged softmax of the selection logits; routing itself stays sigmoid.
 
+Options of later work: ``shared`` (DeepSeekMoE's shared expert isolation: a dense expert every
+token goes through, moeify.layers.shared_expert) and ``lossfree_rate`` (loss-free balancing,
+arXiv 2408.15664: a buffer ``expert_bias`` [E] added to the sigmoid scores for the top-k choice
+only, updated by the trainer after each optimizer step, moeify.train.balancing).
+
 Shape legend: B batch, T tokens, M = B·T rows, D d_model, E experts, G expert size (hidden
 units per expert), K experts per token.
 """
@@ -34,11 +39,14 @@ from moeify.layers.common import (
     check_probability,
     check_token_input,
     init_scale,
+    later_option,
     register_usage,
     routing_record,
     renorm_rows_,
 )
 from moeify.layers.ff_common import check_activation, expert_activation, routing_stats
+from moeify.layers.mlp import GatedMLPConfig, MLPConfig
+from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import batch_entropy_loss
 from moeify.ops.expert_matmul import make_plan
 from moeify.ops.expert_mlp import expert_mlp
@@ -64,7 +72,15 @@ class SigmaMoEConfig:
                     (moeify.models.upcycle).
     activation:     the experts' hidden activation, one of moeify.layers.ff_common.ACTIVATIONS:
                     "relu" is the paper's; "gelu_tanh" / "gelu" / "silu" hold experts split
-                    from a dense MLP with that activation (GPT-2's is "gelu_tanh")."""
+                    from a dense MLP with that activation (GPT-2's is "gelu_tanh").
+    shared:         an MLPConfig or GatedMLPConfig: a shared expert (DeepSeekMoE) added to
+                    every token; e.g. MLPConfig(d_model=D, d_ff=n_shared * G, activation="relu",
+                    bias=False) for n_shared experts of the routed ones' size. None = none.
+    n_shared:       DeepSeekMoE's shared experts: n_shared experts of the routed ones' form and
+                    size, always on (instead of ``shared``; moeify.layers.shared_expert).
+    shared_gate:    scale the shared expert by σ(w · x) (Qwen2-MoE); DeepSeekMoE has none.
+    lossfree_rate:  gamma of loss-free balancing (0 = off; the paper's 1e-3).
+    lossfree_centre: subtract the mean from the bias after each update (not the paper's)."""
 
     d_model: int
     n_experts: int
@@ -77,10 +93,20 @@ class SigmaMoEConfig:
     expert_impl: str = "auto"
     bias: bool = False
     activation: str = "relu"
+    shared: MLPConfig | GatedMLPConfig | None = later_option(None)
+    n_shared: int = later_option(0)
+    shared_gate: bool = later_option(False)
+    lossfree_rate: float = later_option(0.0)
+    lossfree_centre: bool = later_option(False)
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_experts", "expert_size", "n_layers")
         check_activation(self)
+        check_shared(self)
+        check_nonnegative(self, "lossfree_rate")
+        if not isinstance(self.lossfree_centre, bool):
+            raise ValueError(f"SigmaMoEConfig.lossfree_centre must be True or False, "
+                             f"got {self.lossfree_centre!r}")
         if not isinstance(self.bias, bool):
             raise ValueError(f"SigmaMoEConfig.bias must be True or False, got {self.bias!r}")
         if not 1 <= self.k <= self.n_experts:
@@ -110,7 +136,13 @@ class SigmaMoE(nn.Module):
         if config.bias:
             self.bias_EG = nn.Parameter(torch.zeros(E, G))
             self.bias_D = nn.Parameter(torch.zeros(D))
+        build_shared(self, config)
+        if config.lossfree_rate > 0:  # persistent: a resumed run keeps its balance
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         register_usage(self, "usage", (E,))
+        # Injected from moeify.train (never set by the model): dispatch(layer, x_MD, idx_MK,
+        # gates_MK, keep_MK) -> y_MD runs the experts elsewhere (expert parallelism).
+        self.dispatch = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -126,6 +158,7 @@ class SigmaMoE(nn.Module):
         if c.bias:
             self.bias_EG.zero_()
             self.bias_D.zero_()
+        reset_shared_gate(self, c)
 
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
@@ -134,7 +167,8 @@ class SigmaMoE(nn.Module):
         exclude_ME = None
         if self.training and c.expert_dropout > 0:
             exclude_ME = torch.rand_like(logits_ME) < c.expert_dropout
-        top = sigmoid_topk(logits_ME, c.k, exclude=exclude_ME)
+        top = sigmoid_topk(logits_ME, c.k, exclude=exclude_ME,
+                           bias=self.expert_bias if c.lossfree_rate > 0 else None)
         gates_MK = top.gates
         if exclude_ME is not None:
             # A dropped expert's score is 0 (spec): picked only when fewer than k survive.
@@ -157,16 +191,15 @@ class SigmaMoE(nn.Module):
             x_MD if router_BTD is None else router_BTD.reshape(B * T, D))
         M, K = idx_MK.shape
 
-        # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's
-        # choose_impl decides "auto", and the hidden units stay in expert order between them.
-        y_MD = expert_mlp(x_MD, idx_MK, self.keys_EDG, self.values_EGD, gates_MK,
-                          impl=c.expert_impl, plan=make_plan(idx_MK, c.n_experts),
-                          dropout=c.dropout, training=self.training,
-                          bias_EG=self.bias_EG if c.bias else None,
-                          activation=expert_activation(c.activation))
+        if self.dispatch is not None:
+            keep = None if valid_M is None else valid_M[:, None].expand(M, K)
+            y_MD = self.dispatch(self, x_MD, idx_MK, gates_MK, keep)
+        else:
+            y_MD = self._mlp(x_MD, idx_MK, gates_MK)
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
+        y_BTD = add_shared(self, c, y_BTD, x_BTD, valid_BT)
 
         aux = Aux()
         if c.entropy_coef != 0:
@@ -180,3 +213,21 @@ class SigmaMoE(nn.Module):
             aux.stats["batch_entropy"] = -batch_entropy_loss(logits_ME.detach(), valid_M)
         accumulate_usage(self, "usage", counts_E)
         return y_BTD, aux
+
+    def _mlp(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, gates_RK: torch.Tensor,
+             *, keys_EDG: torch.Tensor | None = None, values_EGD: torch.Tensor | None = None,
+             bias_EG: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts on rows ``x_RD``: sum over k of gate · expert_{ids[r, k]}(x_r), [R, D].
+        The weights default to the layer's own; expert parallelism passes this process's
+        shard of them (E_local experts, ids in [0, E_local))."""
+        c = self.config
+        keys_EDG = self.keys_EDG if keys_EDG is None else keys_EDG
+        values_EGD = self.values_EGD if values_EGD is None else values_EGD
+        if bias_EG is None and c.bias:
+            bias_EG = self.bias_EG
+        # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's
+        # choose_impl decides "auto", and the hidden units stay in expert order between them.
+        return expert_mlp(x_RD, ids_RK, keys_EDG, values_EGD, gates_RK,
+                          impl=c.expert_impl, plan=make_plan(ids_RK, keys_EDG.shape[0]),
+                          dropout=c.dropout, training=self.training, bias_EG=bias_EG,
+                          activation=expert_activation(c.activation))

@@ -19,7 +19,17 @@ exact form of the checkpoint's computation (moeify.interop.hf_import):
                  probabilities, as in Switch
     shared       an always-on dense expert added to every token (Qwen2-MoE's shared expert),
                  y += σ(w_sg · x) · shared(x) with ``shared_gate`` (its scalar sigmoid gate), or
-                 y += shared(x) without
+                 y += shared(x) without (DeepSeekMoE; moeify.layers.shared_expert)
+
+Balancing, besides the per-batch balance loss (moeify.ops.aux_losses):
+
+    balance_scope="global"  the balance loss's f_i from the top-1 counts of the whole update
+                 (all processes, the micro-batches so far: arXiv 2501.11873), handed to the layer
+                 by the trainer through ``count_sync`` (layers never touch torch.distributed);
+                 without one (a single forward) it is the per-batch loss.
+    lossfree_rate=gamma     loss-free balancing (arXiv 2408.15664): a buffer ``expert_bias``
+                 [E + Z] is added to the softmax probabilities for the top-k choice only; the
+                 trainer updates it after each optimizer step (moeify.train.balancing).
 
 Capacity: each expert takes at most ceil(M · k / (E + Z) · capacity_factor) (token, choice) pairs
 of the batch (M = B·T rows, padding included in M so that shapes stay static; padding itself
@@ -74,12 +84,16 @@ from moeify.layers.common import (
 )
 from moeify.layers.ff_common import (ACTIVATIONS, check_activation, expert_activation,
                                      routing_stats)
-from moeify.layers.mlp import GatedMLPConfig
-from moeify.ops.aux_losses import switch_balance_loss, z_loss
+from moeify.layers.mlp import GatedMLPConfig, MLPConfig
+from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
+from moeify.ops.aux_losses import global_balance_loss, switch_balance_loss, z_loss
 from moeify.ops.expert_matmul import make_plan
 from moeify.ops.expert_mlp import expert_mlp
 from moeify.ops.gated_expert_mlp import gated_expert_mlp
-from moeify.ops.routing import capacity_mask, expert_capacity, router_logits, softmax_topk
+from moeify.ops.routing import (capacity_mask, count_selections, expert_capacity,
+                                router_logits, softmax_topk)
+
+BALANCE_SCOPES = ("batch", "global")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,10 +115,17 @@ class SwitchFFConfig:
                     units act(x · w_gate) ⊙ (x · w_in) (Mixtral, Qwen-MoE, OLMoE; no biases).
     renormalize:    the k kept softmax gates are rescaled to sum to 1 (Mixtral; Qwen-MoE and
                     OLMoE with ``norm_topk_prob``).
-    shared:         a GatedMLPConfig: a dense expert every token goes through (Qwen2-MoE), its
-                    output added to the routed experts'; None = none.
+    shared:         a GatedMLPConfig (or MLPConfig): a dense expert every token goes through
+                    (Qwen2-MoE, DeepSeekMoE), its output added to the routed experts'; None =
+                    none.
+    n_shared:       DeepSeekMoE's shared experts: n_shared experts of the routed ones' form and
+                    size, always on (instead of ``shared``; moeify.layers.shared_expert).
     shared_gate:    the shared expert's output is scaled by σ(w · x), a learned scalar per
                     token (``shared_gate.weight`` [1, D]; Qwen2-MoE's ``shared_expert_gate``).
+    balance_scope:  "batch" (the Switch paper's loss over this forward's tokens) or "global"
+                    (f_i over the update's global batch; module docstring).
+    lossfree_rate:  gamma of loss-free balancing (0 = off; the paper's 1e-3).
+    lossfree_centre: subtract the mean from the bias after each update (not the paper's).
     The initialisation is the Switch paper's 0.1x scale, std sqrt(0.1 / fan_in), which does not
     depend on the model depth."""
 
@@ -124,24 +145,27 @@ class SwitchFFConfig:
     activation: str = "relu"
     gated: bool = later_option(False)
     renormalize: bool = later_option(False)
-    shared: GatedMLPConfig | None = later_option(None)
+    shared: GatedMLPConfig | MLPConfig | None = later_option(None)
+    n_shared: int = later_option(0)
     shared_gate: bool = later_option(False)
+    balance_scope: str = later_option("batch")
+    lossfree_rate: float = later_option(0.0)
+    lossfree_centre: bool = later_option(False)
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
         check_activation(self)
-        for name in ("bias", "gated", "renormalize", "shared_gate"):
+        for name in ("bias", "gated", "renormalize", "lossfree_centre"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SwitchFFConfig.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")
         if self.gated and self.bias:
             raise ValueError("SwitchFFConfig: gated experts have no biases; set bias=False")
-        if self.shared is not None and (not isinstance(self.shared, GatedMLPConfig)
-                                        or self.shared.d_model != self.d_model):
-            raise ValueError(f"SwitchFFConfig.shared must be a GatedMLPConfig with d_model="
-                             f"{self.d_model} (or None), got {self.shared!r}")
-        if self.shared_gate and self.shared is None:
-            raise ValueError("SwitchFFConfig: shared_gate=True needs a shared expert (shared=)")
+        check_shared(self)
+        if self.balance_scope not in BALANCE_SCOPES:
+            raise ValueError(f"SwitchFFConfig.balance_scope must be one of "
+                             f"{', '.join(BALANCE_SCOPES)}, got {self.balance_scope!r}")
+        check_nonnegative(self, "lossfree_rate")
         if self.noop_experts < 0:
             raise ValueError(f"SwitchFFConfig.noop_experts must be >= 0, got {self.noop_experts}")
         choices = self.n_experts + self.noop_experts
@@ -177,10 +201,14 @@ class SwitchFeedForward(nn.Module):
         self.w_out_EFD = nn.Parameter(torch.empty(E, Fh, D))
         if config.gated:
             self.w_gate_EDF = nn.Parameter(torch.empty(E, D, Fh))
-        if config.shared is not None:
-            self.shared = config.shared.build()
-            if config.shared_gate:
-                self.shared_gate = nn.Linear(D, 1, bias=False)
+        build_shared(self, config)
+        if config.lossfree_rate > 0:  # persistent: a resumed run keeps its balance
+            self.register_buffer("expert_bias", torch.zeros(R, dtype=torch.float32))
+        # Injected from moeify.train (never set by the model): count_sync(counts_R) -> the
+        # update's global top-1 counts (balance_scope="global"); dispatch(layer, x_MD, idx_MK,
+        # gates_MK, keep_MK) -> y_MD, the experts run elsewhere (expert parallelism).
+        self.count_sync = None
+        self.dispatch = None
         if config.bias:
             self.bias_EF = nn.Parameter(torch.zeros(E, Fh))
             self.bias_D = nn.Parameter(torch.zeros(D))
@@ -197,8 +225,7 @@ class SwitchFeedForward(nn.Module):
         trunc_normal_(self.w_out_EFD, (0.1 / c.d_ff) ** 0.5)
         if c.gated:
             trunc_normal_(self.w_gate_EDF, (0.1 / c.d_model) ** 0.5)
-        if c.shared_gate:
-            trunc_normal_(self.shared_gate.weight, (0.1 / c.d_model) ** 0.5)
+        reset_shared_gate(self, c)
         if c.bias:
             self.bias_EF.zero_()
             self.bias_D.zero_()
@@ -222,7 +249,8 @@ class SwitchFeedForward(nn.Module):
         valid_M = None if valid_BT is None else valid_BT.reshape(M)
 
         logits_MR = router_logits(x_MD, self.w_router_RD)  # float32, also under autocast (§2.4)
-        top = softmax_topk(logits_MR, K, renormalize=c.renormalize)
+        top = softmax_topk(logits_MR, K, renormalize=c.renormalize,
+                           bias=self.expert_bias if c.lossfree_rate > 0 else None)
         # Best choice first: position priority puts every first choice before any second one.
         gates_MK, order_MK = top.gates.sort(-1, descending=True)
         idx_MK = top.idx.gather(-1, order_MK)
@@ -236,18 +264,24 @@ class SwitchFeedForward(nn.Module):
         else:
             keep_MK = capacity_mask(idx_MK, R, cap, valid_M=valid_M) & real_MK
 
-        y_MD = self._experts(x_MD, idx_MK, gates_MK, keep_MK, N if cap is None else min(N, E * cap))
+        if self.dispatch is not None:
+            y_MD = self.dispatch(self, x_MD, idx_MK, gates_MK, keep_MK)
+        else:
+            y_MD = self._experts(x_MD, idx_MK, gates_MK, keep_MK,
+                                 N if cap is None else min(N, E * cap))
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
-        if c.shared is not None:
-            s_BTD, _ = self.shared(x_BTD, valid_BT=valid_BT)
-            if c.shared_gate:
-                s_BTD = torch.sigmoid(self.shared_gate(x_BTD)) * s_BTD
-            y_BTD = y_BTD + s_BTD
+        y_BTD = add_shared(self, c, y_BTD, x_BTD, valid_BT)
 
         aux = Aux()
-        if c.balance_coef != 0:
+        if c.balance_coef != 0 and c.balance_scope == "global":
+            top1_R = count_selections(idx_MK[:, 0], R, valid_M)
+            if self.count_sync is not None:
+                top1_R = self.count_sync(top1_R)
+            aux.losses["balance"] = c.balance_coef * global_balance_loss(
+                top.scores, top1_R, valid_M)
+        elif c.balance_coef != 0:
             aux.losses["balance"] = c.balance_coef * switch_balance_loss(
                 top.scores, idx_MK[:, 0], valid_M)
         if c.z_coef != 0:
@@ -296,15 +330,17 @@ class SwitchFeedForward(nn.Module):
         return y_ND.view(M, K, -1).sum(1)
 
     def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
-        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto".
+        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto". The
+        # plan spans the experts this module holds (a shard of them under expert parallelism).
         c = self.config
+        E_here = self.w_in_EDF.shape[0]
         if c.gated:
             return gated_expert_mlp(x_RD, ids_RK, self.w_gate_EDF, self.w_in_EDF, self.w_out_EFD,
                                     gates_RK, activation=ACTIVATIONS[c.activation],
-                                    impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
+                                    impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                                     dropout=c.expert_dropout, training=self.training)
         return expert_mlp(x_RD, ids_RK, self.w_in_EDF, self.w_out_EFD, gates_RK,
-                          impl=c.expert_impl, plan=make_plan(ids_RK, c.n_experts),
+                          impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                           dropout=c.expert_dropout, training=self.training,
                           bias_EG=self.bias_EF if c.bias else None,
                           activation=expert_activation(c.activation))

@@ -45,6 +45,36 @@ def switch_balance_loss(
     return E * (f_E.detach() * P_E).sum()
 
 
+def global_balance_loss(probs_ME: torch.Tensor, counts_E: torch.Tensor,
+                        valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """Global-batch load-balancing loss (Qiu et al. 2025, "Demons in the Detail", arXiv
+    2501.11873): the Switch loss E * sum_i f_i * P_i with f_i taken from ``counts_E``, the top-1
+    counts of a larger batch than this one (summed over processes and micro-batches by the
+    caller; no gradient), and P_i the mean router probability over this batch's valid tokens.
+    With the counts of this batch alone it equals ``switch_balance_loss``."""
+    E = probs_ME.shape[-1]
+    c = counts_E.detach().float()
+    f_E = c / c.sum().clamp_min(1.0)
+    P_E = _masked_rows_mean(probs_ME.float(), valid_M)
+    return E * (f_E * P_E).sum()
+
+
+@torch.no_grad()
+def loss_free_bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float, *,
+                          centre: bool = False) -> torch.Tensor:
+    """The new routing bias of loss-free balancing (Wang et al. 2024, arXiv 2408.15664, Alg. 1;
+    DeepSeek-V3 §2.1.2): b_i + rate * sign(mean_j c_j - c_i), c the tokens each expert received
+    over one optimizer step (all micro-batches, all processes). The paper does not centre the
+    bias; ``centre=True`` subtracts the mean of the result (an option some implementations
+    apply always). Returns a new tensor of ``bias_E``'s dtype."""
+    dt = torch.float32 if bias_E.device.type == "mps" else torch.float64  # MPS: no float64
+    c = counts_E.detach().to(dt)
+    new = bias_E.detach().to(dt) + rate * torch.sign(c.mean() - c)
+    if centre:
+        new = new - new.mean()
+    return new.to(bias_E.dtype)
+
+
 def _norm1(v: torch.Tensor) -> torch.Tensor:
     return v / v.sum().clamp_min(1e-9)
 

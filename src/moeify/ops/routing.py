@@ -56,29 +56,38 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
 
 
-def _topk(scores: torch.Tensor, k: int, exclude: torch.Tensor | None) -> TopK:
+def _topk(scores: torch.Tensor, k: int, exclude: torch.Tensor | None,
+          bias: torch.Tensor | None = None) -> TopK:
     _check_k(k, scores.shape[-1])
     ranked = scores.detach()
+    if bias is not None:
+        # Loss-free balancing (DeepSeek-V3 §2.1.2, Wang et al. 2024, arXiv 2408.15664): the bias
+        # shifts the choice only; the gates are gathered from the unbiased scores below.
+        ranked = ranked + bias.detach().to(ranked.dtype)
     if exclude is not None:
         ranked = ranked.masked_fill(exclude, float("-inf"))
     idx = top_indices(ranked, k)
     return TopK(scores.gather(-1, idx), idx, scores)
 
 
-def sigmoid_topk(logits: torch.Tensor, k: int, *, exclude: torch.Tensor | None = None) -> TopK:
+def sigmoid_topk(logits: torch.Tensor, k: int, *, exclude: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> TopK:
     """SwitchHead Eq. 7-8 / sigma-MoE: s = sigmoid(logits) in float32, keep the k largest per row,
     gates are the raw sigmoid values (no renormalisation). ``exclude`` (bool, broadcastable to
-    logits) removes experts from the choice, e.g. for expert dropout."""
-    return _topk(torch.sigmoid(logits.float()), k, exclude)
+    logits) removes experts from the choice, e.g. for expert dropout. ``bias`` [E]: added to the
+    scores for the choice only (loss-free balancing); the gates stay the unbiased scores."""
+    return _topk(torch.sigmoid(logits.float()), k, exclude, bias)
 
 
 def softmax_topk(
-    logits: torch.Tensor, k: int, *, renormalize: bool = False, exclude: torch.Tensor | None = None
+    logits: torch.Tensor, k: int, *, renormalize: bool = False, exclude: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> TopK:
     """Switch / MoA routing: p = softmax(logits) in float32 over all experts, keep the top k.
-    With ``renormalize`` the k kept gates are rescaled to sum to 1."""
+    With ``renormalize`` the k kept gates are rescaled to sum to 1. ``bias`` [E]: added to the
+    probabilities for the choice only (loss-free balancing); the gates stay unbiased."""
     probs = torch.softmax(logits.float(), dim=-1)
-    out = _topk(probs, k, exclude)
+    out = _topk(probs, k, exclude, bias)
     if renormalize:
         out = out._replace(gates=out.gates / out.gates.sum(-1, keepdim=True))
     return out

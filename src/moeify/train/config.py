@@ -86,6 +86,12 @@ class TrainConfig:
                       shards parameters, gradients and optimizer state per block (FSDP2) and
                       writes sharded checkpoints (moeify.train.sharded); "fsdp" also works in one
                       process.
+    expert_parallel:  the expert-parallel degree P (moeify.train.expert_parallel): the processes
+                      form a 2-D mesh (data-parallel W/P x expert-parallel P); the experts of
+                      every sigma-MoE and Switch feedforward are split along dim 0 over the P
+                      processes of an expert-parallel group, tokens travel to them by
+                      all-to-all. 1 = off. Checkpoints hold the full experts, so a run resumes at
+                      another degree or in one process.
     lr_extensions:    written by a resume with ``--schedule extend|stretch``, not set by hand:
                       each (start, end, factor, phase) replaces the schedule from update
                       ``start`` on by a cosine decay to the floor at update ``end``
@@ -122,6 +128,7 @@ class TrainConfig:
     tensorboard: bool = False
     compile: bool = False
     parallel: str = "ddp"
+    expert_parallel: int = 1
     lr_extensions: tuple[tuple[int, int, float, float], ...] = ()
     init_from: str | None = None
 
@@ -160,6 +167,13 @@ class TrainConfig:
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got "
                              f"{self.parallel!r}")
+        if (isinstance(self.expert_parallel, bool) or not isinstance(self.expert_parallel, int)
+                or self.expert_parallel < 1):
+            raise ValueError(f"expert_parallel must be a positive integer (1 = every process "
+                             f"holds every expert), got {self.expert_parallel!r}")
+        if self.expert_parallel > 1 and self.parallel != "ddp":
+            raise ValueError("expert_parallel > 1 runs with parallel=ddp (the non-expert "
+                             "parameters replicated); it does not compose with parallel=fsdp yet")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.tokenizer not in TOKENIZER_CHOICES:
@@ -235,7 +249,7 @@ class TrainConfig:
 # Written to JSON only when they differ from their default, so that config.json, checkpoint
 # records and compare/sweep run specs of runs without them read exactly as before they existed
 # (a sweep refuses a run directory whose recorded settings differ from its own).
-OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None}
+OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None, "expert_parallel": 1}
 
 # Fields moeify writes itself, with what writes them.
 WRITTEN_BY_MOEIFY = {"lr_extensions": "moeify train --resume RUN --steps N --schedule extend|"
@@ -279,7 +293,7 @@ def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
 # moeify.train.schedule.resume_schedule's decision, which also checks SCHEDULE_FIELDS).
 RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_batch_size",
                      "checkpoint_every", "keep_checkpoints", "tensorboard", "device", "compile",
-                     "parallel")
+                     "parallel", "expert_parallel")
 # The schedule's shape after the warm-up: it may change on resume for the steps still to come.
 SCHEDULE_FIELDS = ("cosine_steps", "lr_extensions")
 

@@ -71,6 +71,12 @@ class DistEnv:
             t.div_(self.world_size)
         return t
 
+    def all_reduce_sum_(self, t: torch.Tensor, group=None) -> torch.Tensor:
+        if self.enabled:
+            self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM,
+                                                                    group=group))
+        return t
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.enabled:
             return [obj]

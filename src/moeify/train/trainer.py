@@ -37,6 +37,7 @@ from moeify.ops.optim import adamw
 from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
 from moeify.train import parallel
+from moeify.train.balancing import Balancing
 from moeify.train import sharded as sharded_io
 from moeify.train.distributed import DistEnv, pick_device, setup_distributed
 from moeify.train.lock import RunLock
@@ -207,12 +208,22 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights in every process
         self.model = self.model_cfg.build().to(self.device)
         torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
+        # Expert parallelism: each process keeps its shard of the experts (before DDP, which
+        # must ignore them, and before the optimizer, which must see the shards).
+        self.ep = None
+        if cfg.expert_parallel > 1:
+            from moeify.train.expert_parallel import ExpertParallel
+
+            self.ep = ExpertParallel(self.model, cfg.expert_parallel, self.device)
+            if self.env.enabled:
+                self.ep.ignore_in_ddp(self.model)
         # Compiled and/or sharded in place, or wrapped by DDP; before the optimizer, which must
         # see the sharded parameters under FSDP.
         self.train_model: torch.nn.Module = parallel.parallelize(
             self.model, cfg.parallel, device=self.device, distributed=self.env.enabled,
             compile=cfg.compile)
         self.sharded = cfg.parallel == "fsdp"
+        self.balancing = Balancing(self.model, self.env)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = adamw(  # fused where torch can (moeify.ops.optim)
@@ -339,8 +350,14 @@ class Trainer:
                                   "parallel=ddp (sharded runs resume sharded checkpoints)")
             ckpt = ckpt_io.load_checkpoint(ckpt_dir, map_location="cpu",
                                            model_config=model_config_dict(self.model_cfg))
-            ckpt_io.load_model_state(self.model, ckpt)
             st = ckpt.train_state
+            if self.ep is not None:  # full experts on disk: keep this process's rows
+                model_state, opt_state = self.ep.load_full_state(
+                    ckpt.model_state, st.get("optimizer"), self.optimizer)
+                ckpt = dataclasses.replace(ckpt, model_state=model_state)
+                if opt_state is not None:
+                    st = {**st, "optimizer": opt_state}
+            ckpt_io.load_model_state(self.model, ckpt)
             if self.weights_only:
                 # Weights without a training state (moeify import): training starts at step 0
                 # with a fresh optimizer and data position, under the settings of this
@@ -402,6 +419,9 @@ class Trainer:
         meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg),
                 "train_config": self.cfg.to_dict()}
         state = None
+        full = None
+        if self.ep is not None and not self.sharded:  # collective: gathers the expert shards
+            full = self.ep.full_state(self.model, self.optimizer)
         if self.env.is_main:
             memory = None if any(m is None for m in mems) else [
                 torch.cat([m[i] for m in mems], 0) for i in range(len(mems[0]))]
@@ -421,9 +441,11 @@ class Trainer:
         error = None
         path = None
         if self.env.is_main:
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer"] = self.optimizer.state_dict() if full is None else full[1]
             try:
-                path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
+                path = ckpt_io.save_checkpoint(self.run_dir, self.step,
+                                               self.model.state_dict() if full is None
+                                               else full[0],
                                                state, meta=meta, keep=self.cfg.keep_checkpoints)
             except ckpt_io.NonFiniteState as e:
                 error = f"{e}. {self._last_good()}"
@@ -497,16 +519,20 @@ class Trainer:
         sums_2 = torch.zeros(2, device=self.device, dtype=torch.float32)
         new_memory: list[list[torch.Tensor]] = []
         out = None
+        self.balancing.start_step()
         for a, w_bT, mem in self._micro_batches(window_BT):
             with parallel.gradient_sync(self.train_model, a == cfg.grad_accum - 1):
                 with autocast_context(self.device, self.amp_dtype):
                     out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem,
                                            return_logits=False)
+                self.balancing.after_forward(out)
                 total = (out.loss + out.aux_loss) / cfg.grad_accum
                 self.scaler.scale(total).backward()
             sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
             if out.memory is not None:
                 new_memory.append(out.memory)
+        if self.ep is not None:
+            self.ep.sync_grads()  # DDP averaged the rest; the expert shards are ours to reduce
         if new_memory:
             self.memory = [torch.cat(parts, 0) for parts in zip(*new_memory)]
         losses_2 = self.env.all_reduce_mean_(sums_2 / cfg.grad_accum)
@@ -518,17 +544,21 @@ class Trainer:
                            "weights")
         self.scaler.unscale_(self.optimizer)
         params = self.model.parameters()
-        grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(
-            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        if self.ep is not None:
+            grad_norm = self.ep.clip_grad_norm_(params, max_norm)
+        else:
+            grad_norm = parallel.full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged as such)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        load = self.balancing.after_optimizer_step()  # loss-free bias updates, once per step
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += cfg.batch_size * self.T
         return {"loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
-                "losses": out.losses, "stats": out.stats}
+                "losses": out.losses, "stats": out.stats, "load": load}
 
     def validate(self) -> dict[str, float]:
         return evaluate_stream(self.model, self.valid_tokens, self.tokenizer, seq_len=self.T,
@@ -609,7 +639,8 @@ class Trainer:
             self._log_train(rec, sink, progress, clock, force=done)
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
             clock.pause()
-            if self.env.is_main or self.sharded:  # a sharded forward is collective
+            # A sharded or expert-parallel forward is collective.
+            if self.env.is_main or self.sharded or self.ep is not None:
                 result.valid = self._log_validation(sink, progress)
             valid_loss = self.env.broadcast_object(result.valid and result.valid["loss"])
             if valid_loss is not None and not math.isfinite(valid_loss):
@@ -634,6 +665,11 @@ class Trainer:
                       "aux_loss": rec["aux_loss"]}
             record.update({f"aux/{k}": float(v.detach()) for k, v in rec["losses"].items()})
             record.update({f"stats/{k}": summarise_tensor(v) for k, v in rec["stats"].items()})
+            for k, c in rec.get("load", {}).items():
+                # Per-expert load of the update, all micro-batches and processes: the counts and
+                # max / mean (1 = perfectly balanced).
+                record[f"load/{k}"] = summarise_tensor(c)  # the counts (up to 64 experts)
+                record[f"load_spread/{k}"] = float(c.max() / c.mean().clamp_min(1e-9))
             sink.write(record)
         progress.update(self.step, {"loss": mean_loss, name: score, "lr": rec["lr"]}, tps,
                         force=force)
@@ -684,6 +720,8 @@ class Trainer:
 
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.model.parameters())
+        if self.ep is not None:  # the other processes' expert shards
+            n_params += (self.ep.P - 1) * sum(p.numel() for p in self.ep.params.values())
         return (f"training {self.cfg.preset} ({n_params / 1e6:.2f}M parameters) on "
                 f"{self.corpus.name} with the {self.tokenizer.name} tokenizer (vocab "
                 f"{self.tokenizer.vocab_size}): {self.cfg.steps} steps x {self.cfg.batch_size} x "
