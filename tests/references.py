@@ -80,6 +80,19 @@ def ref_expert_rows(x, idx, w, gates=None, groups=1, sum_rows=1):
     return y.view(M // sum_rows, sum_rows, -1).sum(1) if sum_rows > 1 else y
 
 
+
+def ref_expert_matmul_grads(x, idx, w, gates, groups=1, sum_rows=1, batch=None, seed=7):
+    """``ref_expert_rows`` in float64 of the same (rounded) inputs, laid out [B, G, S, F] with
+    ``batch``: (output, a random output gradient, the x, w and gate gradients for it)."""
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gr = None if gates is None else gates.detach().double().requires_grad_()
+    y = ref_expert_rows(xr, idx, wr, gr, groups, sum_rows)
+    if batch is not None:
+        y = y.view(batch, -1, groups, y.shape[-1]).transpose(1, 2)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
+    return y.detach(), g, grads
+
 def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None,
                   n_groups=1, unit=None):
     """The one input factory of the expert-matmul tests: x [M, D], expert ids [M, K], w [E, D, F]

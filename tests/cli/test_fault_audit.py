@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from moeify.cli.main import main
+from harness_env import harness_offline
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--set", "batch_size=2", "--set", "model.d_model=16", "--set", "model.n_layers=1",
@@ -409,13 +410,7 @@ def test_long_prompts_come_from_a_file_or_stdin(tiny_run, tmp_path, capsys, monk
 def test_harness_corrupt_jsonl_and_broken_task_yaml_are_one_line(tiny_run, tmp_path, capsys,
                                                                   monkeypatch):
     pytest.importorskip("lm_eval")
-    import sys as _sys
-
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
-        monkeypatch.setenv(k, "1")
-    if "datasets.config" in _sys.modules:
-        monkeypatch.setattr(_sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp_path / "hf")
+    harness_offline(monkeypatch, tmp_path)
     data = tmp_path / "data"
     (data / "lambada").mkdir(parents=True)
     (data / "lambada" / "lambada_test.jsonl").write_text(
@@ -623,13 +618,7 @@ def test_a_full_cache_disk_names_the_cache_file(tmp_path, capsys, monkeypatch):
 
 def test_a_full_disk_under_harness_out_names_the_file(tiny_run, tmp_path, capsys, monkeypatch):
     pytest.importorskip("lm_eval")
-    import sys as _sys
-
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
-        monkeypatch.setenv(k, "1")
-    if "datasets.config" in _sys.modules:
-        monkeypatch.setattr(_sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp_path / "hf")
+    harness_offline(monkeypatch, tmp_path)
     data = tmp_path / "data"
     (data / "lambada").mkdir(parents=True)
     (data / "lambada" / "lambada_test.jsonl").write_text(
@@ -693,14 +682,8 @@ def test_eval_harness_reads_a_sharded_only_run_and_plot_says_it_cannot(tmp_path,
     single-file checkpoints and says so for a sharded-only run. One process with parallel=fsdp
     writes sharded checkpoints."""
     pytest.importorskip("lm_eval")
-    import sys as _sys
-
     monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
-        monkeypatch.setenv(k, "1")
-    if "datasets.config" in _sys.modules:
-        monkeypatch.setattr(_sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp_path / "hf")
+    harness_offline(monkeypatch, tmp_path)
     (tmp_path / "corpus.txt").write_text("the cat sat on the mat by the door.\n" * 100)
     run = tmp_path / "run"
     assert main(["train", "--preset", "tiny-switchall", "--data", str(tmp_path / "corpus.txt"),

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from moeify.cli.main import main
 from moeify.errors import MoeifyError
+from harness_env import harness_offline
 
 TINY = ["--set", "tokenizer=byte256", "--set", "model.d_model=32", "--set", "model.n_layers=2",
         "--set", "model.context_length=32", "--set", "model.feedforward.d_ff=64",
@@ -62,12 +63,7 @@ def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("harness")
     mp = pytest.MonkeyPatch()
     mp.setenv("MOEIFY_CACHE_DIR", str(tmp / "cache"))
-    # the harness's datasets cache and offline switches stay inside this module
-    mp.setenv("HF_DATASETS_CACHE", str(tmp / "hf"))
-    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "DISABLE_MULTIPROC"):
-        mp.setenv(k, "1")
-    if "datasets.config" in sys.modules:
-        mp.setattr(sys.modules["datasets.config"], "HF_DATASETS_CACHE", tmp / "hf")
+    harness_offline(mp, tmp)  # the datasets cache and offline switches stay inside this module
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rng = random.Random(0)

@@ -21,7 +21,7 @@ import torch
 from moeify.ops.expert_matmul import IMPLEMENTATIONS, chosen_impl, expert_matmul, make_plan
 from moeify.ops.padded_matmul import SINGLE_THREAD_SLACK, padded_layout, padding_pays
 from moeify.ops.set_matmul import set_layout
-from references import ref_expert_rows, routed_inputs
+from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs
 
 f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
 DTYPES = {"float64": f64, "float32": f32, "bfloat16": bf16}
@@ -66,24 +66,11 @@ def contract_inputs(contract, dtype, side, skew, seed=1):
     return x, idx, w, gates, plan, dict(groups=G, sum_rows=R, batch=c.get("B"))
 
 
-def reference(x, idx, w, gates, groups=1, sum_rows=1, batch=None, seed=7):
-    """ref_expert_rows in float64 of the same (rounded) inputs: output, the output gradient
-    and the x, w, gate gradients for it."""
-    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    gr = None if gates is None else gates.detach().double().requires_grad_()
-    y = ref_expert_rows(xr, idx, wr, gr, groups, sum_rows)
-    if batch is not None:
-        y = y.view(batch, -1, groups, y.shape[-1]).transpose(1, 2)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
-    grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
-    return y.detach(), g, grads
-
-
 @functools.lru_cache(maxsize=None)
 def contract_case(contract, dtype_name, side, skew):
     """Inputs and their reference, computed once for every implementation."""
     x, idx, w, gates, plan, kw = contract_inputs(contract, DTYPES[dtype_name], side, skew)
-    return x, idx, w, gates, plan, kw, reference(x, idx, w, gates, **kw)
+    return x, idx, w, gates, plan, kw, ref_expert_matmul_grads(x, idx, w, gates, **kw)
 
 
 def assert_close(got, want, tol):
@@ -200,7 +187,7 @@ def edge_case(case, dtype):
     c = EDGE_CASES[case]
     x, idx, w, gates = routed_inputs(c["M"], c["K"], c["E"], c["D"], c["F"], idx=c.get("idx"),
                                      dtype=dtype)
-    return x, idx, w, gates, reference(x, idx, w, gates)
+    return x, idx, w, gates, ref_expert_matmul_grads(x, idx, w, gates)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -221,7 +208,7 @@ def test_non_contiguous_inputs(impl):
     g_nc = gates.t().contiguous().t()
     assert not x_nc.is_contiguous() and not w_nc.is_contiguous() and not idx_nc.is_contiguous()
     plan = make_plan(idx_nc, 4, group_size=4) if impl == "sets" else None
-    check(impl, x_nc, idx_nc, w_nc, g_nc, reference(x_nc, idx_nc, w_nc, g_nc), TOL[f32],
+    check(impl, x_nc, idx_nc, w_nc, g_nc, ref_expert_matmul_grads(x_nc, idx_nc, w_nc, g_nc), TOL[f32],
           plan=plan)
 
 
@@ -272,7 +259,7 @@ def test_sets_on_two_grids_match_definition(side):
     assert lay.n_slots == ids.shape[0]  # no padding at all
     D, F = (9, 4) if side == "gates-out" else (4, 9)
     x, idx, w, gates = routed_inputs(ids.shape[0], 2, 4, D, F, idx=ids)
-    check("sets", x, idx, w, gates, reference(x, idx, w, gates), TOL[f64],
+    check("sets", x, idx, w, gates, ref_expert_matmul_grads(x, idx, w, gates), TOL[f64],
           plan=make_plan(idx, 4, group_size=4))
 
 

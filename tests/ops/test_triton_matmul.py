@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from moeify.ops import triton_matmul  # noqa: E402
 from moeify.ops.expert_matmul import chosen_impl, expert_matmul, make_plan  # noqa: E402
-from references import ref_expert_rows, routed_inputs  # noqa: E402
+from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -51,25 +51,13 @@ def interpreter_env():
         os.environ["TRITON_INTERPRET"] = _SAVED_ENV
 
 
-def reference(x, idx, w, gates, groups=1, sum_rows=1, batch=None, seed=7):
-    """Float64 output of the (rounded) inputs, an output gradient and the x, w, gate gradients."""
-    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    gr = None if gates is None else gates.detach().double().requires_grad_()
-    y = ref_expert_rows(xr, idx, wr, gr, groups, sum_rows)
-    if batch is not None:
-        y = y.view(batch, -1, groups, y.shape[-1]).transpose(1, 2)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
-    grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
-    return y.detach(), g, grads
-
-
 def rel_err(got, want):
     return ((got.double().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
 def check(x, idx, w, gates, tol, plan=None, **kw):
     """impl="triton" on DEVICE against the reference: output, dtypes and every gradient."""
-    want, g, want_grads = reference(x, idx, w, gates, **kw)
+    want, g, want_grads = ref_expert_matmul_grads(x, idx, w, gates, **kw)
     inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, w, gates) if t is not None]
     y = expert_matmul(inputs[0], idx.to(DEVICE), inputs[1],
                       inputs[2] if gates is not None else None, impl="triton", plan=plan, **kw)
@@ -151,7 +139,7 @@ def test_no_rows():
 def test_partial_gradients_and_a_shared_plan():
     """Only some inputs require grad (the kernels skip the rest); one plan for two calls."""
     x, idx, w, gates, kw = contract_inputs("groups2", 20, 12, f32)
-    want, g, (gx, gw, gg) = reference(x, idx, w, gates, **kw)
+    want, g, (gx, gw, gg) = ref_expert_matmul_grads(x, idx, w, gates, **kw)
     plan = make_plan(idx.to(DEVICE), w.shape[0])
     for needs, wants in (((False, False, True), (gg,)), ((True, False, False), (gx,)),
                          ((False, True, False), (gw,))):
@@ -193,7 +181,7 @@ def test_compiled_graph_keeps_the_registered_ops(needs):
     """fullgraph: no graph break around the kernels (aot_eager: no code generation needed);
     also with gradients for x alone (the registered backward returns distinct empty tensors)."""
     x, idx, w, gates, kw = contract_inputs("groups2", 20, 12, f32)
-    want, g, want_grads = reference(x, idx, w, gates, **kw)
+    want, g, want_grads = ref_expert_matmul_grads(x, idx, w, gates, **kw)
     ins = [t.to(DEVICE).requires_grad_(n) for t, n in zip((x, w, gates), needs)]
 
     @torch.compile(fullgraph=True, backend="aot_eager")
