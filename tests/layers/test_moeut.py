@@ -58,8 +58,8 @@ def ref_switchhead(att, h, x):
     """Eq. 7-10 with V and O experts; Q, K and both selections from h, V from x; RoPE on half
     of each head's channels (n_rot = C/2), causal."""
     B, T, _ = h.shape
-    g_src = ref_gates(h, att.w_sel_src, H, E_ATT, 2)
-    g_dst = ref_gates(h, att.w_sel_dst, H, E_ATT, 2)
+    g_src = ref_gates(h, att.w_router_src, H, E_ATT, 2)
+    g_dst = ref_gates(h, att.w_router_dst, H, E_ATT, 2)
     q = torch.einsum("btd,dhc->bhtc", h, att.w_q.view(D, H, C))
     k = torch.einsum("btd,dhc->bhtc", h, att.w_k.view(D, H, C))
     v = torch.einsum("bthe,btd,hedc->bhtc", g_src, x, att.w_v.view(H, E_ATT, D, C))

@@ -60,6 +60,7 @@ from moeify.layers.common import (
     init_scale,
     project_by_input,
     register_usage,
+    rename_legacy_keys,
     routing_record,
     renorm_rows_,
 )
@@ -180,16 +181,19 @@ class SwitchHeadAttention(nn.Module):
             shape = (X, D, C) if p in c.experts else (D, H * C)
             setattr(self, f"w_{p}", nn.Parameter(torch.empty(shape)))
         self.w_o = nn.Parameter(torch.empty((X, C, D) if "o" in c.experts else (H * C, D)))
+        # Selection (router) weights [X, D] (moeify.layers.common: the naming convention).
         if c.shared_selection:
-            self.w_sel = nn.Parameter(torch.empty(X, D))
+            self.w_router = nn.Parameter(torch.empty(X, D))
         else:
             if c.source_side:
-                self.w_sel_src = nn.Parameter(torch.empty(X, D))
+                self.w_router_src = nn.Parameter(torch.empty(X, D))
             if c.dest_side:
-                self.w_sel_dst = nn.Parameter(torch.empty(X, D))
+                self.w_router_dst = nn.Parameter(torch.empty(X, D))
         self.core = AttentionCore(core_config(c, n_heads=H))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
         rename_legacy_core_keys(self, ("w_pos",))
+        rename_legacy_keys(self, {"w_sel": "w_router", "w_sel_src": "w_router_src",
+                                  "w_sel_dst": "w_router_dst"})
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
             register_usage(self, f"usage_{p}", (H, E))
@@ -204,7 +208,7 @@ class SwitchHeadAttention(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters(recurse=False):
                 p.normal_(0.0, std_out if name == "w_o" else std_in)
-                if name.startswith("w_sel"):
+                if name.startswith("w_router"):
                     renorm_rows_(p)
             if c.pos == "xl":
                 self.core.w_pos.normal_(0.0, std_in)
@@ -218,7 +222,8 @@ class SwitchHeadAttention(nn.Module):
     # ------------------------------------------------------------------------------------------
 
     def _sel_weight(self, side: str) -> torch.Tensor:
-        return self.w_sel if self.config.shared_selection else getattr(self, f"w_sel_{side}")
+        return (self.w_router if self.config.shared_selection
+                else getattr(self, f"w_router_{side}"))
 
     def _route(self, x_BND: torch.Tensor, w_XD: torch.Tensor,
                logits_BNX: torch.Tensor | None = None) -> Selection:
