@@ -105,7 +105,7 @@ def test_layers_run_what_choose_impl_decides(threads):
             _, gates, idx = (layer.route(x.view(-1, 16)) if hasattr(layer, "route")
                              else (None, None, None))
             if idx is None:  # Switch: the same top-k the layer takes
-                idx = torch.softmax(x.view(-1, 16) @ layer.w_router_RD.T, -1).topk(2, -1).indices
+                idx = torch.softmax(x.view(-1, 16) @ layer.w_router.T, -1).topk(2, -1).indices
             w = next(p for p in layer.parameters() if p.dim() == 3)
             want = choose_impl("auto", x.view(-1, 16), w, make_plan(idx, 4), k=2)
             assert ran == [want]

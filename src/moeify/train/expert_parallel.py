@@ -5,9 +5,9 @@ counts exchanged first, tokens dispatched by all-to-all, the local experts run, 
 
 Mesh. W processes form a 2-D DeviceMesh ("dp", "ep") of shape (W / P, P), P = expert_parallel.
 The P processes of one ep group each hold E / P experts of every MoE feedforward (expert e lives
-on ep rank e // (E / P)): ``keys_EDG`` / ``values_EGD`` (sigma-MoE), ``w_in_EDF`` / ``w_gate_EDF``
-/ ``w_out_EFD`` (Switch) and their per-expert biases become Parameters of E / P rows, this
-process's Shard(0) of the full tensor. Everything else (attention, embeddings, routers, shared
+on ep rank e // (E / P)): the stacked expert weights ``w_in`` / ``w_gate`` / ``w_out`` and the
+per-expert hidden bias ``bias_in`` (moeify.layers.common: the naming convention) become
+Parameters of E / P rows, this process's Shard(0) of the full tensor. Everything else (attention, embeddings, routers, shared
 experts, norms) is replicated and averaged over all W processes by DDP as before.
 
 One MoE forward on each process (``dispatch``, injected as the layer's ``dispatch``):
@@ -47,12 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeify.layers.common import upgrade_legacy_keys
 from moeify.layers.sigma_moe import SigmaMoE
 from moeify.layers.switch_ff import SwitchFeedForward
 from moeify.ops.routing import count_ids
 
-EXPERT_PARAMS = {SigmaMoE: ("keys_EDG", "values_EGD", "bias_EG"),
-                 SwitchFeedForward: ("w_in_EDF", "w_gate_EDF", "w_out_EFD", "bias_EF")}
+EXPERT_PARAMS = {SigmaMoE: ("w_in", "w_out", "bias_in"),
+                 SwitchFeedForward: ("w_in", "w_gate", "w_out", "bias_in")}
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -76,6 +77,7 @@ class ExpertParallel:
         self.ep_group = self.mesh.get_group("ep")
         self.dp_group = self.mesh.get_group("dp")
         self.ep_rank = self.mesh.get_local_rank("ep")
+        self.model = model  # its names: the checkpoint's keys (load_full_state)
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError("expert_parallel > 1 needs a model with sigma-MoE or Switch "
@@ -210,8 +212,9 @@ class ExpertParallel:
     @torch.no_grad()
     def load_full_state(self, model_state: dict, optimizer_state: dict | None,
                         optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
-        """The state dicts of a full checkpoint narrowed to this process's expert rows."""
-        model_state = dict(model_state)
+        """The state dicts of a full checkpoint narrowed to this process's expert rows (a
+        checkpoint written with earlier parameter names is read by the current ones)."""
+        model_state = upgrade_legacy_keys(self.model, model_state)
         for name in self.params:
             model_state[name] = self._narrow(model_state[name]).clone()
         if optimizer_state is None or optimizer is None:
