@@ -89,7 +89,8 @@ def check(m, x, valid=None):
     gb = torch.autograd.grad((ref * g).sum(), params + [x])
     for (name, _), a, b in zip(list(m.named_parameters()) + [("x", None)], ga, gb):
         # the router's gradient passes through the float32 sigmoid: float32 accuracy there
-        tol = dict(rtol=1e-5, atol=1e-7) if name in ("w_router", "x") else dict(rtol=1e-7, atol=1e-9)
+        tol = (dict(rtol=1e-5, atol=1e-7) if name in ("w_router", "x")
+               else dict(rtol=1e-7, atol=1e-9))
         torch.testing.assert_close(a, b, **tol, msg=lambda s: f"{name}: {s}")
 
 

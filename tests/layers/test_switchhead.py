@@ -91,7 +91,7 @@ def check_against_reference(m, xq, xkv=None, **kw):
     names = list(params) + [f"input{i}" for i in range(len(inputs))]
     for name, a, b in zip(names, ga, gb):
         # Selection gradients pass through the float32 sigmoid: float32 accuracy there.
-        tol = dict(rtol=1e-5, atol=1e-7) if name.startswith("w_router") or name.startswith("input") \
+        tol = dict(rtol=1e-5, atol=1e-7) if name.startswith(("w_router", "input")) \
             else dict(rtol=1e-7, atol=1e-9)
         torch.testing.assert_close(a, b, **tol, msg=lambda s: f"{name}: {s}")
 

@@ -7,8 +7,9 @@ Mesh. W processes form a 2-D DeviceMesh ("dp", "ep") of shape (W / P, P), P = ex
 The P processes of one ep group each hold E / P experts of every MoE feedforward (expert e lives
 on ep rank e // (E / P)): the stacked expert weights ``w_in`` / ``w_gate`` / ``w_out`` and the
 per-expert hidden bias ``bias_in`` (moeify.layers.common: the naming convention) become
-Parameters of E / P rows, this process's Shard(0) of the full tensor. Everything else (attention, embeddings, routers, shared
-experts, norms) is replicated and averaged over all W processes by DDP as before.
+Parameters of E / P rows, this process's Shard(0) of the full tensor. Everything else
+(attention, embeddings, routers, shared experts, norms) is replicated and averaged over all W
+processes by DDP as before.
 
 One MoE forward on each process (``dispatch``, injected as the layer's ``dispatch``):
 
