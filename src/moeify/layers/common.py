@@ -31,7 +31,9 @@ own names (``usage*``, ``expert_bias`` of loss-free balancing), as do nn.Linear 
 Checkpoints written with earlier names still load: every layer that renamed a Parameter
 registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
 ``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
-reads a checkpoint by key before loading it (expert parallelism). The renames of the naming
+reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
+themselves carry the same renames: sharded checkpoints (moeify.train.sharded) and transformers'
+loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
 convention (earlier name -> current):
 
     SwitchHeadAttention  w_sel -> w_router, w_sel_src -> w_router_src, w_sel_dst -> w_router_dst
