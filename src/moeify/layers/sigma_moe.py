@@ -48,8 +48,7 @@ from moeify.layers.ff_common import check_activation, expert_activation, routing
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import batch_entropy_loss
-from moeify.ops.expert_matmul import make_plan
-from moeify.ops.expert_mlp import expert_mlp
+from moeify.ops.moe import expert_mlp, make_plan
 from moeify.ops.routing import router_logits, sigmoid_topk
 
 
@@ -65,7 +64,7 @@ class SigmaMoEConfig:
     dropout:        dropout on the expert hidden activations (the authors' layer has this
                     option); 0 in every published sigma-MoE run, hence the default.
     n_layers:       model depth L for the init scale s = sqrt(2 / L).
-    expert_impl:    the moeify.ops.expert_matmul implementation ("auto" picks per device).
+    expert_impl:    the moeify.ops.moe kernel ("auto" picks per device).
     bias:           a hidden bias per expert ``bias_EG`` [E, G] and one ungated output bias
                     ``bias_D`` [D] (zero-initialised); the paper's layer has none. A dense MLP
                     with biases needs them to be split exactly into its experts
@@ -225,7 +224,7 @@ class SigmaMoE(nn.Module):
         values_EGD = self.values_EGD if values_EGD is None else values_EGD
         if bias_EG is None and c.bias:
             bias_EG = self.bias_EG
-        # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's
+        # One sort of the routed pairs serves both expert matmuls; moeify.ops.moe's
         # choose_impl decides "auto", and the hidden units stay in expert order between them.
         return expert_mlp(x_RD, ids_RK, keys_EDG, values_EGD, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, keys_EDG.shape[0]),
