@@ -47,9 +47,14 @@ def _out_shape(x, idx, w, gates, groups, sum_rows):
 def expert_matmul_fwd(x: Tensor, idx: Tensor, w: Tensor, gates: Optional[Tensor], groups: int,
                       sum_rows: int, impl: str, group_size: int,
                       keep_products: bool) -> tuple[Tensor, Tensor]:
+    """(y, the per-pair products [N, F] when ``keep_products``, else empty): ``keep_products``
+    only for a kernel that reads rows itself and gates that need a gradient."""
     kernel, lay = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
+    if keep_products and not kernel.gathers_rows:
+        raise ValueError(f"keep_products: kernel {kernel.name!r} does not read rows itself, so "
+                         "its backward needs no products")
     y, ys = matmul_forward(kernel, x, w, gates, lay, idx.shape[1], groups, sum_rows,
-                           keep_products and kernel.gathers_rows)
+                           keep_products)
     return y.contiguous(), (ys if ys is not None else x.new_empty(0))
 
 
