@@ -18,8 +18,7 @@ import itertools
 import pytest
 import torch
 
-from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan
-from moeify.ops.moe import resolved_impl
+from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
 from moeify.ops.moe.kernels.padded import padded_layout
 from moeify.ops.moe.policy import SINGLE_THREAD_SLACK, padding_pays
 from moeify.ops.moe.switchhead import set_layout
@@ -320,7 +319,9 @@ def test_auto_takes_sets_on_cpu_for_grouped_plans_only():
     assert grouped.holds(("set_layout", K))  # the set layout was built and used
     expert_matmul(x, ids, w, gates, groups=G, plan=plain)
     assert not plain.holds(("set_layout", K))
-    torch.testing.assert_close(y, expert_matmul(x, ids, w, gates, groups=G, impl="reference"))
+    want = (x.double()[:, None, None, None] @ w.double()[ids.view(M, G, K)]).squeeze(-2)  # MGKF
+    torch.testing.assert_close(y.double(), (want * gates.double().view(M, G, K, 1)).sum(2),
+                               rtol=1e-5, atol=1e-5)
     # What reports name (moeify bench expert-matmul): rows = units here.
     units = ids.view(M * G, K)
     xu, wu = torch.zeros(M * G, 8), torch.zeros(G * E, 8, 4)
@@ -372,7 +373,7 @@ def test_sets_needs_gates_and_a_grouped_plan():
 
 
 def test_decoding_sums_over_every_expert_match_the_definition():
-    # SwitchHead's decoding layouts (ops/planless_matmul.py): products of every expert already
+    # SwitchHead's decoding layouts (ops/moe/switchhead.py): products of every expert already
     # computed (the fused projection), or one GEMM over every expert with the heads summed.
     from moeify.ops.moe.switchhead import gated_group_sum_all, gated_sum_of_all
     g = torch.Generator().manual_seed(0)
@@ -382,14 +383,13 @@ def test_decoding_sums_over_every_expert_match_the_definition():
     x_TGC = torch.randn(T, G, C, generator=g, dtype=torch.float64)
     w_XCF = torch.randn(G * E, C, F, generator=g, dtype=torch.float64)
     ids = (idx_TGK + torch.arange(G)[:, None] * E).view(T * G, K)
-    want = expert_matmul(x_TGC.view(T * G, C), ids, w_XCF, gates_TGK.view(T * G, K),
-                         sum_rows=G, impl="reference")
+    want = ref_expert_rows(x_TGC.view(T * G, C), ids, w_XCF, gates_TGK.view(T * G, K),
+                           sum_rows=G)
     torch.testing.assert_close(gated_group_sum_all(x_TGC, idx_TGK, gates_TGK, w_XCF), want,
                                rtol=1e-12, atol=1e-12)
     x_TD = torch.randn(T, C, generator=g, dtype=torch.float64)  # V: one input row, G heads
     y_TGEF = torch.einsum("td,gedf->tgef", x_TD, w_XCF.view(G, E, C, F))
-    want = expert_matmul(x_TD, ids.view(T, G * K), w_XCF, gates_TGK.view(T, G * K), groups=G,
-                         impl="reference")
+    want = ref_expert_rows(x_TD, ids.view(T, G * K), w_XCF, gates_TGK.view(T, G * K), groups=G)
     torch.testing.assert_close(gated_sum_of_all(y_TGEF, idx_TGK, gates_TGK), want,
                                rtol=1e-12, atol=1e-12)
 

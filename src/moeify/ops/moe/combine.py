@@ -55,12 +55,4 @@ def spread(grad_y: torch.Tensor, lay: SlotLayout, per: int) -> torch.Tensor:
     return gather_rows(g_OF.contiguous(), lay, lay.rows(per))
 
 
-def row_sums(y_MF: torch.Tensor, sum_rows: int) -> torch.Tensor:
-    """[M, F] -> the sums of every ``sum_rows`` consecutive rows, [M / R, F]."""
-    if sum_rows == 1:
-        return y_MF
-    M, Fo = y_MF.shape
-    return y_MF.view(M // sum_rows, sum_rows, Fo).sum(1)
-
-
-__all__ = ["combine", "per_output", "row_sums", "spread"]
+__all__ = ["combine", "per_output", "spread"]
