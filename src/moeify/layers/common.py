@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from moeify.ops.dropout import dropout
-from moeify.ops.expert_matmul import IMPLEMENTATIONS
+from moeify.ops.moe import implementations
 from moeify.ops.memo import stamps
 from moeify.ops.routing import count_selections
 
@@ -366,9 +366,9 @@ def check_nonnegative(cfg, *names: str) -> None:
 
 
 def check_expert_impl(cfg, *, sets: bool = False) -> None:
-    """``cfg.expert_impl`` must name a moeify.ops.expert_matmul implementation or "auto";
+    """``cfg.expert_impl`` must name a registered kernel (moeify.ops.moe.registry) or "auto";
     "sets" only where the layer routes in groups of experts (``sets=True``: SwitchHead)."""
-    allowed = tuple(i for i in IMPLEMENTATIONS if sets or i != "sets") + ("auto",)
+    allowed = tuple(i for i in implementations() if sets or i != "sets") + ("auto",)
     if cfg.expert_impl not in allowed:
         raise ValueError(f"{type(cfg).__name__}.expert_impl must be one of {allowed}, "
                          f"got {cfg.expert_impl!r}")

@@ -51,8 +51,7 @@ from moeify.layers.ff_common import check_activation, expert_activation, routing
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import batch_entropy_loss
-from moeify.ops.expert_matmul import make_plan
-from moeify.ops.expert_mlp import expert_mlp
+from moeify.ops.moe import expert_mlp, make_plan
 from moeify.ops.routing import router_logits, sigmoid_topk
 
 
@@ -68,7 +67,7 @@ class SigmaMoEConfig:
     dropout:        dropout on the expert hidden activations (the authors' layer has this
                     option); 0 in every published sigma-MoE run, hence the default.
     n_layers:       model depth L for the init scale s = sqrt(2 / L).
-    expert_impl:    the moeify.ops.expert_matmul implementation ("auto" picks per device).
+    expert_impl:    the moeify.ops.moe kernel ("auto" picks per device).
     bias:           a hidden bias per expert ``bias_in`` [E, G] and one ungated output bias
                     ``bias_out`` [D] (zero-initialised); the paper's layer has none. A dense MLP
                     with biases needs them to be split exactly into its experts
@@ -233,8 +232,8 @@ class SigmaMoE(nn.Module):
         w_out = self.w_out if w_out is None else w_out
         if bias_in is None and c.bias:
             bias_in = self.bias_in
-        # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's
-        # choose_impl decides "auto", and the hidden units stay in expert order between them.
+        # One sort of the routed pairs serves both expert matmuls (moeify.ops.moe.policy decides
+        # "auto"), and the hidden units stay in expert order between them.
         return expert_mlp(x_RD, ids_RK, w_in, w_out, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, w_in.shape[0]),
                           dropout=c.dropout, training=self.training, bias_EG=bias_in,

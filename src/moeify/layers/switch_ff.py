@@ -88,9 +88,7 @@ from moeify.layers.ff_common import (ACTIVATIONS, check_activation, expert_activ
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import global_balance_loss, switch_balance_loss, z_loss
-from moeify.ops.expert_matmul import make_plan
-from moeify.ops.expert_mlp import expert_mlp
-from moeify.ops.gated_expert_mlp import gated_expert_mlp
+from moeify.ops.moe import expert_mlp, gated_expert_mlp, make_plan
 from moeify.ops.routing import (capacity_mask, count_selections, expert_capacity,
                                 router_logits, softmax_topk)
 
@@ -336,7 +334,7 @@ class SwitchFeedForward(nn.Module):
         return y_ND.view(M, K, -1).sum(1)
 
     def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
-        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto". The
+        # One plan for both matmuls; moeify.ops.moe.policy decides "auto". The
         # plan spans the experts this module holds (a shard of them under expert parallelism).
         c = self.config
         E_here = self.w_in.shape[0]

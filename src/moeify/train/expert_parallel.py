@@ -18,7 +18,7 @@ One MoE forward on each process (``dispatch``, injected as the layer's ``dispatc
     sends to each of its local experts; the host reads the splits (the one sync of EP);
  3. the rows travel to their experts' process: ``all_to_all_single_autograd`` with uneven
     splits (its backward is the reverse all-to-all);
- 4. the local experts run through the layer's own expert op (moeify.ops.expert_mlp via the
+ 4. the local experts run through the layer's own expert op (moeify.ops.moe.expert_mlp via the
     layer's ``_mlp``), gate 1;
  5. the outputs travel back (the reverse all-to-all) and are combined at the token's process:
     gate times output, summed over the token's choices.
