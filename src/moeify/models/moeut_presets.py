@@ -39,12 +39,17 @@ MOEUT_C4 = PaperRecipe(batch_size=64, warmup_steps=4000, grad_clip=0.25)
 
 def moeut_lm(*, vocab: int = VOCAB_C4, d: int, L: int, G: int, H: int, d_h: int, att_E: int,
              att_k: int = 2, ff_E: int, ff_k: int, expert_size: int = 128, T: int = 1024,
-             entropy_coef: float = 0.01) -> ModelConfig:
-    """A MoEUT model: L layer applications of G shared peri-layernorm blocks."""
+             entropy_coef: float = 0.01, att_entropy_coef: float = 0.001) -> ModelConfig:
+    """A MoEUT model: L layer applications of G shared peri-layernorm blocks. Regularisers as
+    the authors' MoEUT (moeut.py: ``entropy_reg=0.01``, ``att_entropy_reg=0.001``, their sweeps'
+    ``moe.perplexity_reg`` and ``moe.att.perplexity_reg``): gamma = ``entropy_coef`` on the
+    sigma-MoE selection and delta = ``att_entropy_coef`` on the V and O selections, each pooled
+    per sequence over the applications of a shared block (``perplexity_reg_mode: layers_time``)."""
     attn = SwitchHeadConfig(d_model=d, n_heads=H, d_head=d_h, n_experts=att_E, k=att_k,
-                            pos="rope", n_layers=L)
+                            pos="rope", n_layers=L, entropy_coef=att_entropy_coef)
     ff = SigmaMoEConfig(d_model=d, n_experts=ff_E, expert_size=expert_size, k=ff_k,
-                        entropy_coef=entropy_coef, expert_dropout=0.0, n_layers=L)
+                        entropy_coef=entropy_coef, expert_dropout=0.0, n_layers=L,
+                        entropy_pool="sequence")
     return ModelConfig(vocab_size=vocab, d_model=d, n_layers=L, context_length=T,
                        attention=attn, feedforward=ff, xl_memory=False, dropout=0.0,
                        group_size=G, block="peri_ln")
