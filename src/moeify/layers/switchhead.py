@@ -72,6 +72,7 @@ from moeify.layers.common import (
     renorm_rows_,
 )
 from moeify.layers.kv_cache import KVCache
+from moeify.ops.aux_losses import sequence_prob_sums
 from moeify.ops.expert_matmul import (
     PLANLESS,
     ExpertPlan,
@@ -81,7 +82,6 @@ from moeify.ops.expert_matmul import (
     trace,
 )
 from moeify.ops.planless_matmul import gated_group_sum_all, gated_sum_of_all
-from moeify.ops.aux_losses import sequence_prob_sums
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
