@@ -81,12 +81,25 @@ def ref_sigma_moe(ff, x, r):
     return y.view(B, T, D)
 
 
-def moeut_reference(m, ids):
+def moeut_reference(m, ids, record=None):
+    """The logits; with ``record`` (a dict) also every application's selection logits, by
+    (block, "v" / "o" / "ff"): V's and O's [B, T, H, E] (float64, from LN1(x)), the
+    sigma-MoE's [B, T, E] (float32 as its router, from LN2(x))."""
     x = m.embedding.weight[ids]
     for i in range(L):  # layer grouping: application i runs block i mod G
         blk = m.blocks[i % G]
-        x = x + ref_switchhead(blk.attention, ref_ln(x, blk.ln1), x)
-        x = x + ref_sigma_moe(blk.feedforward, x, ref_ln(x, blk.ln2))
+        h = ref_ln(x, blk.ln1)
+        if record is not None:
+            att = blk.attention
+            for name, w in (("v", att.w_router_src), ("o", att.w_router_dst)):
+                record.setdefault((i % G, name), []).append(
+                    (h @ w.t()).view(*h.shape[:2], H, E_ATT))
+        x = x + ref_switchhead(blk.attention, h, x)
+        r = ref_ln(x, blk.ln2)
+        if record is not None:
+            record.setdefault((i % G, "ff"), []).append(
+                r.float() @ blk.feedforward.w_router.float().t())
+        x = x + ref_sigma_moe(blk.feedforward, x, r)
     return ref_ln(x, m.ln_f) @ m.output.weight.t() + m.output.bias
 
 
@@ -174,3 +187,124 @@ def test_attention_maps_of_a_shared_block():
     m = make().float()
     maps = compute_attention_maps(m, list(range(6)), layer=1)
     assert maps is not None
+
+
+# ---- the regularisers (the authors' MoEUT: RobertCsordas/moeut, moeut.py) -------------------
+
+GAMMA, DELTA = 0.01, 0.001  # the authors' entropy_reg and att_entropy_reg defaults
+
+
+def ref_entropy_reg(logits, valid_BT=None):
+    """The authors' ``entropy_reg(sel, dim)`` applied as their get_reg_loss does: the selection
+    logits of every application of one shared layer (a list of [B, T, *X, E]) joined along
+    time, log_softmax over experts, log-mean over (applications x tokens) per sequence, minus
+    the entropy averaged over sequences (and heads X). Padding (valid_BT False) takes no part."""
+    sel = torch.log_softmax(torch.cat(logits, 1), -1)  # [B, n·T, *X, E]
+    n = torch.full((sel.shape[0],), float(sel.shape[1]), dtype=sel.dtype)
+    if valid_BT is not None:
+        keep = torch.cat([valid_BT] * len(logits), 1)
+        sel = sel.masked_fill(~keep.view(*keep.shape, *[1] * (sel.dim() - 2)), float("-inf"))
+        n = keep.sum(1).to(sel.dtype)
+    lm = torch.logsumexp(sel, 1) - torch.log(n).view(-1, *[1] * (sel.dim() - 2))
+    entropy = -(lm * lm.exp()).sum(-1)
+    return -entropy.mean()
+
+
+def ref_regularisers(record, valid_BT=None, pool=ref_entropy_reg):
+    """By block g: gamma · reg(sigma-MoE selection), delta · reg(V selection), delta ·
+    reg(O selection), each over all of block g's applications."""
+    out = {}
+    for g in range(G):
+        out[f"layers.{g}.ff.entropy"] = GAMMA * pool(record[(g, "ff")], valid_BT)
+        out[f"layers.{g}.attn.entropy.src"] = DELTA * pool(record[(g, "v")], valid_BT)
+        out[f"layers.{g}.attn.entropy.dst"] = DELTA * pool(record[(g, "o")], valid_BT)
+    return out
+
+
+def per_application(logits, valid_BT=None):
+    """The alternative the authors do not use: the entropy taken per application, summed."""
+    return sum(ref_entropy_reg([l], valid_BT) for l in logits)
+
+
+def batch_pooled(logits, valid_BT=None):
+    """Another alternative: pooled over the whole batch's tokens (the sigma-MoE paper's form)."""
+    flat = [l.reshape(1, -1, *l.shape[2:]) for l in logits]
+    return ref_entropy_reg(flat, None if valid_BT is None else valid_BT.reshape(1, -1))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_regularisers_are_the_authors_pooled_over_a_shared_blocks_applications(padded):
+    m = make()
+    ids = ids_BT(B=3, T=7)
+    valid = None
+    if padded:  # right padding: causal attention keeps the real tokens' states as without it
+        valid = torch.ones(3, 7, dtype=torch.bool)
+        valid[1, 5:] = False
+        valid[2, 3:] = False
+    out = m(ids, valid_BT=valid)
+    record = {}
+    moeut_reference(m, ids, record)
+    ref = ref_regularisers(record, valid)
+    assert set(out.losses) == set(ref)  # one term per shared block, not per application
+    for key, want in ref.items():
+        # the sigma-MoE router (and so its term) is float32; the attention's are float64
+        tol = dict(rtol=1e-5, atol=1e-9) if key.endswith("ff.entropy") else dict(rtol=1e-9,
+                                                                                atol=1e-12)
+        torch.testing.assert_close(out.losses[key].double(), want.double(), **tol,
+                                   msg=lambda s: f"{key}: {s}")
+    total = sum(v.double() for v in ref.values())
+    torch.testing.assert_close(out.aux_loss.double(), total, rtol=1e-5, atol=1e-9)
+    # The test tells the authors' pooling from the alternatives and notices a dropped term:
+    for alt in (per_application, batch_pooled):
+        other = ref_regularisers(record, valid, pool=alt)
+        for key in ref:
+            assert abs(other[key] - ref[key]) > 1e-3 * abs(ref[key]), (alt.__name__, key)
+    attn = sum(v for k, v in ref.items() if "attn" in k)
+    assert abs(attn) > 1e-3 * abs(total)  # far above the 1e-5 tolerance of the total
+
+
+def test_regulariser_gradients_match_the_transcription():
+    m = make()
+    ids = ids_BT(B=2, T=7)
+    params = list(m.parameters())
+    ga = torch.autograd.grad(m(ids).aux_loss, params, allow_unused=True)
+    record = {}
+    moeut_reference(m, ids, record)
+    ref = sum(v.double() for v in ref_regularisers(record).values())
+    gb = torch.autograd.grad(ref, params, allow_unused=True)
+    n_checked = 0
+    for (name, _), a, b in zip(m.named_parameters(), ga, gb):
+        if b is None:  # the regularisers do not reach the output layer or the last LN2 path
+            assert a is None or a.abs().max() == 0, name
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9, msg=lambda s: f"{name}: {s}")
+        n_checked += 1
+    assert n_checked > 0
+    # both selections of both shared blocks are trained by the attention term
+    names = [n for n, _ in m.named_parameters()]
+    for g in range(G):
+        for side in ("src", "dst"):
+            assert ga[names.index(f"blocks.{g}.attention.w_router_{side}")].abs().sum() > 0
+
+
+def test_coefficients_are_options_with_the_papers_defaults():
+    cfg = moeut_lm(vocab=V, d=D, L=L, G=G, H=H, d_h=C, att_E=E_ATT, ff_E=E_FF, ff_k=K_FF,
+                   expert_size=N_FF, T=16)
+    att, ff = cfg.attention_layers()[0], cfg.feedforward_layers()[0]
+    assert att.entropy_coef == DELTA and ff.entropy_coef == GAMMA
+    assert ff.entropy_pool == "sequence"
+    off = moeut_lm(vocab=V, d=D, L=L, G=G, H=H, d_h=C, att_E=E_ATT, ff_E=E_FF, ff_k=K_FF,
+                   expert_size=N_FF, T=16, att_entropy_coef=0.0, entropy_coef=0.0)
+    torch.manual_seed(0)
+    out = off.build()(ids_BT())
+    assert out.losses == {} and out.aux_loss == 0
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    # SwitchHead and sigma-MoE outside MoEUT keep their papers' forms (no attention term,
+    # the batch-pooled sigma-MoE term), and their JSON does not name the new options.
+    from moeify.layers.feedforward import SigmaMoEConfig
+    from moeify.layers.switchhead import SwitchHeadConfig
+    sh = SwitchHeadConfig(d_model=D, n_heads=H, d_head=C, n_experts=E_ATT, k=2, pos="rope")
+    sm = SigmaMoEConfig(d_model=D, n_experts=E_FF, expert_size=N_FF, k=K_FF)
+    assert sh.entropy_coef == 0.0 and sm.entropy_pool == "batch"
+    with pytest.raises(ValueError, match="entropy_pool"):
+        SigmaMoEConfig(d_model=D, n_experts=E_FF, expert_size=N_FF, k=K_FF, entropy_pool="x")

@@ -410,3 +410,23 @@ def test_selection_scores_stay_float32_under_autocast():
     ref = want.view(32, 2, 4).gather(-1, sel.idx.view(32, 2, 2))
     assert sel.gates.dtype == torch.float32
     assert (sel.gates.view(32, 2, 2).double() - ref).abs().max() < 1e-5
+
+
+def test_moeut_entropy_regulariser_on_one_application():
+    # MoEUT's attention regulariser (entropy_coef = delta) on a layer used once: per selection,
+    # minus the entropy of each sequence's mean selection softmax, averaged over sequences and
+    # heads, times delta; written out here from the selection logits x W_Sᵀ.
+    delta = 0.001
+    m = make(pos="rope", entropy_coef=delta)
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    _, aux = m(x)
+    assert aux.losses == {} and set(aux.pooled) == {"entropy.src", "entropy.dst"}
+    want = 0.0
+    for side in ("src", "dst"):
+        p = torch.softmax((x @ getattr(m, f"w_router_{side}").t()).view(2, 5, H, E), -1).mean(1)
+        want = want + delta * (p * p.log()).sum(-1).mean()
+    torch.testing.assert_close(aux.total_loss(), want, rtol=1e-10, atol=0)
+    # off by default (the SwitchHead paper has none); one term for a shared selection
+    assert not make(pos="rope")(x)[1].pooled
+    shared = make(pos="rope", entropy_coef=delta, shared_selection=True)
+    assert set(shared(x)[1].pooled) == {"entropy.src"}

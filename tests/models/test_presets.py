@@ -15,11 +15,13 @@ from moeify.layers.moa import MoAConfig
 from moeify.layers.mosa import MoSAConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
+from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS
 from moeify.models.presets import PRESETS, get_preset
 
-# The MoEUT paper's rows have their own tests (tests/models/test_moeut_presets.py).
+# MoEUT's table rows (MoEUT and its dense baselines) have their own tests against the table's
+# #params labels, one per row pair (tests/models/test_moeut_presets.py).
 PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
-         and not n.endswith("-moeut")]
+         and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)

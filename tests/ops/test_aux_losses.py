@@ -8,7 +8,9 @@ from moeify.ops.aux_losses import (
     batch_entropy_loss,
     cv_squared,
     moa_balance_loss,
+    pooled_entropy_loss,
     router_entropy,
+    sequence_prob_sums,
     switch_balance_loss,
     z_loss,
 )
@@ -83,3 +85,33 @@ def test_entropies_ignore_padding():
     probs = torch.softmax(logits, -1)
     assert abs(router_entropy(probs, valid).item() - math.log(2)) < 1e-6
     assert router_entropy(probs).item() < math.log(2) - 0.1  # padding would lower it
+
+
+def test_pooled_entropy_by_hand():
+    # Two sequences, two "applications" of one layer, 3 experts. Sequence 1's second token is
+    # padding. By hand: per sequence the mean softmax over its valid tokens of both
+    # applications, minus its entropy, averaged over the sequences.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 2, 3, generator=g, dtype=torch.float64)
+    b = torch.randn(2, 2, 3, generator=g, dtype=torch.float64)
+    valid = torch.tensor([[True, True], [True, False]])
+    s1, n1 = sequence_prob_sums(a, valid)
+    s2, n2 = sequence_prob_sums(b, valid)
+    got = pooled_entropy_loss(s1 + s2, n1 + n2)
+    sm = lambda x: [math.exp(v) / sum(math.exp(u) for u in x) for v in x]  # noqa: E731
+    want = 0.0
+    for i, toks in ((0, (0, 1)), (1, (0,))):
+        rows = [sm(a[i, t].tolist()) for t in toks] + [sm(b[i, t].tolist()) for t in toks]
+        p = [sum(r[e] for r in rows) / len(rows) for e in range(3)]
+        want += sum(q * math.log(q) for q in p) / 2
+    assert abs(got.item() - want) < 1e-12
+    # a sequence with no valid token takes no part (and divides nothing by zero)
+    s3, n3 = sequence_prob_sums(a, torch.tensor([[True, True], [False, False]]))
+    only0 = pooled_entropy_loss(s3, n3)
+    s4, n4 = sequence_prob_sums(a[:1])
+    assert torch.allclose(only0, pooled_entropy_loss(s4, n4))
+    # heads: an extra group axis, averaged like the sequences
+    h = torch.randn(2, 4, 5, 3, generator=g, dtype=torch.float64)  # [B, T, H, E]
+    s, n = sequence_prob_sums(h)
+    per_head = [pooled_entropy_loss(*sequence_prob_sums(h[:, :, j])) for j in range(5)]
+    assert torch.allclose(pooled_entropy_loss(s, n), torch.stack(per_head).mean())

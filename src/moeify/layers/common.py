@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moeify.ops.aux_losses import pooled_entropy_loss
 from moeify.ops.dropout import dropout
 from moeify.ops.moe import implementations
 from moeify.ops.memo import stamps
@@ -176,6 +177,26 @@ def routing_record(kind: str, idx: torch.Tensor, num_experts: int, gates: torch.
     return RoutingStats(kind, None, None, _values=_Deferred(count), **facts)
 
 
+@dataclass(frozen=True)
+class PooledEntropy:
+    """One application's share of a regulariser that pools over every application of a shared
+    layer before it is taken (MoEUT's entropy regularisers, moeify.ops.aux_losses
+    ``sequence_prob_sums`` / ``pooled_entropy_loss``): per sequence the summed selection
+    softmax ``psum`` [B, *X, E] and the valid-token count ``count`` [B]. The model adds the
+    shares of one block's applications (``merge``) and takes ``loss`` once, at the end of its
+    forward (moeify.models.lm); a layer used alone has one application."""
+
+    coef: float
+    psum: torch.Tensor
+    count: torch.Tensor
+
+    def merge(self, other: "PooledEntropy") -> "PooledEntropy":
+        return PooledEntropy(self.coef, self.psum + other.psum, self.count + other.count)
+
+    def loss(self) -> torch.Tensor:
+        return self.coef * pooled_entropy_loss(self.psum, self.count)
+
+
 @dataclass
 class Aux:
     """Auxiliary outputs of a layer, returned (never stored in globals).
@@ -184,11 +205,15 @@ class Aux:
              (a loss is present whenever its coefficient is non-zero).
     stats:   other detached statistics (router entropy, fraction dropped, ...).
     routing: the layer's routing decisions (``RoutingStats``), by name ("src", "dst", "router").
+    pooled:  losses not yet taken (``PooledEntropy``): the model pools them over the
+             applications of a shared block and adds ``loss()`` to its losses under the same
+             name (MoEUT's regularisers).
     """
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     routing: dict[str, RoutingStats] = field(default_factory=dict)
+    pooled: dict[str, PooledEntropy] = field(default_factory=dict)
 
     def update(self, other: "Aux", prefix: str = "") -> "Aux":
         for k, v in other.losses.items():
@@ -197,10 +222,14 @@ class Aux:
             self.stats[prefix + k] = v
         for k, v in other.routing.items():
             self.routing[prefix + k] = v
+        for k, v in other.pooled.items():
+            self.pooled[prefix + k] = v
         return self
 
     def total_loss(self) -> torch.Tensor | None:
-        return sum(self.losses.values()) if self.losses else None
+        """The weighted losses, pooled ones taken over this one application."""
+        terms = list(self.losses.values()) + [p.loss() for p in self.pooled.values()]
+        return sum(terms) if terms else None
 
 
 class Dropout(nn.Dropout):

@@ -24,6 +24,12 @@ models/lm.py): G blocks are built and applied in order n_layers / G times. The i
 number of layer *applications* (the authors' ``sqrt(2 / (n_repeats * G))``), which the layer
 configs' ``n_layers`` carries.
 
+Regularisers (the authors' MoEUT.forward: ``entropy_reg * SigmaMoE.get_reg_loss() +
+att_entropy_reg * SwitchHeadCore.get_reg_loss()``, gamma = 0.01, delta = 0.001): the block
+passes on its layers' ``Aux.pooled`` shares ("ff.entropy", "attn.entropy.src" / ".dst"), which
+the model adds over the block's applications before taking the entropy (models/lm.py); see
+SigmaMoEConfig.entropy_pool and SwitchHeadConfig.entropy_coef.
+
 Shape legend: B batch, T tokens, D d_model.
 """
 

@@ -15,6 +15,11 @@ biases and another activation, for upcycling.)
 
 Regulariser (coefficient gamma = ``entropy_coef``, returned as the aux loss "entropy"): minus the
 entropy of the batch-averaged softmax of the selection logits; routing itself stays sigmoid.
+``entropy_pool="sequence"`` is MoEUT's form of it (RobertCsordas/moeut, moeut.py,
+SigmaMoE.get_reg_loss: ``entropy_reg(stack(sel_hist, -2).flatten(-3, -2), -2)``): the softmax is
+averaged per sequence over its tokens and over every application of the (shared) layer, and
+minus the entropy is averaged over the sequences; the layer returns its share as
+``Aux.pooled["entropy"]`` and the model takes the loss once per block (moeify.models.lm).
 
 Options of later work: ``shared`` (DeepSeekMoE's shared expert isolation: a dense expert every
 token goes through, moeify.layers.shared_expert) and ``lossfree_rate`` (loss-free balancing,
@@ -34,6 +39,7 @@ from torch import nn
 
 from moeify.layers.common import (
     Aux,
+    PooledEntropy,
     accumulate_usage,
     check_expert_impl,
     check_nonnegative,
@@ -50,7 +56,7 @@ from moeify.layers.common import (
 from moeify.layers.ff_common import check_activation, expert_activation, routing_stats
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
-from moeify.ops.aux_losses import batch_entropy_loss
+from moeify.ops.aux_losses import batch_entropy_loss, sequence_prob_sums
 from moeify.ops.moe import expert_mlp, make_plan
 from moeify.ops.routing import router_logits, sigmoid_topk
 
@@ -82,7 +88,12 @@ class SigmaMoEConfig:
                     size, always on (instead of ``shared``; moeify.layers.shared_expert).
     shared_gate:    scale the shared expert by σ(w · x) (Qwen2-MoE); DeepSeekMoE has none.
     lossfree_rate:  gamma of loss-free balancing (0 = off; the paper's 1e-3).
-    lossfree_centre: subtract the mean from the bias after each update (not the paper's)."""
+    lossfree_centre: subtract the mean from the bias after each update (not the paper's).
+    entropy_pool:   what the entropy regulariser averages the selection softmax over: "batch"
+                    (the sigma-MoE paper's: all of this call's tokens, one loss per layer
+                    application) or "sequence" (MoEUT's: each sequence's tokens over every
+                    application of a shared layer, then minus the entropy averaged over the
+                    sequences; returned in ``Aux.pooled``)."""
 
     d_model: int
     n_experts: int
@@ -100,9 +111,13 @@ class SigmaMoEConfig:
     shared_gate: bool = later_option(False)
     lossfree_rate: float = later_option(0.0)
     lossfree_centre: bool = later_option(False)
+    entropy_pool: str = later_option("batch")
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_experts", "expert_size", "n_layers")
+        if self.entropy_pool not in ("batch", "sequence"):
+            raise ValueError(f"SigmaMoEConfig.entropy_pool must be 'batch' (sigma-MoE) or "
+                             f"'sequence' (MoEUT), got {self.entropy_pool!r}")
         check_activation(self)
         check_shared(self)
         check_nonnegative(self, "lossfree_rate")
@@ -123,7 +138,8 @@ class SigmaMoEConfig:
 
 
 class SigmaMoE(nn.Module):
-    """Aux losses: "entropy" (when entropy_coef > 0). Routing: ``aux.routing["router"]`` (valid
+    """Aux losses: "entropy" (when entropy_coef > 0; in ``Aux.pooled`` with
+    entropy_pool="sequence"). Routing: ``aux.routing["router"]`` (valid
     tokens only). Stats: router_entropy (mean per-token entropy of softmax(logits)), batch_entropy (entropy of
     the batch-averaged softmax, what the regulariser maximises), dead_experts. Running selection
     counts: the int64 buffer ``usage`` [E], training only."""
@@ -209,7 +225,10 @@ class SigmaMoE(nn.Module):
         y_BTD = add_shared(self, c, y_BTD, x_BTD, valid_BT)
 
         aux = Aux()
-        if c.entropy_coef != 0:
+        if c.entropy_coef != 0 and c.entropy_pool == "sequence":
+            aux.pooled["entropy"] = PooledEntropy(
+                c.entropy_coef, *sequence_prob_sums(logits_ME.reshape(B, T, -1), valid_BT))
+        elif c.entropy_coef != 0:
             aux.losses["entropy"] = c.entropy_coef * batch_entropy_loss(logits_ME, valid_M)
         keep_MK = None if valid_M is None else valid_M[:, None].expand(M, K)
         record = routing_record("sigma_moe", idx_MK, c.n_experts, gates_MK, keep_MK)

@@ -9,7 +9,13 @@ Per head h, with sigmoid selection scores computed in float32 (Eq. 7-8) and top-
     V_h[s] = Σ_{e ∈ topk_h(s)} s_SV[s,h,e] · x_src[s] W_V[h,e]                        (Eq. 9)
     A_h    = softmax(Q_h K_hᵀ / sqrt(C) + mask [+ XL position term])
     y[t]   = Σ_h Σ_{e ∈ topk_h(t)} s_SO[t,h,e] · (A_h V_h)[t] W_O[h,e]                   (Eq. 10)
-No renormalisation of the k gates, no regulariser, heads summed (no concatenation).
+No renormalisation of the k gates, heads summed (no concatenation), no regulariser in the
+SwitchHead paper. MoEUT adds one (``entropy_coef`` = its delta, 0.001 there; 0 = off, the
+default): per selection (V's and O's), minus the entropy of the selection softmax averaged per
+sequence over its tokens and over every application of a shared layer, averaged over sequences
+and heads (RobertCsordas/moeut, moeut.py, SwitchHeadCore.get_reg_loss:
+``entropy_reg(stack([o_sel, v_sel][i] over applications, -3).flatten(-4, -3), -3)``), returned
+in ``Aux.pooled`` ("entropy.src", "entropy.dst") for the model to pool (moeify.models.lm).
 
 Any subset of {q, k, v, o} may be experts (Table 6). At most two selections exist: the
 destination-side one (computed from the query input) serves O and Q, the source-side one
@@ -53,11 +59,13 @@ from moeify.layers.attention import (
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
     Aux,
+    PooledEntropy,
     accumulate_usage,
     check_expert_impl,
     check_positive,
     destination_validity,
     init_scale,
+    later_option,
     project_by_input,
     register_usage,
     rename_legacy_keys,
@@ -65,6 +73,7 @@ from moeify.layers.common import (
     renorm_rows_,
 )
 from moeify.layers.kv_cache import KVCache
+from moeify.ops.aux_losses import sequence_prob_sums
 from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
 from moeify.ops.moe.matmul import trace
 from moeify.ops.moe.policy import decodes_all, planless
@@ -85,6 +94,8 @@ class SwitchHeadConfig:
         sides (V or K, and O or Q).
     n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
     attn_dropout: dropout on attention probabilities (never used in the paper).
+    entropy_coef: MoEUT's attention entropy regulariser delta (0.001 in MoEUT; 0 = none, as the
+        SwitchHead paper), pooled per sequence over a shared layer's applications.
     expert_impl: expert-matmul implementation ("auto", "reference", "gather", "all", "segment",
         "grouped", "padded", "sets", "triton"); attn_impl: attention core ("auto" or "reference").
     """
@@ -103,9 +114,13 @@ class SwitchHeadConfig:
     rope_base: float = 10000.0
     attn_impl: str = "auto"
     expert_impl: str = "auto"
+    entropy_coef: float = later_option(0.0)
 
     def __post_init__(self) -> None:
         check_positive(self, "n_heads", "n_experts", "k")
+        if not self.entropy_coef >= 0:
+            raise ValueError(f"SwitchHeadConfig.entropy_coef must be >= 0, got "
+                             f"{self.entropy_coef!r}")
         check_attention_common(self)
         if isinstance(self.experts, str):
             raise ValueError(f"experts must be a collection of names such as {{'v', 'o'}}, "
@@ -160,6 +175,7 @@ class Selection(NamedTuple):
     idx: torch.Tensor  # int64 [M, H, K], expert within the head
     ids: torch.Tensor  # int64 [M, H, K], h·E + idx: the row of the stacked [H·E, ...] weights
     plan: RoutingPlan | None  # sorted routing shared by every expert matmul of this side
+    logits: torch.Tensor | None = None  # [M, H, E] selection logits (MoEUT's regulariser)
 
 
 class SwitchHeadAttention(nn.Module):
@@ -235,7 +251,7 @@ class SwitchHeadAttention(nn.Module):
         if not planless(c.expert_impl):
             plan = make_plan(ids, c.n_heads * c.n_experts, group_size=c.n_experts,
                              in_range=True)  # a top-k within each head, plus its offset
-        return Selection(top.gates, top.idx, ids, plan)
+        return Selection(top.gates, top.idx, ids, plan, logits_MHE)
 
     def select(self, q_BTD: torch.Tensor, kv_BSD: torch.Tensor | None = None, *,
                logits: dict[str, torch.Tensor] | None = None) -> dict[str, Selection]:
@@ -368,7 +384,8 @@ class SwitchHeadAttention(nn.Module):
         """docs/interfaces.md. ``aux.routing["src"]`` / ``["dst"]``: the source-side (V, K) and
         destination-side (O, Q) selections, counts [H, E] per head and expert (valid tokens
         only), also added to the ``usage_{p}`` buffers of the projections each serves in
-        training mode. No aux losses (the paper uses none). ``value_BSD`` (same shape as the
+        training mode. No aux losses (the paper uses none) unless ``entropy_coef`` (MoEUT):
+        then ``aux.pooled["entropy.src"]`` / ``["entropy.dst"]``. ``value_BSD`` (same shape as the
         K input): V reads it instead of the K input (MoEUT's peri-layernorm: K, Q and both
         selections read LN(x), V reads x)."""
         c = self.config
@@ -395,6 +412,10 @@ class SwitchHeadAttention(nn.Module):
             aux.routing[side] = record
             for p in serves:
                 accumulate_usage(self, f"usage_{p}", record)
+            if c.entropy_coef != 0 and not (side == "dst" and sel is sels.get("src")):
+                B = q_BTD.shape[0]
+                aux.pooled[f"entropy.{side}"] = PooledEntropy(c.entropy_coef, *sequence_prob_sums(
+                    sel.logits.reshape(B, -1, c.n_heads, c.n_experts), valid[side]))
         return y_BTD, aux
 
     @torch.no_grad()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
-from moeify.layers.common import Dropout, RoutingStats
+from moeify.layers.common import Dropout, PooledEntropy, RoutingStats
 from moeify.ops.aux_losses import masked_mean
 from moeify.ops.cross_entropy import fused_applies, linear_cross_entropy
 
@@ -43,7 +43,9 @@ class LMOutput:
     logits:   [B, T, V]; None when the caller passed targets and ``return_logits=False``.
     aux_loss: sum over every layer of its Aux.losses (already weighted by their coefficients);
               a zero tensor when no layer has one.
-    losses:   the individual aux losses, keyed "layers.{i}.{name}".
+    losses:   the individual aux losses, keyed "layers.{i}.{name}"; a pooled one (MoEUT's
+              entropy regularisers: over every application of a shared block) once per block,
+              keyed by the block's first layer i = block index.
     stats:    detached per-layer statistics, keyed "layers.{i}.{name}": each layer's own, and
               for every routing record "layers.{i}.{record}.{metric}" (RoutingStats.metrics:
               counts, usage_entropy, dead_experts, gate_mean), the names training logs.
@@ -144,6 +146,7 @@ class TransformerLM(nn.Module):
         losses: dict[str, torch.Tensor] = {}
         stats: dict[str, torch.Tensor] = {}
         routing: dict[str, RoutingStats] = {}
+        pooled: dict[str, PooledEntropy] = {}
         for i, block in enumerate(self.layer_blocks()):
             if keep_memory:
                 new_memory.append(x_BTD.detach())
@@ -156,6 +159,13 @@ class TransformerLM(nn.Module):
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = r.with_layer(i)
+            # Pooled terms (MoEUT's regularisers) add up over every application of a block
+            # (layer i runs block i mod G) and are keyed by its first layer, i mod G.
+            for k, p in aux.pooled.items():
+                key = f"layers.{i % len(self.blocks)}.{k}"
+                pooled[key] = pooled[key].merge(p) if key in pooled else p
+        for key, p in pooled.items():
+            losses[key] = p.loss()
         logits_BTV, loss = self._head(self.drop(self.ln_f(x_BTD)), targets_BT, valid_BT,
                                       return_logits)
         aux_loss = (torch.stack([v.float() for v in losses.values()]).sum() if losses

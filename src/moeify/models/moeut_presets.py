@@ -2,22 +2,28 @@
 SwitchHead attention (V and O experts, k = 2, RoPE on half of each head) and sigma-MoE
 feedforwards (experts of 128, ReLU), peri-layernorm blocks (layers/moeut.py), layer grouping G.
 
-The paper rows are the MoEUT configurations of the paper's C4 scaling experiments, named after
-their parameter counts (44M, 126M, 244M, 318M, 727M, 1B), transcribed from the authors'
-release of them (RobertCsordas/moeut, profiles.py: MoEUT_44M ... MoEUT_1B) with the C4 training
-setting of their sweeps (RobertCsordas/moeut_training_code, sweeps/c4_moeut_*.yaml): context
-1024, an 8000-token SentencePiece vocabulary, no dropout, batch 64, 4000 warm-up steps,
-clipping 0.25, feedforward entropy regulariser gamma = 0.01. ``moeify count`` reproduces each
-row's parameter count to the precision the name carries (tests/models/test_moeut_presets.py).
-The 727M row takes d_model = 1280 from the authors' sweep where profiles.py says 1024 (which
-would count 581.9M; see MOEUT_ROWS).
+The paper rows are the C4 rows of the paper's main results table (perplexity and zero-shot
+accuracy, MoEUT beside its parameter-matched dense baseline per size), named after that table's
+#params column: 44M, 126M, 244M, 319M, 728M, 1040M. The paper's text is not readable here; the
+rows are taken from the authors' script that renders the table (RobertCsordas/
+moeut_training_code, paper/moe_universal/main_result_table.py): its runs per row (C4: the
+``small`` / ``mid`` / ``big`` / ``bigger`` / ``gigantic`` / ``1b`` sweeps, baseline and MoEUT)
+and its #params column, each run's parameter count mapped to the nearest of {44, 126, 244, 319,
+728, 1040} (so one label per size, shared by the baseline and the MoEUT row). The configurations
+are those sweeps' (sweeps/c4_moeut_*.yaml, c4_baseline_*_rope_nodrop.yaml; the MoEUT ones equal
+RobertCsordas/moeut profiles.py but for the 728M row's d_model, see MOEUT_ROWS) with their C4
+setting: context 1024, an 8000-token SentencePiece vocabulary, no dropout, batch 64, 4000
+warm-up steps, clipping 0.25, regularisers gamma = 0.01 (sigma-MoE) and delta = 0.001 (attention),
+both ``perplexity_reg_mode: layers_time``. ``moeify count`` puts every MoEUT row within 0.9M of
+its label and every baseline within 0.7M, but the 1040M baseline (1044.3M: the label is the
+MoEUT's); tests/models/test_moeut_presets.py holds each row to it. The same configurations are
+the paper's hyperparameter table (rendered by paper/moe_universal/plot_hyperparams.py: #params,
+n_layers, G, d_model, d_ff, H, N_A, d_head, N_E, K, warm-up, clipping per run).
 
-Deviations (README "The layers", MoEUT): the attention entropy regulariser (delta = 0.001 in
-the authors' code) is not applied, since moeify's SwitchHead has none; the feedforward's entropy
-regulariser is computed per layer application and summed, where the authors pool the
-selection logits of all applications of a shared layer over the sequence before taking the
-entropy; the untied output layer is initialised N(0, 1/d) with a zero bias (the library's
-output layer), where the authors keep PyTorch's default Linear init.
+The regularisers are the authors' (SigmaMoEConfig.entropy_pool = "sequence", SwitchHeadConfig
+.entropy_coef), pooled per sequence over the applications of a shared block. Deviation (README
+"The layers", MoEUT): the untied output layer is initialised N(0, 1/d) with a zero bias (the
+library's output layer), where the authors keep PyTorch's default Linear init.
 
 ``tiny-moeut`` is the tiny family's shape (byte vocabulary, d = 128, T = 128) with 4 layers in
 2 groups; ``repro-moeut`` is its CPU-study counterpart, parameter-matched to ``repro-rope-dense``
@@ -39,34 +45,62 @@ MOEUT_C4 = PaperRecipe(batch_size=64, warmup_steps=4000, grad_clip=0.25)
 
 def moeut_lm(*, vocab: int = VOCAB_C4, d: int, L: int, G: int, H: int, d_h: int, att_E: int,
              att_k: int = 2, ff_E: int, ff_k: int, expert_size: int = 128, T: int = 1024,
-             entropy_coef: float = 0.01) -> ModelConfig:
-    """A MoEUT model: L layer applications of G shared peri-layernorm blocks."""
+             entropy_coef: float = 0.01, att_entropy_coef: float = 0.001) -> ModelConfig:
+    """A MoEUT model: L layer applications of G shared peri-layernorm blocks. Regularisers as
+    the authors' MoEUT (moeut.py: ``entropy_reg=0.01``, ``att_entropy_reg=0.001``, their sweeps'
+    ``moe.perplexity_reg`` and ``moe.att.perplexity_reg``): gamma = ``entropy_coef`` on the
+    sigma-MoE selection and delta = ``att_entropy_coef`` on the V and O selections, each pooled
+    per sequence over the applications of a shared block (``perplexity_reg_mode: layers_time``)."""
     attn = SwitchHeadConfig(d_model=d, n_heads=H, d_head=d_h, n_experts=att_E, k=att_k,
-                            pos="rope", n_layers=L)
+                            pos="rope", n_layers=L, entropy_coef=att_entropy_coef)
     ff = SigmaMoEConfig(d_model=d, n_experts=ff_E, expert_size=expert_size, k=ff_k,
-                        entropy_coef=entropy_coef, expert_dropout=0.0, n_layers=L)
+                        entropy_coef=entropy_coef, expert_dropout=0.0, n_layers=L,
+                        entropy_pool="sequence")
     return ModelConfig(vocab_size=vocab, d_model=d, n_layers=L, context_length=T,
                        attention=attn, feedforward=ff, xl_memory=False, dropout=0.0,
                        group_size=G, block="peri_ln")
 
 
-# name -> (the row's published size in parameters, the configuration)
+# name -> (the row's #params label in the paper's main results table, the configuration).
+# The authors' sweep per row (RobertCsordas/moeut_training_code sweeps/, C4):
 MOEUT_ROWS: dict[str, tuple[str, dict]] = {
+    # c4_moeut_small_matched_rope_noln_long
     "c4-44m-moeut": ("44M", dict(d=412, L=16, G=2, H=4, d_h=82, att_E=8, ff_E=155, ff_k=12)),
+    # c4_moeut_mid_matched_rope_noln
     "c4-126m-moeut": ("126M", dict(d=768, L=18, G=2, H=4, d_h=96, att_E=10, ff_E=254,
                                    ff_k=12)),
+    # c4_moeut_big_matched_rope_preln_linear_norot_nosm1
     "c4-244m-moeut": ("244M", dict(d=1024, L=18, G=2, H=4, d_h=128, att_E=10, ff_E=387,
                                    ff_k=16)),
-    "c4-318m-moeut": ("318M", dict(d=1024, L=24, G=3, H=4, d_h=128, att_E=10, ff_E=338,
+    # c4_moeut_bigger_matched_rope_nonorm_g3
+    "c4-319m-moeut": ("319M", dict(d=1024, L=24, G=3, H=4, d_h=128, att_E=10, ff_E=338,
                                    ff_k=16)),
-    # d = 1280 as in the authors' training sweep of this row (sweeps/c4_moeut_gigantic_
-    # switchead.yaml: state_size 1280); their profiles.py says d_model=1024, which counts 581.9M,
-    # not the 727M the row is named after (a transcription slip there; 1280 gives 727.4M).
-    "c4-727m-moeut": ("727M", dict(d=1280, L=36, G=4, H=5, d_h=128, att_E=13, ff_E=467,
+    # c4_moeut_gigantic_switchead: state_size 1280; the authors' profiles.py says d_model=1024
+    # for this row (MoEUT_727M), which counts 581.9M, not the 728M of the table (a
+    # transcription slip there; 1280 gives 727.4M).
+    "c4-728m-moeut": ("728M", dict(d=1280, L=36, G=4, H=5, d_h=128, att_E=13, ff_E=467,
                                    ff_k=20)),
-    "c4-1b-moeut": ("1B", dict(d=1536, L=36, G=4, H=6, d_h=128, att_E=12, ff_E=565,
-                                  ff_k=24)),
+    # c4_moeut_1b_switchead
+    "c4-1040m-moeut": ("1040M", dict(d=1536, L=36, G=4, H=6, d_h=128, att_E=12, ff_E=565,
+                                     ff_k=24)),
 }
+
+# name -> (label, (d, L, H, d_ff)) of the dense RoPE baselines of the same table rows
+# (sweeps c4_baseline_{small_rope_long,mid_rope,big_rope,bigger_rope,gigantic_rope,1b_rope}
+# _nodrop: pre-LN, RoPE on half of each head, bias-free attention, ReLU MLP with biases,
+# d_ff = int(d_model * ff_multiplier), d_head = d_model / H except the 44M's 41).
+MOEUT_BASELINE_ROWS: dict[str, tuple[str, tuple[int, int, int, int, int]]] = {
+    "c4-44m-rope-dense": ("44M", (412, 16, 10, 41, int(412 * 4.985))),
+    "c4-126m-rope-dense": ("126M", (768, 16, 16, 48, 3072)),
+    "c4-244m-rope-dense": ("244M", (1024, 18, 16, 64, int(1024 * 4.014))),
+    "c4-319m-rope-dense": ("319M", (1024, 24, 16, 64, int(1024 * 4.014))),
+    "c4-728m-rope-dense": ("728M", (1280, 36, 20, 64, 5120)),
+    "c4-1040m-rope-dense": ("1040M", (1536, 36, 24, 64, 6144)),
+}
+
+
+def moeut_baseline(d: int, L: int, H: int, d_h: int, d_ff: int) -> ModelConfig:
+    return dense_lm(Size(VOCAB_C4, d, L, 1024, False, 0.0, H, d_h, d_ff), H=H)
 
 
 def tiny_moeut() -> ModelConfig:
@@ -100,13 +134,23 @@ def repro_moeut() -> ModelConfig:
 
 
 def _row(name: str, size: str, kw: dict) -> Preset:
-    desc = (f"C4 MoEUT {size} (paper's scaling rows): L={kw['L']} G={kw['G']} d={kw['d']}, "
+    desc = (f"C4 MoEUT {size} (main results table): L={kw['L']} G={kw['G']} d={kw['d']}, "
             f"SwitchHead H={kw['H']} d_h={kw['d_h']} E={kw['att_E']} k=2, sigma-MoE "
             f"{kw['ff_E']} x 128 k={kw['ff_k']}, peri-layernorm")
-    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=MOEUT_C4)
+    base = name.replace("-moeut", "-rope-dense")
+    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=MOEUT_C4, baseline=base)
 
 
-MOEUT_PRESETS: tuple[Preset, ...] = tuple(_row(n, s, kw) for n, (s, kw) in MOEUT_ROWS.items()) + (
+def _baseline_row(name: str, size: str, shape: tuple[int, int, int, int, int]) -> Preset:
+    d, L, H, d_h, d_ff = shape
+    desc = (f"C4 dense RoPE baseline {size} of MoEUT's main results table: L={L} d={d} H={H} "
+            f"d_h={d_h} d_ff={d_ff}")
+    return paper(name, desc, lambda: moeut_baseline(*shape), data="c4", recipe=MOEUT_C4)
+
+
+MOEUT_PRESETS: tuple[Preset, ...] = tuple(
+    _baseline_row(n, s, shape) for n, (s, shape) in MOEUT_BASELINE_ROWS.items()) + tuple(
+    _row(n, s, kw) for n, (s, kw) in MOEUT_ROWS.items()) + (
     Preset("tiny-moeut", "tiny RoPE: MoEUT, 4 layers in G=2 shared peri-layernorm blocks: "
            "SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 8 x 64 k=2", tiny_moeut),
     Preset("repro-rope-dense", "CPU-scale family without XL memory: dense RoPE H=8 d_h=16, "

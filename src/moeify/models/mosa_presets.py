@@ -9,9 +9,11 @@ moeify.models.cost (12,582,912 MACs; tests/models/test_mosa_presets.py), the pap
 compute-matched comparison. They have more parameters than the dense model, as the paper's
 compute-matched MoSA models do.
 
-No preset reproduces a row of the paper's tables: this session could not read the paper's
-tables (only its method section), so no published configuration or parameter count is
-transcribed here rather than guessed.
+No preset reproduces a row of the paper's tables, because no table of the paper could be read
+here: the stored copies of arXiv 2505.00315 (abstract and HTML pages) hold only its opening and
+method, summaries of it hold no configuration, and the authors' repository (piotrpiekos/MoSA)
+holds the layer only, with no model configurations or parameter counts. No published
+configuration is guessed.
 """
 
 from __future__ import annotations

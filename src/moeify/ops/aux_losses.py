@@ -112,3 +112,30 @@ def router_entropy(probs_ME: torch.Tensor, valid_M: torch.Tensor | None = None) 
     """Mean per-token entropy of a router's distribution (a statistic, not a loss)."""
     p = probs_ME.float()
     return masked_mean(-(p * torch.log(p.clamp_min(1e-12))).sum(-1), valid_M)
+
+
+def sequence_prob_sums(logits_BTXE: torch.Tensor, valid_BT: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pieces of MoEUT's pooled entropy regulariser for one layer application: per sequence
+    the sum over its valid tokens of softmax(logits) over the last dim, ``[B, *X, E]``, and the
+    number of valid tokens, ``[B]`` (float). ``logits_BTXE`` [B, T, *X, E] (X: e.g. heads).
+    Sums add over applications, so the mean over (tokens, applications) is one division at the
+    end (``pooled_entropy_loss``). Computed in float32, or float64 for float64 logits."""
+    x = logits_BTXE if logits_BTXE.dtype == torch.float64 else logits_BTXE.float()
+    p = torch.softmax(x, -1)
+    B, T = p.shape[:2]
+    if valid_BT is None:
+        return p.sum(1), p.new_full((B,), float(T))
+    w = valid_BT.to(p.dtype)
+    return (p * w.view(B, T, *([1] * (p.dim() - 2)))).sum(1), w.sum(1)
+
+
+def pooled_entropy_loss(psum_BXE: torch.Tensor, count_B: torch.Tensor) -> torch.Tensor:
+    """MoEUT's regulariser from ``sequence_prob_sums`` (summed over applications): minus the
+    entropy of each sequence's mean selection distribution p_b = psum_b / count_b, averaged over
+    the sequences (that have a valid token) and the other groups X (heads). The authors'
+    ``- entropy_l(log_mean(log_softmax(sel), time)).mean()`` (RobertCsordas/moeut, moeut.py)."""
+    p = psum_BXE / count_B.clamp_min(1.0).view(-1, *([1] * (psum_BXE.dim() - 1)))
+    neg_h = (p * torch.log(p.clamp_min(1e-12))).sum(-1)  # [B, *X]
+    has = (count_B > 0).to(neg_h.dtype).view(-1, *([1] * (neg_h.dim() - 1))).expand_as(neg_h)
+    return (neg_h * has).sum() / has.sum().clamp_min(1.0)
