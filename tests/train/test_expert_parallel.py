@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.train import checkpoint as ck
+from moeify.train import sharded
+from moeify.train.rundir import load_trained
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import Trainer, train
 
@@ -83,8 +85,20 @@ def _layer_worker(rank, world, init_file, out_file):
             (y * r[:, lo:hi]).sum().backward()
             ep.sync_grads()  # divided by W: DDP's mean
             # Expert shards: summed over processes, divided by W (undone here), then gathered.
-            full = {n: ep._gather(p.grad * world) if n in ep.params else p.grad
+            full = {n: (p.grad * world).full_tensor() if n in ep.params else p.grad
                     for n, p in layer.named_parameters()}
+            # The expert weights are DTensors placed Shard(0) over the "ep" mesh dimension,
+            # holding E / P experts here: rows [rank * 2, rank * 2 + 2) of the full tensor.
+            from torch.distributed.tensor import DTensor, Shard
+
+            for n in ep.params:
+                p = dict(layer.named_parameters())[n]
+                assert isinstance(p, DTensor) and p.placements == (Shard(0),), n
+                assert p.device_mesh.mesh_dim_names == ("ep",) and p.shape[0] == 4, n
+                assert p.to_local().shape[0] == 2, n
+                full_init = dict(_layer(name).named_parameters())[n].detach()
+                torch.testing.assert_close(p.to_local(), full_init[rank * 2:rank * 2 + 2],
+                                           rtol=0, atol=0)
             res[name] = {"y": y.detach(), "x_grad": x.grad, "grads": full}
         torch.save(res, f"{out_file}.{rank}")
     finally:
@@ -119,6 +133,8 @@ def test_one_layer_equals_the_single_process_layer_outputs_and_every_gradient(tm
 def _fit(cfg, run_dir, out_file=None):
     """Train with a hook that records every gradient before each optimizer step (the expert
     shards gathered to full tensors), on every process."""
+    from torch.distributed.tensor import DTensor
+
     tr = Trainer(cfg, run_dir, quiet=True)
     names = {id(p): n for n, p in tr.model.named_parameters()}
     grads = []
@@ -127,8 +143,7 @@ def _fit(cfg, run_dir, out_file=None):
         g = {}
         for p in tr.model.parameters():
             n = names[id(p)]
-            g[n] = (tr.ep._gather(p.grad) if tr.ep is not None and n in tr.ep.params
-                    else p.grad).clone()
+            g[n] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
         grads.append(g)
 
     tr.optimizer.register_step_pre_hook(record)
@@ -186,9 +201,14 @@ def test_twenty_steps_equal_one_process_and_the_checkpoint_resumes_in_one(setup)
             err = (g2[k] - g1[k]).norm().item()
             bound = (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7
             assert err <= bound, (s, k, err, g1[k].norm().item())
-    # The checkpoint holds the full experts: it loads into one process like the single run's.
+    # The checkpoint is sharded (DCP: each process wrote its experts) and loads into one plain
+    # process (eval, generate, export read it so) like the single run's.
+    last = ck.latest_checkpoint(tmp / "ep")
+    assert sharded.is_sharded_checkpoint(last)
+    assert len(list((last / sharded.DCP_DIR).glob("*.distcp"))) == 2
+    assert not (last / ck.MODEL_FILE).exists()
     w1 = ck.load_checkpoint(tmp / "one").model_state
-    w2 = ck.load_checkpoint(tmp / "ep").model_state
+    w2 = load_trained(tmp / "ep").model.state_dict()
     assert w1.keys() == w2.keys()
     for k in w1:  # Adam's amplified round-off (above), as w_pos in test_distributed.py
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-3, msg=k)
@@ -284,8 +304,7 @@ def _resume_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
 def test_expert_parallel_settings_are_checked():
     import pytest
 
-    with pytest.raises(ValueError, match="does not compose with parallel=fsdp"):
-        TrainConfig(expert_parallel=2, parallel="fsdp")
+    assert TrainConfig(expert_parallel=2, parallel="fsdp").parallel == "fsdp"  # composes
     with pytest.raises(ValueError, match="positive integer"):
         TrainConfig(expert_parallel=0)
     assert "expert_parallel" not in TrainConfig().to_dict()  # old config.json files unchanged

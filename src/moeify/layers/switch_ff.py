@@ -329,18 +329,27 @@ class SwitchFeedForward(nn.Module):
         y_ND = y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
         return y_ND.view(M, K, -1).sum(1)
 
-    def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
+    def _mlp(self, x_RD, ids_RK, gates_RK, *, w_in_EDF=None, w_gate_EDF=None, w_out_EFD=None,
+             bias_EF=None) -> torch.Tensor:
+        """The experts on rows ``x_RD``, [R, D]. The weights default to the layer's own; expert
+        parallelism passes this process's shard of them (E_local experts, ids in [0, E_local))."""
         # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto". The
-        # plan spans the experts this module holds (a shard of them under expert parallelism).
+        # plan spans the experts the weights hold (a shard of them under expert parallelism).
         c = self.config
-        E_here = self.w_in_EDF.shape[0]
+        w_in_EDF = self.w_in_EDF if w_in_EDF is None else w_in_EDF
+        w_out_EFD = self.w_out_EFD if w_out_EFD is None else w_out_EFD
+        if c.gated and w_gate_EDF is None:
+            w_gate_EDF = self.w_gate_EDF
+        if c.bias and bias_EF is None:
+            bias_EF = self.bias_EF
+        E_here = w_in_EDF.shape[0]
         if c.gated:
-            return gated_expert_mlp(x_RD, ids_RK, self.w_gate_EDF, self.w_in_EDF, self.w_out_EFD,
+            return gated_expert_mlp(x_RD, ids_RK, w_gate_EDF, w_in_EDF, w_out_EFD,
                                     gates_RK, activation=ACTIVATIONS[c.activation],
                                     impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                                     dropout=c.expert_dropout, training=self.training)
-        return expert_mlp(x_RD, ids_RK, self.w_in_EDF, self.w_out_EFD, gates_RK,
+        return expert_mlp(x_RD, ids_RK, w_in_EDF, w_out_EFD, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                           dropout=c.expert_dropout, training=self.training,
-                          bias_EG=self.bias_EF if c.bias else None,
+                          bias_EG=bias_EF if c.bias else None,
                           activation=expert_activation(c.activation))

@@ -46,29 +46,40 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
-def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+def shard_fsdp(model: torch.nn.Module, ignored=None) -> torch.nn.Module:
     """FSDP2 in place: ``fully_shard`` per block, then on the root (the embedding and output
     layer), over all processes of the default group. Parameters stay float32 (autocast computes
-    the matmuls in bf16 or fp16), so gradients are reduced in float32."""
+    the matmuls in bf16 or fp16), so gradients are reduced in float32. ``ignored``: parameters
+    FSDP must leave alone (the expert shards of expert parallelism, DTensors of their own mesh
+    whose gradients moeify.train.expert_parallel reduces)."""
     from torch.distributed.fsdp import fully_shard
 
+    ignored = set(ignored) if ignored else None
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
     return model
 
 
 def parallelize(model: torch.nn.Module, mode: str, *, device: torch.device, distributed: bool,
-                compile: bool = False) -> torch.nn.Module:
+                compile: bool = False, expert_params=None) -> torch.nn.Module:
     """The module to train: ``model`` compiled and/or sharded in place, or a DDP wrapper around
     it. With one process and ``mode="ddp"`` nothing is wrapped; ``mode="fsdp"`` always shards
-    (a one-process FSDP run equals the unsharded run)."""
+    (a one-process FSDP run equals the unsharded run). ``expert_params``: the expert-parallel
+    shards (moeify.train.expert_parallel, already applied), which neither DDP nor FSDP
+    reduces."""
     if mode not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
     if compile:
         compile_blocks(model)
     if mode == "fsdp":
-        return shard_fsdp(model)
+        return shard_fsdp(model, ignored=expert_params)
+    if distributed and expert_params:
+        from torch.nn.parallel import DistributedDataParallel
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [names[id(p)] for p in expert_params])
     return wrap_ddp(model, device) if distributed else model
 
 
