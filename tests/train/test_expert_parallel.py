@@ -376,3 +376,78 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
     assert sorted(b) == list(range(6, 11))
     for s in range(6, 11):
         assert abs(b[s] - two["losses"][s]) < 1e-4, (s, b[s], two["losses"][s])
+
+
+def _killed_worker(rank, world, init_file, cfg_dict, run_dir, dies, out_file):
+    """Train; process ``dies[0]`` exits as a kill -9 would at the checkpoint of step 4, at the
+    point ``dies[1]`` names. The survivor records the error it stops with."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    victim, where = dies
+    if rank == victim:
+        real = getattr(sharded, where)
+
+        def die_at_step_4(*args, **kwargs):
+            step = args[2] if where == "_finish" else args[4]
+            if step == 4:
+                os._exit(9)
+            return real(*args, **kwargs)
+
+        setattr(sharded, where, die_at_step_4)
+    try:
+        train(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        message = "finished"
+    except Exception as e:  # the survivor's one line
+        message = f"{type(e).__name__}: {e}"
+    with open(out_file, "w") as f:
+        f.write(message)
+    os._exit(0)  # the group's peer is gone: no orderly destroy_process_group
+
+
+# rank 0 after every process's shards are on disk, before meta.json and the rename; rank 1
+# before it writes its shards (process 0 is then inside DCP's collective save).
+@pytest.mark.parametrize("dies", [(0, "_finish"), (1, "_write_and_publish")])
+def test_a_process_killed_during_an_expert_parallel_checkpoint_leaves_the_previous_one(setup,
+                                                                                      dies):
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=4,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                      eval_tokens=256, eval_batch_size=2, checkpoint_every=2,
+                      model_overrides=TINY, expert_parallel=2)
+    run, out = tmp / "run", tmp / "survivor.txt"
+    ctx = mp.get_context("fork")
+    gc.collect()
+    procs = [ctx.Process(target=_killed_worker, args=(r, 2, str(tmp / "pg"), cfg.to_dict(),
+                                                        str(run), dies, str(out)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    codes = [p.exitcode for p in procs]
+    victim = dies[0]
+    assert codes[victim] == 9 and codes[1 - victim] == 0, codes
+    said = out.read_text()
+    intact = run / ck.CHECKPOINTS / ck.checkpoint_name(2)
+    assert said.startswith("MoeifyError: "), said
+    assert (f"process {victim} of 2 stopped (killed or crashed) during the sharded checkpoint "
+            f"of step 4") in said and f"checkpoint {intact} is intact" in said, said
+    assert [d.name for d in ck.checkpoint_dirs(run)] == [ck.checkpoint_name(2)]
+    assert ck.latest_checkpoint(run) == intact
+    assert sharded.verify(intact)["expert_parallel"] == 2  # every checksum still matches
+    assert load_trained(run).checkpoint.step == 2
+    if victim == 0:  # every shard was on disk: the half-written directory is left, ignored
+        assert list((run / ck.CHECKPOINTS).glob(".tmp-*/dcp/*.distcp"))
+    else:  # the survivor (process 0, which created it) removed it as it stopped
+        assert not list((run / ck.CHECKPOINTS).glob(".tmp-*"))
+    # The run resumes from step 2 in one process (expert_parallel=1) and sweeps the leftover.
+    res = train(TrainConfig.from_dict({**cfg.to_dict(), "expert_parallel": 1}), run,
+                resume=True, quiet=True)
+    assert sorted(res.losses) == [3, 4]
+    assert not list((run / ck.CHECKPOINTS).glob(".tmp-*"))
+    assert ck.latest_checkpoint(run).name == ck.checkpoint_name(4)
