@@ -451,3 +451,32 @@ def test_a_process_killed_during_an_expert_parallel_checkpoint_leaves_the_previo
     assert sorted(res.losses) == [3, 4]
     assert not list((run / ck.CHECKPOINTS).glob(".tmp-*"))
     assert ck.latest_checkpoint(run).name == ck.checkpoint_name(4)
+
+
+def test_a_single_file_checkpoint_of_one_process_resumes_expert_parallel(setup):
+    """A one-process run's single-file checkpoint (full experts and AdamW moments) resumes in 2
+    processes at expert_parallel=2: each keeps its rows as Shard(0) DTensors, and steps 4..6
+    repeat the one-process continuation."""
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=3,
+                      batch_size=4, warmup_steps=1, lr=3e-3, min_lr_ratio=0.1, log_every=1,
+                      eval_every=0, eval_tokens=256, eval_batch_size=2, checkpoint_every=3,
+                      model_overrides=TINY)
+    train(cfg, tmp / "one", quiet=True)
+    step3 = ck.latest_checkpoint(tmp / "one")
+    assert not sharded.is_sharded_checkpoint(step3)
+    import shutil
+
+    shutil.copytree(tmp / "one", tmp / "ep")
+    more = {**cfg.to_dict(), "steps": 6}
+    a = train(TrainConfig.from_dict(more), tmp / "one", resume=True, quiet=True,
+              schedule="extend")
+    out = tmp / "resumed.pt"
+    gc.collect()
+    mp.start_processes(_resume_worker, args=(2, str(tmp / "pg"), {**more, "expert_parallel": 2},
+                                             str(tmp / "ep"), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    b = torch.load(out)
+    assert sorted(b) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert abs(a.losses[s] - b[s]) < 1e-4, (s, a.losses[s], b[s])

@@ -246,6 +246,10 @@ class ExpertParallel:
                                                  for p in g["params"])}
         opt = dict(optimizer_state)
         opt["state"] = dict(opt["state"])
+        # The kernel flags stay this optimizer's: a one-process run's fused AdamW (which
+        # load_state_dict would restore) takes no DTensor.
+        opt["param_groups"] = [{**g, **{k: mine[k] for k in ("fused", "foreach") if k in mine}}
+                               for g, mine in zip(opt["param_groups"], optimizer.param_groups)]
         for p in self.params.values():
             i = index[id(p)]
             st = opt["state"].get(i, opt["state"].get(str(i)))
