@@ -158,12 +158,16 @@ class ExpertParallel:
         send_split, recv_split = splits
         x_ND = x_MD.index_select(0, torch.div(pairs, K, rounding_mode="floor"))
         x_RD = all_to_all_single_autograd(x_ND, recv_split, send_split, self.ep_group)
-        local_R = torch.arange(L, device=x_MD.device).repeat(P).repeat_interleave(recv_E)
+        # output_size: the row count is known (and, compiled, the same symbol as x_RD's)
+        local_R = torch.arange(L, device=x_MD.device).repeat(P).repeat_interleave(
+            recv_E, output_size=x_RD.shape[0])
         # The local shards as plain tensors: to_local()'s backward hands the gradient back to
         # the DTensor parameter as a Shard(0) DTensor.
         weights = {n: getattr(layer, n).to_local() for n in EXPERT_PARAMS[type(layer)]
                    if getattr(layer, n, None) is not None}
-        if x_RD.shape[0]:
+        # (Compiled, the row count is an unbacked symbol that cannot be branched on; the expert
+        # ops take zero rows.)
+        if torch.compiler.is_compiling() or x_RD.shape[0]:
             ones = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_MD.device)
             y_RD = layer._mlp(x_RD, local_R[:, None], ones, **weights)
         else:  # nothing to compute here; the reverse all-to-all must still run in backward

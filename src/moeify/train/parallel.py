@@ -27,8 +27,21 @@ import torch
 from moeify.train.config import PARALLEL_MODES
 
 
-def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+def allow_data_dependent_shapes() -> None:
+    """Let dynamo trace expert parallelism's dispatch (moeify.train.expert_parallel) into one
+    graph: the token counts the all-to-all exchanges become unbacked symbolic sizes
+    (``capture_scalar_outputs``: the splits read with ``tolist``) and the routed pairs come from
+    ``nonzero`` (``capture_dynamic_output_shape_ops``). Without them every MoE layer's forward
+    breaks into pieces at those points. Process-wide dynamo settings, set when expert-parallel
+    blocks are compiled."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+
+
+def compile_blocks(model: torch.nn.Module, *, expert_parallel: bool = False) -> torch.nn.Module:
     """Compile every block of a TransformerLM in place (module docstring); returns ``model``."""
+    if expert_parallel:
+        allow_data_dependent_shapes()
     for block in model.blocks:
         block.compile()
     return model
@@ -71,7 +84,7 @@ def parallelize(model: torch.nn.Module, mode: str, *, device: torch.device, dist
     if mode not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
     if compile:
-        compile_blocks(model)
+        compile_blocks(model, expert_parallel=bool(expert_params))
     if mode == "fsdp":
         return shard_fsdp(model, ignored=expert_params)
     if distributed and expert_params:
