@@ -165,9 +165,9 @@ class ExpertParallel:
         # the DTensor parameter as a Shard(0) DTensor.
         weights = {n: getattr(layer, n).to_local() for n in EXPERT_PARAMS[type(layer)]
                    if getattr(layer, n, None) is not None}
-        # (Compiled, the row count is an unbacked symbol that cannot be branched on; the expert
-        # ops take zero rows.)
-        if torch.compiler.is_compiling() or x_RD.shape[0]:
+        if torch.compiler.is_compiling():
+            y_RD = self._compiled_experts(layer, x_RD, local_R, weights, send_split + recv_split)
+        elif x_RD.shape[0]:
             ones = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_MD.device)
             y_RD = layer._mlp(x_RD, local_R[:, None], ones, **weights)
         else:  # nothing to compute here; the reverse all-to-all must still run in backward
@@ -177,6 +177,21 @@ class ExpertParallel:
         y_ND = y_ND * g_N[:, None].to(y_ND.dtype)
         out = torch.zeros(M, x_MD.shape[1], dtype=y_ND.dtype, device=x_MD.device)
         return out.index_add(0, torch.div(pairs, K, rounding_mode="floor"), y_ND)
+
+    @staticmethod
+    def _compiled_experts(layer, x_RD, local_R, weights, splits) -> torch.Tensor:
+        """The local experts inside a compiled graph, where R is an unbacked symbol (the sum of
+        the received splits). Two padding rows (expert 0, gate 0, dropped after) make R + 2 >= 2
+        provable, so inductor's matmul lowerings, which ask whether a size is 1, need no guard
+        on the data; the expert ops take R = 0 rows too, so nothing branches on R."""
+        for s in splits:
+            torch._check_is_size(s)
+        R, D = x_RD.shape
+        x_QD = torch.cat([x_RD, x_RD.new_zeros(2, D)])
+        ids_Q = torch.cat([local_R, local_R.new_zeros(2)])
+        gates_Q1 = torch.cat([torch.ones(R, 1, device=x_RD.device),
+                              torch.zeros(2, 1, device=x_RD.device)])
+        return layer._mlp(x_QD, ids_Q[:, None], gates_Q1, **weights)[:R]
 
     # ------------------------------------------------------------------ gradients
 

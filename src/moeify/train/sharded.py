@@ -25,7 +25,10 @@ NaN or an infinity (NonFiniteState).
 DCP stores each tensor with its global shape and the offsets of every shard, so a checkpoint
 written by W processes loads into any number of processes, sharded or not: ``restore_sharded``
 resumes training, ``load_weights`` fills a plain one-device model (eval, generate, export), and
-``load_model_checkpoint`` does that for either kind of checkpoint. With several nodes the run
+``load_model_checkpoint`` does that for either kind of checkpoint. Expert-parallel runs
+(moeify.train.expert_parallel) write these too: their expert weights are Shard(0) DTensors over
+the "ep" mesh dimension, stored by global shape and offsets like FSDP's shards, so they load at
+another expert-parallel degree as well. With several nodes the run
 directory must be on a filesystem every node sees.
 """
 
