@@ -549,3 +549,44 @@ def test_the_compiled_expert_parallel_layer_is_one_graph_and_equals_eager(tmp_pa
             assert eager["dtensor"] == compiled["dtensor"] and len(eager["dtensor"]) == 2
             for n, g in eager["grads"].items():
                 torch.testing.assert_close(compiled["grads"][n], g, msg=f"{name} {n}")
+
+
+def _init_from_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
+    import torch.distributed as dist
+
+    from moeify.train.trainer import train_from
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        res = train_from(TrainConfig.from_dict(cfg_dict), run_dir, source, quiet=True)
+        if rank == 0:
+            torch.save(res.losses, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_from_a_one_process_run_trains_expert_parallel(setup):
+    """--init-from (train_from) with expert_parallel=2: the new run's step-0 checkpoint holds the
+    source's full weights split over the ep group, and it trains as the one-process run does."""
+    from moeify.train.trainer import init_config, train_from
+
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=2,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                      model_overrides=TINY)
+    train(cfg, tmp / "src", quiet=True)
+    new = TrainConfig.from_dict({**init_config(tmp / "src").to_dict(), "steps": 3})
+    a = train_from(new, tmp / "one", tmp / "src", quiet=True)
+    out = tmp / "ep.pt"
+    gc.collect()
+    mp.start_processes(_init_from_worker, args=(2, str(tmp / "pg"),
+                                                {**new.to_dict(), "expert_parallel": 2},
+                                                str(tmp / "ep"), str(tmp / "src"), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    b = torch.load(out)
+    assert sorted(b) == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert abs(a.losses[s] - b[s]) < 1e-5, (s, a.losses[s], b[s])

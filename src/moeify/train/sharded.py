@@ -76,7 +76,13 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
     when a weight or AdamW tensor of any process's shards is not finite, and MoeifyError on
     every process when a write fails (the temporary directory is removed)."""
     dcp, get_state_dict, _ = _dcp()
+    # get_state_dict gives an optimizer that has not stepped yet a state by stepping it once
+    # with lr 0 (torch's _init_optim_state): AdamW's step count becomes 1, and a run resumed
+    # from it would use another bias correction than a fresh one. Recorded, and undone on load.
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:
+        meta = {**meta, "optimizer_fresh": True}
     _check_finite_shards(env, model_sd, optim_sd, step)
     root = Path(run_dir) / ck.CHECKPOINTS
     name = ck.checkpoint_name(step)
@@ -206,12 +212,14 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Load weights and AdamW state into ``model`` / ``optimizer`` (sharded or not, any number
     of processes; collective when sharded) and return the unsharded training state."""
     _, get_state_dict, set_state_dict = _dcp()
-    verify(ckpt, model_config=model_config)
+    meta = verify(ckpt, model_config=model_config)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     _load_dcp(ckpt, state)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    if meta.get("optimizer_fresh"):  # written before the first step (save_sharded)
+        optimizer.state.clear()
     try:
         return torch.load(ckpt / ck.STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types

@@ -780,7 +780,10 @@ def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.
         if model_config_dict(trainer.model_cfg) != model_config_dict(model.config):
             raise MoeifyError("the training configuration does not describe this model; pass "
                               "TrainConfig(model=model.config.to_dict(), ...)")
-        trainer.model.load_state_dict(model.state_dict(), strict=True)
+        state = model.state_dict()
+        if trainer.ep is not None:  # this process's rows of the experts, as Shard(0) DTensors
+            state = trainer.ep.load_full_state(state, None, None)[0]
+        trainer.model.load_state_dict(state, strict=True)
         valid = None
         if validate and trainer.env.is_main:
             sink = MetricsSink(trainer.run_dir, tensorboard=False)
