@@ -3,8 +3,8 @@
 
     python scripts/triton_compile_check.py [--arch 90] [--json] [--largest]
 
-bf16 operands (fp32 gates and atomic buffers) at the 47M SwitchHead value shape (D 412, F 76,
-E 10, K 4, gated, 2 groups): the runtime widths are not multiples of 16, so no divisibility
+bf16 operands (fp32 atomic buffers) at the 47M SwitchHead value shape (D 412, F 76, E 10,
+K 4): the runtime widths are not multiples of 16, so no divisibility
 hints, as at that shape; unit strides are specialised to constants as the launcher does. Exits
 non-zero when a kernel fails to compile or needs more shared memory than one block may have
 (227 KiB on sm_90, 99 KiB on sm_86/89, 163 KiB on sm_80). Runs the real compiler (ptxas is
@@ -23,7 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from moeify.ops import _triton_kernels as tk  # noqa: E402
+from moeify.ops.moe.kernels import _triton_jit as tk  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
 E, E_P2 = 10, 16
@@ -32,22 +32,18 @@ E, E_P2 = 10, 16
 def signatures():
     """(name, kernel, signature, constexprs, configs) of each kernel variant to compile."""
     bf, f32, i32, i64p, i32p = "*bf16", "*fp32", "i32", "*i64", "*i32"
-    common = dict(E=E, E_P2=E_P2, GATED=True, PRECISION="tf32")
-    fwd_sig = dict(x_ptr=bf, w_ptr=bf, y_ptr=bf, ys_ptr=bf, order_ptr=i64p, offsets_ptr=i32p,
-                   gates_ptr=f32, N=i32, D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr",
-                   swe=i32, swd=i32, swf="constexpr")
-    yield ("fwd", tk._fwd, fwd_sig, dict(common, SAVE_YS=True, sxd=1, swf=1), tk.FWD_CONFIGS)
+    common = dict(E=E, E_P2=E_P2, PRECISION="tf32")
+    fwd_sig = dict(x_ptr=bf, w_ptr=bf, y_ptr=bf, order_ptr=i64p, offsets_ptr=i32p, N=i32, D=i32,
+                   F=i32, K=i32, sxm=i32, sxd="constexpr", swe=i32, swd=i32, swf="constexpr")
+    yield ("fwd", tk._fwd, fwd_sig, dict(common, sxd=1, swf=1), tk.FWD_CONFIGS)
     for atomic in (True, False):
-        sig = dict(grad_ptr=bf, w_ptr=bf, x_ptr=bf, ys_ptr=bf, gx_ptr=f32 if atomic else bf,
-                   gg_ptr=f32, order_ptr=i64p, offsets_ptr=i32p, gates_ptr=f32, N=i32, D=i32,
-                   F=i32, K=i32, KG=i32, G=i32, R=i32, sxm=i32, sxd="constexpr", swe=i32,
-                   swd=i32, swf="constexpr")
+        sig = dict(grad_ptr=bf, w_ptr=bf, gx_ptr=f32 if atomic else bf, order_ptr=i64p,
+                   offsets_ptr=i32p, N=i32, D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr",
+                   swe=i32, swd=i32, swf="constexpr")
         yield (f"bwd_x{'' if atomic else ' (K=1, stores)'}", tk._bwd_x, sig,
-               dict(common, NEED_GX=True, NEED_GG=True, ATOMIC=atomic, sxd=1, swf=1),
-               tk.BWD_X_CONFIGS)
-    sig = dict(x_ptr=bf, grad_ptr=bf, gw_ptr=f32, order_ptr=i64p, offsets_ptr=i32p,
-               gates_ptr=f32, N=i32, D=i32, F=i32, K=i32, KG=i32, G=i32, R=i32, sxm=i32,
-               sxd="constexpr")
+               dict(common, ATOMIC=atomic, sxd=1, swf=1), tk.BWD_X_CONFIGS)
+    sig = dict(x_ptr=bf, grad_ptr=bf, gw_ptr=f32, order_ptr=i64p, offsets_ptr=i32p, N=i32,
+               D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr")
     yield "bwd_w", tk._bwd_w, sig, dict(common, sxd=1), tk.BWD_W_CONFIGS
 
 

@@ -1,9 +1,9 @@
-"""Break the Triton expert-matmul kernels on purpose, one index or gate at a time, and check that
+"""Break the Triton expert-matmul kernels on purpose, one index at a time, and check that
 tests/ops/test_triton_matmul.py fails for every break (and passes unbroken).
 
     python scripts/triton_mutation_check.py        # a few minutes in the CPU interpreter
 
-Each mutation edits src/moeify/ops/_triton_kernels.py in place, runs the test file in a fresh
+Each mutation edits src/moeify/ops/moe/kernels/_triton_jit.py in place, runs the test file in a fresh
 process (TRITON_INTERPRET=1 where there is no CUDA) and restores the file, also on an error or
 Ctrl-C. Exit status 0 when every mutation was caught.
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = REPO / "src" / "moeify" / "ops" / "_triton_kernels.py"
+KERNELS = REPO / "src" / "moeify" / "ops" / "moe" / "kernels" / "_triton_jit.py"
 
 # (what is broken, the exact source text, its broken replacement)
 MUTATIONS = [
@@ -25,28 +25,20 @@ MUTATIONS = [
     ("forward writes to the sorted position",
      "    offs = p[:, None] * F + f[None, :]  # [N, F], contiguous",
      "    offs = r[:, None].to(tl.int64) * F + f[None, :]"),
-    ("forward drops the gate",
-     "        acc = acc * g[:, None]\n    tl.store(y_ptr",
-     "        acc = acc * 1.0\n    tl.store(y_ptr"),
-    ("input gradient drops the gate",
-     "            acc = acc * g[:, None]\n        xmask",
-     "            acc = acc * 1.0\n        xmask"),
-    ("weight gradient drops the gate",
-     "gr = (gr.to(tl.float32) * g[:, None]).to(xt.dtype)", "gr = gr.to(xt.dtype)"),
-    ("output row ignores the group",
-     "    return (m // R) * G + (p - m * K) // KG", "    return (m // R) * G"),
+    ("input gradient reads the sorted position",
+     "        gr = tl.load(grad_ptr + p[:, None] * F + f[None, :],\n"
+     "                     mask=rmask[:, None] & fmask[None, :], other=0.0)\n        wt",
+     "        gr = tl.load(grad_ptr + r[:, None].to(tl.int64) * F + f[None, :],\n"
+     "                     mask=rmask[:, None] & fmask[None, :], other=0.0)\n        wt"),
+    ("input gradient stores where it must add",
+     "        tl.atomic_add(gx_ptr + offs, acc, mask=xmask, sem=\"relaxed\")",
+     "        tl.store(gx_ptr + offs, acc, mask=xmask)"),
     ("weight gradient reads row p % K",
-     "        m = p // K\n        if GATED:\n            orow = _out_row(p, K, KG, G, R)\n"
-     "        else:\n            orow = p\n        xt =",
-     "        m = p % K\n        if GATED:\n            orow = _out_row(p, K, KG, G, R)\n"
-     "        else:\n            orow = p\n        xt ="),
+     "        m = p // K\n        xt =", "        m = p % K\n        xt ="),
     ("tile search off by one expert",
      "    e = tl.sum((cum <= pid).to(tl.int32), 0)", "    e = tl.sum((cum < pid).to(tl.int32), 0)"),
     ("tile runs past its expert's end",
      "    end = tl.where(valid, end, start)", "    end = tl.where(valid, end + 1, start)"),
-    ("gate gradient scaled",
-     "gg += tl.sum(gr.to(tl.float32) * ys.to(tl.float32), 1)",
-     "gg += tl.sum(gr.to(tl.float32) * ys.to(tl.float32), 1) * 1.001"),
 ]
 
 

@@ -11,7 +11,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # The Triton kernels' fixed configuration on a GPU: tests check correctness at dozens of shapes,
-# and autotuning would compile and time every configuration for each (moeify.ops._triton_kernels).
+# and autotuning would compile and time every configuration for each (moeify.ops.moe.kernels._triton_jit).
 os.environ.setdefault("MOEIFY_TRITON_AUTOTUNE", "0")
 
 

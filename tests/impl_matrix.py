@@ -4,7 +4,7 @@
 import torch
 
 from moeify.models.presets import get_preset
-from moeify.ops.expert_matmul import IMPLEMENTATIONS
+from moeify.ops.moe import IMPLEMENTATIONS
 from moeify.train.config import apply_model_overrides
 
 # Which parts of each family route through the expert matmul.

@@ -50,7 +50,7 @@ def test_switchhead_inspect_reproduces_forward(pos):
     p, g_src, g_dst = r["probs_BHTS"], r["sel_src_BSHE"].double(), r["sel_dst_BTHE"].double()
     _check_probs(p, 5, 8)
     # Eq. 7-8 by hand: sigmoid scores, top-k per head, raw gate values, zero elsewhere.
-    for g, inp, w in ((g_src, kv, layer.w_sel_src), (g_dst, x, layer.w_sel_dst)):
+    for g, inp, w in ((g_src, kv, layer.w_router_src), (g_dst, x, layer.w_router_dst)):
         s = torch.sigmoid(inp @ w.t()).view(*inp.shape[:2], H, E)
         kth = s.topk(K, -1).values[..., -1:]
         assert torch.allclose(g, torch.where(s >= kth, s, torch.zeros_like(s)), atol=1e-6)

@@ -83,7 +83,7 @@ def _mod(d=6, capacity=0.125, ff=None, **kw):
     torch.manual_seed(0)
     mod = MoDConfig(d_model=d, capacity=capacity, **kw).build(_block(d, ff)).double()
     with torch.no_grad():
-        mod.router_bias.fill_(0.3)  # exercised (it starts at 0)
+        mod.bias_router.fill_(0.3)  # exercised (it starts at 0)
     return mod
 
 
@@ -96,7 +96,7 @@ def _reference(mod, x_BTD, capacity, positions_BT=None, valid_BT=None):
     # Each row as if alone and unpadded: it routes ceil(capacity * its valid tokens) of them
     # (expert_choice_count: ceil, documented), and the block sees only those.
     B, T, _ = x_BTD.shape
-    r = _r(x_BTD, mod.router_D, mod.router_bias)
+    r = _r(x_BTD, mod.w_router, mod.bias_router)
     block = mod.block
     pos = torch.arange(T).expand(B, T) if positions_BT is None else positions_BT
     rows = []
@@ -125,10 +125,10 @@ def test_capacity_one_equals_plain_block_with_router_weighted_update():
     x = torch.randn(2, 7, 6, dtype=torch.float64, requires_grad=True)
     y, aux = mod(x)
     yb, _ = mod.block(x)
-    want = x + _r(x, mod.router_D, mod.router_bias)[..., None] * (yb - x)
+    want = x + _r(x, mod.w_router, mod.bias_router)[..., None] * (yb - x)
     torch.testing.assert_close(y, want)
     g = torch.randn_like(y)
-    params = [x, mod.router_D] + list(mod.block.parameters())
+    params = [x, mod.w_router] + list(mod.block.parameters())
     for a, b in zip(_grads(params, y, g), _grads(params, want, g)):
         torch.testing.assert_close(a, b)
     assert aux.stats["mod.fraction_routed"] == 1.0
@@ -146,7 +146,7 @@ def test_partial_capacity_routes_ceil_tokens_and_matches_reference(T):
     want = _reference(mod, x, 0.125)
     torch.testing.assert_close(y, want)
     g = torch.randn_like(y)
-    params = [x, mod.router_D] + list(mod.block.parameters())
+    params = [x, mod.w_router] + list(mod.block.parameters())
     got, ref = _grads(params, y, g), _grads(params, want, g)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
@@ -171,7 +171,7 @@ def test_block_sees_original_positions_and_padding_is_never_routed():
 
 
 def _membership(x_BTD, mod, capacity, valid_BT=None):
-    r = _r(x_BTD, mod.router_D, mod.router_bias).detach()
+    r = _r(x_BTD, mod.w_router, mod.bias_router).detach()
     n_valid = torch.full((x_BTD.shape[0],), x_BTD.shape[1])
     if valid_BT is not None:
         r = r.masked_fill(~valid_BT, -float("inf"))
@@ -188,14 +188,14 @@ def test_aux_bce_loss_equals_hand_computation_and_trains_the_router():
     valid[0, 7] = False
     _, aux = mod(x, valid_BT=valid)
     t = _membership(x, mod, 0.25, valid).double()
-    z = (x.float() @ mod.router_D.float() + mod.router_bias.float()).detach()
+    z = (x.float() @ mod.w_router.float() + mod.bias_router.float()).detach()
     bce = -(t * torch.log(torch.sigmoid(z)) + (1 - t) * torch.log(1 - torch.sigmoid(z)))
     want = 0.1 * bce[valid].mean()
     torch.testing.assert_close(aux.losses["mod.router_bce"], want.float())
     rule = z > 0
     acc = (rule == t.bool())[valid].float().mean()
     torch.testing.assert_close(aux.stats["mod.predictor_accuracy"], acc)
-    (gw,) = torch.autograd.grad(aux.losses["mod.router_bce"], [mod.router_D])
+    (gw,) = torch.autograd.grad(aux.losses["mod.router_bce"], [mod.w_router])
     assert gw.abs().sum() > 0
 
 
@@ -209,7 +209,7 @@ def test_predictor_loss_is_stop_gradient():
     want = torch.nn.functional.binary_cross_entropy_with_logits(p, t)
     torch.testing.assert_close(aux.losses["mod.predictor_bce"], want)
     aux.losses["mod.predictor_bce"].backward()
-    assert x.grad is None and mod.router_D.grad is None  # no effect on the LM path
+    assert x.grad is None and mod.w_router.grad is None  # no effect on the LM path
     assert all(p.grad is not None for p in mod.predictor.parameters())
 
 
@@ -222,7 +222,7 @@ def test_causal_rule_learns_topk_membership_above_90_percent(method, capacity):
     mod = MoDConfig(d_model=d, capacity=capacity, causal_router=method, aux_coef=1.0,
                     predictor_hidden=32).build(_ZeroUpdateBlock())
     if method == "predictor":
-        mod.router_D.requires_grad_(False)  # a fixed target: membership of the frozen router
+        mod.w_router.requires_grad_(False)  # a fixed target: membership of the frozen router
     opt = torch.optim.Adam([p for p in mod.parameters() if p.requires_grad], lr=3e-2)
     gen = torch.Generator().manual_seed(1)
     threads = torch.get_num_threads()
@@ -243,7 +243,7 @@ def test_causal_rule_learns_topk_membership_above_90_percent(method, capacity):
 def _causal_reference(mod, x_BTD):
     """Routing by the causal rule (sigmoid(logit) > 0.5), block on the routed tokens only."""
     B, T, _ = x_BTD.shape
-    r = _r(x_BTD, mod.router_D, mod.router_bias)
+    r = _r(x_BTD, mod.w_router, mod.bias_router)
     z = r if mod.predictor is None else mod.predictor(x_BTD).squeeze(-1)
     out = x_BTD.clone()
     for b in range(B):
@@ -259,7 +259,7 @@ def _causal_reference(mod, x_BTD):
 def test_decoding_routes_causally_and_matches_full_causal_forward(method):
     mod = _mod(capacity=0.125, causal_router=method)
     with torch.no_grad():
-        mod.router_D.mul_(8.0)  # logits spread on both sides of 0
+        mod.w_router.mul_(8.0)  # logits spread on both sides of 0
     mod.eval()
     x = torch.randn(2, 12, 6, dtype=torch.float64)
     with torch.no_grad():
@@ -285,7 +285,7 @@ def test_with_rope_dense_attention_training_and_decoding_match_the_references():
     ff = SwitchFFConfig(d_model=d, d_ff=8, n_experts=2, dropless=True).build()
     mod = MoDConfig(d_model=d, capacity=0.25).build(TransformerBlock(d, att, ff)).double()
     with torch.no_grad():
-        mod.router_D.mul_(8.0)
+        mod.w_router.mul_(8.0)
     x = torch.randn(2, 12, d, dtype=torch.float64)
     y, _ = mod(x)
     torch.testing.assert_close(y, _reference(mod, x, 0.25))
@@ -301,9 +301,9 @@ def test_with_rope_dense_attention_training_and_decoding_match_the_references():
 def test_decoding_never_uses_the_sequence_topk():
     mod = _mod(capacity=0.125)
     with torch.no_grad():
-        mod.router_D.zero_()
-        mod.router_bias.zero_()
-        mod.router_D[0] = -5.0
+        mod.w_router.zero_()
+        mod.bias_router.zero_()
+        mod.w_router[0] = -5.0
     x = torch.randn(1, 8, 6, dtype=torch.float64)
     x[..., 0] = 1.0  # every logit is -5: the causal rule routes nothing
     mod.eval()
@@ -320,9 +320,9 @@ def test_router_logits_are_float32_under_autocast():
     torch.manual_seed(3)
     mod = MoDConfig(d_model=32).build(_ZeroUpdateBlock())
     with torch.no_grad():
-        mod.router_bias.fill_(0.3)
+        mod.bias_router.fill_(0.3)
     x = torch.randn(2, 16, 32)
-    want = x.double() @ mod.router_D.detach().double() + 0.3
+    want = x.double() @ mod.w_router.detach().double() + 0.3
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = mod.router_logits(x)
     assert got.dtype == torch.float32

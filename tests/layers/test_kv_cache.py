@@ -43,7 +43,8 @@ def build(kind, pos):
     m = cfg.build().double().eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if name in ("core.bias_u", "core.bias_v", "w_router"):  # zero at init: make them matter
+            # zero at init (MoA's router): make them matter
+            if name in ("core.bias_u", "core.bias_v") or name == "w_router" and not p.any():
                 p.normal_()
     return m
 

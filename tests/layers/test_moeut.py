@@ -58,8 +58,8 @@ def ref_switchhead(att, h, x):
     """Eq. 7-10 with V and O experts; Q, K and both selections from h, V from x; RoPE on half
     of each head's channels (n_rot = C/2), causal."""
     B, T, _ = h.shape
-    g_src = ref_gates(h, att.w_sel_src, H, E_ATT, 2)
-    g_dst = ref_gates(h, att.w_sel_dst, H, E_ATT, 2)
+    g_src = ref_gates(h, att.w_router_src, H, E_ATT, 2)
+    g_dst = ref_gates(h, att.w_router_dst, H, E_ATT, 2)
     q = torch.einsum("btd,dhc->bhtc", h, att.w_q.view(D, H, C))
     k = torch.einsum("btd,dhc->bhtc", h, att.w_k.view(D, H, C))
     v = torch.einsum("bthe,btd,hedc->bhtc", g_src, x, att.w_v.view(H, E_ATT, D, C))
@@ -75,9 +75,9 @@ def ref_sigma_moe(ff, x, r):
     """Experts on x, the selection on r = LN2(x): Σ_k g_k · relu(x W1[e_k]) W2[e_k]. The
     sigma-MoE router works in float32 from its inputs on (moe-family.md)."""
     B, T, _ = x.shape
-    s = torch.sigmoid(r.float() @ ff.w_sel_ED.float().t()).reshape(B * T, E_FF)
+    s = torch.sigmoid(r.float() @ ff.w_router.float().t()).reshape(B * T, E_FF)
     g, idx = s.topk(K_FF, -1)
-    y = ref_expert_mlp(x.reshape(B * T, D), idx, ff.keys_EDG, ff.values_EGD, g.to(x.dtype))
+    y = ref_expert_mlp(x.reshape(B * T, D), idx, ff.w_in, ff.w_out, g.to(x.dtype))
     return y.view(B, T, D)
 
 
@@ -121,7 +121,7 @@ def test_every_shared_block_gets_the_gradient_of_all_its_applications():
                and "ln" not in n)
     with torch.no_grad():  # perturbing block 1 changes the layer-1 and layer-3 applications
         before = m(ids).logits
-        m.blocks[1].feedforward.values_EGD.mul_(2.0)
+        m.blocks[1].feedforward.w_out.mul_(2.0)
         assert not torch.allclose(before, m(ids).logits)
 
 
@@ -147,7 +147,7 @@ def test_initialisation_uses_the_depth_of_all_applications():
     s = math.sqrt(2 / 8)
     att, ff = m.blocks[0].attention, m.blocks[0].feedforward
     for w, std in ((att.w_q, s / 16), (att.w_v, s / 16), (att.w_o, s / math.sqrt(128)),
-                   (ff.keys_EDG, s / 16), (ff.values_EGD, s / math.sqrt(8 * 64))):
+                   (ff.w_in, s / 16), (ff.w_out, s / math.sqrt(8 * 64))):
         assert abs(w.std().item() / std - 1) < 0.05
 
 

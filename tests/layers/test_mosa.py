@@ -51,7 +51,7 @@ def mosa_reference(m, x, valid=None):
         n = len(toks)
         kk = min(max(n // c.sparsity, 2), n)
         for h in range(c.n_heads):
-            r = torch.sigmoid((x[b] @ m.w_r[h]).float())  # the sigmoid in float32
+            r = torch.sigmoid((x[b] @ m.w_router[h]).float())  # the sigmoid in float32
             order = sorted(toks, key=lambda t: (-(math.inf if c.include_first and t == 0
                                                    else float(r[t].detach())), t))
             I = torch.tensor(order[:kk])
@@ -89,7 +89,8 @@ def check(m, x, valid=None):
     gb = torch.autograd.grad((ref * g).sum(), params + [x])
     for (name, _), a, b in zip(list(m.named_parameters()) + [("x", None)], ga, gb):
         # the router's gradient passes through the float32 sigmoid: float32 accuracy there
-        tol = dict(rtol=1e-5, atol=1e-7) if name in ("w_r", "x") else dict(rtol=1e-7, atol=1e-9)
+        tol = (dict(rtol=1e-5, atol=1e-7) if name in ("w_router", "x")
+               else dict(rtol=1e-7, atol=1e-9))
         torch.testing.assert_close(a, b, **tol, msg=lambda s: f"{name}: {s}")
 
 

@@ -35,7 +35,7 @@ def _dense_sigma_moe(x_MD, w_sel_ED, keys_EDG, values_EGD, k):
 
 
 def _params(m):
-    return [m.w_sel_ED, m.keys_EDG, m.values_EGD]
+    return [m.w_router, m.w_in, m.w_out]
 
 
 def _compare(m, x_BTD, y_ref_fn, params=_params):
@@ -83,15 +83,15 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
     m = SigmaMoEConfig(d_model=7, n_experts=5, expert_size=3, k=k, bias=True,
                        activation=activation, expert_impl=impl).build().double()
     with torch.no_grad():  # non-zero biases, so that a misplaced one shows
-        m.bias_EG.normal_()
-        m.bias_D.normal_()
+        m.bias_in.normal_()
+        m.bias_out.normal_()
 
     def ref(x_MD, w_sel, keys, values, b_in, b_out):
         gates_MK, idx_MK = _sigmoid32(x_MD, w_sel).topk(k, -1)
         return ref_expert_mlp(x_MD, idx_MK, keys, values, gates_MK, activation, b_in, b_out)
 
     _compare(m, torch.randn(3, 4, 7, dtype=torch.float64), ref,
-             params=lambda m: _params(m) + [m.bias_EG, m.bias_D])
+             params=lambda m: _params(m) + [m.bias_in, m.bias_out])
 
 
 def test_float32_and_grouped_request_fall_back_correctly():
@@ -110,13 +110,13 @@ def test_entropy_regulariser_equals_hand_computation_and_ignores_padding():
     x = torch.randn(2, 6, 5)
     valid = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
     _, aux = m(x, valid_BT=valid)
-    logits = x[valid] @ m.w_sel_ED.T  # only the 9 real tokens
+    logits = x[valid] @ m.w_router.T  # only the 9 real tokens
     p_bar = torch.softmax(logits, -1).mean(0)
     want = coef * (p_bar * p_bar.log()).sum()  # gamma · (−H(mean softmax))
     torch.testing.assert_close(aux.losses["entropy"], want)
     # The loss has a gradient into the selection weights.
     aux.losses["entropy"].backward()
-    assert m.w_sel_ED.grad is not None and m.w_sel_ED.grad.abs().sum() > 0
+    assert m.w_router.grad is not None and m.w_router.grad.abs().sum() > 0
 
 
 def test_statistics_count_only_valid_tokens_and_match_the_selection():
@@ -127,12 +127,12 @@ def test_statistics_count_only_valid_tokens_and_match_the_selection():
     valid = torch.ones(2, 7, dtype=torch.bool)
     valid[1, 4:] = False
     _, aux = m(x, valid_BT=valid)
-    s = torch.sigmoid(x[valid] @ m.w_sel_ED.T)
+    s = torch.sigmoid(x[valid] @ m.w_router.T)
     counts = _topk_mask(s, k).sum(0).long()
     assert torch.equal(aux.routing["router"].counts[0], counts)
     assert aux.routing["router"].counts[0].sum() == valid.sum() * k
     assert aux.stats["dead_experts"] == (counts == 0).sum()
-    p = torch.softmax(x[valid] @ m.w_sel_ED.T, -1)
+    p = torch.softmax(x[valid] @ m.w_router.T, -1)
     torch.testing.assert_close(aux.stats["router_entropy"], -(p * p.log()).sum(-1).mean())
     p_bar = p.mean(0)
     torch.testing.assert_close(aux.stats["batch_entropy"], -(p_bar * p_bar.log()).sum())
@@ -161,7 +161,7 @@ def test_expert_dropout_drops_scores_before_topk_in_training_only():
     m = SigmaMoEConfig(d_model=5, n_experts=E, expert_size=2, k=k,
                        expert_dropout=p).build().double()
     x_MD = torch.randn(40, 5, dtype=torch.float64)
-    s = _sigmoid32(x_MD, m.w_sel_ED.detach())
+    s = _sigmoid32(x_MD, m.w_router.detach())
     m.eval()
     _, gates, idx = m.route(x_MD)
     assert torch.equal(gates, s.float().gather(-1, idx))  # no dropout in eval
@@ -186,10 +186,10 @@ def test_init_follows_the_spec():
     L, d, E, G = 8, 128, 16, 64
     m = SigmaMoEConfig(d_model=d, n_experts=E, expert_size=G, k=4, n_layers=L).build()
     s = math.sqrt(2 / L)
-    assert abs(m.keys_EDG.std().item() / (s / math.sqrt(d)) - 1) < 0.02
-    assert abs(m.values_EGD.std().item() / (s / math.sqrt(E * G)) - 1) < 0.02
-    assert abs(m.w_sel_ED.std().item() / (s / math.sqrt(d)) - 1) < 0.1
-    norms = m.w_sel_ED.norm(dim=1)
+    assert abs(m.w_in.std().item() / (s / math.sqrt(d)) - 1) < 0.02
+    assert abs(m.w_out.std().item() / (s / math.sqrt(E * G)) - 1) < 0.02
+    assert abs(m.w_router.std().item() / (s / math.sqrt(d)) - 1) < 0.1
+    norms = m.w_router.norm(dim=1)
     torch.testing.assert_close(norms, norms.mean().expand(E))  # rows renormalised
 
 
@@ -209,7 +209,7 @@ def test_router_runs_in_float32_under_autocast():
     m = SigmaMoEConfig(d_model=32, n_experts=8, expert_size=4, k=2, entropy_coef=1.0).build()
     x = torch.randn(4, 16, 32)
     x_MD = x.view(-1, 32)
-    want = x_MD.double() @ m.w_sel_ED.detach().double().T
+    want = x_MD.double() @ m.w_router.detach().double().T
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, gates, idx = m.route(x_MD)
         _, aux = m(x)

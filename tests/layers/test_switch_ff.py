@@ -56,7 +56,7 @@ def _dense_switch(x_MD, w_RD, w_in, w_out, keep_MK, choices):
 
 
 def _params(m):
-    return [m.w_router_RD, m.w_in_EDF, m.w_out_EFD]
+    return [m.w_router, m.w_in, m.w_out]
 
 
 def _check_against_dense(m, x_BTD, valid_BT=None, capacity=None):
@@ -64,7 +64,7 @@ def _check_against_dense(m, x_BTD, valid_BT=None, capacity=None):
     y, aux = m(x, valid_BT=valid_BT)
     x_MD = x_BTD.reshape(-1, x_BTD.shape[-1])
     c = m.config
-    choices = _choices(_probs32(x_MD, m.w_router_RD.detach()), c.k)
+    choices = _choices(_probs32(x_MD, m.w_router.detach()), c.k)
     valid = None if valid_BT is None else valid_BT.reshape(-1).tolist()
     keep = _keep_by_position_priority(choices, c.n_experts, capacity, valid)
     refs = [p.detach().clone().requires_grad_() for p in _params(m)]
@@ -97,9 +97,9 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
     m = SwitchFFConfig(d_model=6, d_ff=5, n_experts=4, k=k, dropless=True, bias=True,
                        activation=activation, expert_impl=impl).build().double()
     with torch.no_grad():  # non-zero biases, so that a misplaced one shows
-        m.bias_EF.normal_()
-        m.bias_D.normal_()
-    params = [m.w_router_RD, m.w_in_EDF, m.w_out_EFD, m.bias_EF, m.bias_D]
+        m.bias_in.normal_()
+        m.bias_out.normal_()
+    params = [m.w_router, m.w_in, m.w_out, m.bias_in, m.bias_out]
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     y, _ = m(x)
     refs = [p.detach().clone().requires_grad_() for p in params]
@@ -140,8 +140,8 @@ def _skewed(k, E=3, M=12, D=6, noop=0, **kw):
     m = SwitchFFConfig(d_model=D, d_ff=4, n_experts=E, k=k, capacity_factor=1.0,
                        noop_experts=noop, **kw).build().double()
     with torch.no_grad():
-        m.w_router_RD.normal_(0, 0.3)
-        m.w_router_RD[0, 0] = 3.0
+        m.w_router.normal_(0, 0.3)
+        m.w_router[0, 0] = 3.0
     x = torch.randn(1, M, D, dtype=torch.float64)
     x[..., 0] = 1.0
     return m, x
@@ -203,14 +203,14 @@ def test_balance_and_z_losses_equal_hand_computation_and_ignore_padding(noop):
     valid[0, 4:] = False
     valid[1, 5] = False
     _, aux = m(x, valid_BT=valid)
-    w = m.w_router_RD.detach().clone().requires_grad_()
+    w = m.w_router.detach().clone().requires_grad_()
     balance, z = _hand_losses(x[valid], w, 0.01, 0.001)  # the 9 real tokens only
     torch.testing.assert_close(aux.losses["balance"], balance)
     torch.testing.assert_close(aux.losses["z"], z)
     # Gradients: f carries none (argmax), P and the z-loss do.
     (aux.losses["balance"] + aux.losses["z"]).backward()
     (balance + z).backward()
-    torch.testing.assert_close(m.w_router_RD.grad, w.grad)
+    torch.testing.assert_close(m.w_router.grad, w.grad)
 
 
 def test_padding_takes_no_capacity_gets_zero_output_and_is_not_counted():
@@ -223,7 +223,7 @@ def test_padding_takes_no_capacity_gets_zero_output_and_is_not_counted():
     for mm in range(3, 12):
         counts[choices[mm][0]] += 1
     assert torch.equal(aux.routing["router"].counts[0], counts)
-    p = _probs32(x[0, 3:], m.w_router_RD.detach()).float()
+    p = _probs32(x[0, 3:], m.w_router.detach()).float()
     torch.testing.assert_close(aux.stats["router_entropy"], -(p * p.log()).sum(-1).mean())
     kept_real = keep[3:, 0].sum()
     torch.testing.assert_close(aux.stats["fraction_dropped"], 1 - kept_real / 9.0)
@@ -288,7 +288,7 @@ def test_router_is_float32_with_low_precision_inputs(mode):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y, aux = m(x)
     assert y.dtype == torch.bfloat16
-    w = m.w_router_RD.detach().double()
+    w = m.w_router.detach().double()
     balance, z = _hand_losses(x.reshape(-1, 32).double(), w, 1.0, 1.0)
     torch.testing.assert_close(aux.losses["z"].double(), z.double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(aux.losses["balance"].double(), balance.double(),
@@ -298,7 +298,7 @@ def test_router_is_float32_with_low_precision_inputs(mode):
 def test_init_is_a_tenth_of_the_usual_scale():
     torch.manual_seed(6)
     m = SwitchFFConfig(d_model=128, d_ff=256, n_experts=8).build()
-    for w, fan_in in ((m.w_router_RD, 128), (m.w_in_EDF, 128), (m.w_out_EFD, 256)):
+    for w, fan_in in ((m.w_router, 128), (m.w_in, 128), (m.w_out, 256)):
         std = math.sqrt(0.1 / fan_in)
         assert abs(w.std().item() / (0.8796 * std) - 1) < 0.05  # trunc-normal at 2 std
         assert w.abs().max().item() <= 2 * std + 1e-7

@@ -43,8 +43,8 @@ def switchhead_reference(m, xq, xkv=None, *, causal=True, pos_q=None, pos_k=None
     xs = xq if xkv is None else xkv
     B, T, S = xq.shape[0], xq.shape[1], xs.shape[1]
     ex = c.experts
-    w_src = m.w_sel if c.shared_selection else getattr(m, "w_sel_src", None)
-    w_dst = m.w_sel if c.shared_selection else getattr(m, "w_sel_dst", None)
+    w_src = m.w_router if c.shared_selection else getattr(m, "w_router_src", None)
+    w_dst = m.w_router if c.shared_selection else getattr(m, "w_router_dst", None)
     g_src = topk_gates(xs, w_src) if ex & {"k", "v"} else None  # V selection: source tokens
     g_dst = topk_gates(xq, w_dst) if ex & {"q", "o"} else None  # O selection: destination
 
@@ -91,7 +91,7 @@ def check_against_reference(m, xq, xkv=None, **kw):
     names = list(params) + [f"input{i}" for i in range(len(inputs))]
     for name, a, b in zip(names, ga, gb):
         # Selection gradients pass through the float32 sigmoid: float32 accuracy there.
-        tol = dict(rtol=1e-5, atol=1e-7) if name.startswith("w_sel") or name.startswith("input") \
+        tol = dict(rtol=1e-5, atol=1e-7) if name.startswith(("w_router", "input")) \
             else dict(rtol=1e-7, atol=1e-9)
         torch.testing.assert_close(a, b, **tol, msg=lambda s: f"{name}: {s}")
 
@@ -127,7 +127,7 @@ SHARED = [s for s in TABLE6 if s & {"k", "v"} and s & {"q", "o"}]
 @pytest.mark.parametrize("pos,setting", [("rope", "self"), ("xl", "memory")])
 def test_shared_selection_matches_eq_7_10(experts, pos, setting):
     m = make(pos, experts=experts, shared_selection=True)
-    assert not hasattr(m, "w_sel_src") and not hasattr(m, "w_sel_dst")
+    assert not hasattr(m, "w_router_src") and not hasattr(m, "w_router_dst")
     x, kv, kw = inputs(setting)
     check_against_reference(m, x, kv, **kw)
 
@@ -277,8 +277,8 @@ def test_usage_buffers_train_only_and_counts():
     m.train()
     _, aux = m(x, kv)
     # Hand counts: how often each expert is among the top-k, per head and side.
-    count_v = (topk_gates(kv, m.w_sel_src) > 0).sum((0, 1))
-    count_o = (topk_gates(x, m.w_sel_dst) > 0).sum((0, 1))
+    count_v = (topk_gates(kv, m.w_router_src) > 0).sum((0, 1))
+    count_o = (topk_gates(x, m.w_router_dst) > 0).sum((0, 1))
     assert torch.equal(aux.routing["src"].counts, count_v) and torch.equal(m.usage_v, count_v)
     assert torch.equal(aux.routing["dst"].counts, count_o) and torch.equal(m.usage_o, count_o)
     m(x, kv)
@@ -349,7 +349,7 @@ def test_init_follows_spec():
     assert m.w_v.std().item() == pytest.approx(s / 16, rel=0.02)
     assert m.w_o.std().item() == pytest.approx(s / math.sqrt(128), rel=0.02)
     assert m.core.w_pos.std().item() == pytest.approx(s / 16, rel=0.03)
-    for w in (m.w_sel_src, m.w_sel_dst):
+    for w in (m.w_router_src, m.w_router_dst):
         norms = w.norm(dim=-1)
         torch.testing.assert_close(norms, norms.mean().expand_as(norms))
         assert w.std().item() == pytest.approx(s / 16, rel=0.08)
@@ -404,7 +404,7 @@ def test_selection_scores_stay_float32_under_autocast():
     torch.manual_seed(0)
     att = SwitchHeadConfig(d_model=32, n_heads=2, d_head=8, n_experts=4, k=2, pos="rope").build()
     x = torch.randn(2, 16, 32)
-    want = torch.sigmoid(x.reshape(-1, 32).double() @ att.w_sel_src.detach().double().t())
+    want = torch.sigmoid(x.reshape(-1, 32).double() @ att.w_router_src.detach().double().t())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sel = att.select(x)["src"]
     ref = want.view(32, 2, 4).gather(-1, sel.idx.view(32, 2, 2))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moeify.models.presets import get_preset
-from moeify.ops.expert_matmul import choose_impl, compiled_impl, expert_matmul
+from moeify.ops.moe import choose_impl, make_plan
+from moeify.ops.moe.policy import compiled_impl
 from moeify.train.config import apply_model_overrides
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -67,46 +68,77 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(preset):
         assert any(b.sum() > 0 for b in bufs_e.values())
 
 
-def test_auto_takes_a_sync_free_expert_matmul_only_inside_a_compiled_graph():
+class GraphRecorder:
+    """A torch.compile backend that keeps every graph dynamo hands it (then runs it eagerly)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def calls(self) -> list:
+        return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("preset", ("tiny-switchall", "tiny-moa", "tiny-mode"))
+def test_compiled_moe_blocks_keep_the_sparse_expert_op(preset):
+    """Every MoE family's compiled graph calls the registered expert op, moeify::expert_matmul,
+    for each of its expert matmuls (two or more per block), and no dense matmul over all
+    experts (the reference kernel's einsum "md,edf->mef")."""
+    torch._dynamo.reset()
+    model = _small(preset).build().train()
+    rec = GraphRecorder()
+    for block in model.blocks:
+        block.compile(fullgraph=True, backend=rec)
+    ids_BT = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = model(ids_BT[:, :-1], ids_BT[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    calls = rec.calls()
+    n_ops = sum(n.target is torch.ops.moeify.expert_matmul.default for n in calls)
+    assert n_ops >= 2 * len(rec.graphs)  # the blocks of one kind share a graph
+    dense = [n for n in calls if n.target is torch.einsum and "edf" in str(n.args[0])]
+    assert not dense
+
+
+def test_the_compiled_op_picks_a_slot_layout_kernel():
     x, w = torch.randn(4, 8), torch.randn(3, 8, 8)
-    assert choose_impl("auto", x, w) == "segment"
-    assert compiled_impl(x, w) == "reference"
-    seen = []
-
-    @torch.compile(fullgraph=True, backend="eager")
-    def f(x):
-        seen.append(choose_impl("auto", x, w))
-        return x + 1
-
-    f(x)
-    assert seen == ["reference"]
-    # An explicit choice is kept.
-    assert choose_impl("padded", x, w) == "padded"
+    assert compiled_impl("auto", x, w) == "auto"  # resolved inside the op, from the routing
+    assert compiled_impl("padded", x, w) == "padded"  # an explicit layout kernel is kept
+    assert compiled_impl("reference", x, w) == "auto"  # whole-contract kernels give way
+    idx = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]])
+    plan = make_plan(idx, 3)
+    assert choose_impl("auto", x, w, plan, k=2, layouts_only=True) in ("padded", "segment")
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_the_traced_grouped_path_matches_the_reference(groups):
-    """The grouped GEMM as a plain differentiable op (what "auto" takes in a compiled bf16 CUDA
-    graph), checked eagerly on the CPU against the reference: outputs and gradients."""
-    from moeify.ops.expert_matmul import _grouped_traced, make_plan
+@pytest.mark.parametrize("impl", ["auto", "segment", "grouped", "padded"])
+@pytest.mark.parametrize("contract", ["rows", "sum", "groups", "sum_rows"])
+def test_the_registered_op_matches_the_reference(impl, contract):
+    """moeify::expert_matmul (what a compiled graph runs) called directly, against the float64
+    pair-by-pair reference: outputs and the x, w and gate gradients; and torch.library's own
+    checks of its fake implementation and autograd registration (opcheck)."""
+    from moeify.ops.moe.compiled import expert_matmul_fwd, expert_matmul_op
+    from references import ref_expert_matmul_grads
 
     g = torch.Generator().manual_seed(0)
     M, K, E, D, F = 24, 4, 6, 16, 8
+    groups, sum_rows, gated = dict(rows=(1, 1, False), sum=(1, 1, True), groups=(2, 1, True),
+                                   sum_rows=(1, 2, True))[contract]
     x = torch.randn(M, D, generator=g, dtype=torch.float64)
     w = torch.randn(E, D, F, generator=g, dtype=torch.float64)
-    gates = torch.rand(M, K, generator=g, dtype=torch.float64)
+    gates = torch.rand(M, K, generator=g, dtype=torch.float64) if gated else None
     idx = torch.rand(M, E, generator=g).topk(K, -1).indices
-    gy = torch.randn(M, groups, F, generator=g, dtype=torch.float64).squeeze(1)
-
-    def run(fn, dtype):
-        xs, ws, gs = (t.detach().to(dtype).requires_grad_() for t in (x, w, gates))
-        y = fn(xs, ws, gs)
-        (y * gy.to(y.dtype)).sum().backward()
-        return [t.double() for t in (y, xs.grad, ws.grad, gs.grad)]
-
-    want = run(lambda a, b, c: expert_matmul(a, idx, b, c, groups=groups, impl="reference"),
-               torch.float64)
-    got = run(lambda a, b, c: _grouped_traced(a, b, c, make_plan(idx, E), K, groups),
-              torch.bfloat16)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
+                                                   sum_rows=sum_rows)
+    dtype = torch.float32  # grouped_mm has no float64
+    inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul_op(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups,
+                         sum_rows, None, impl)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(torch.autograd.grad(y, inputs, gy.to(dtype)), want_grads):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    args = (inputs[0].detach().requires_grad_(), idx, inputs[1].detach().requires_grad_(),
+            inputs[2].detach().requires_grad_() if gated else None, groups, sum_rows, impl, 0,
+            False)
+    torch.library.opcheck(expert_matmul_fwd, args)

@@ -20,8 +20,8 @@ import torch
 
 from amp_policy import cuda_autocast_policy
 from moeify.ops.dropout import dropout, relu_dropout
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
-from moeify.ops.expert_mlp import expert_mlp
+from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan
+from moeify.ops.moe import expert_mlp
 from moeify.ops.positional import apply_rope
 from moeify.ops.xl_attention import xl_attention
 from references import ref_expert_mlp, ref_expert_rows, routed_inputs

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeify.ops.gated_expert_mlp import gated_expert_mlp
+from moeify.ops.moe import gated_expert_mlp
 
 
 def _naive(x, idx, wg, wu, wd, gates):

@@ -1,4 +1,4 @@
-"""The padded layout's own parts (moeify.ops.padded_matmul): the slot sums against a loop and the
+"""The padded layout's own parts (moeify.ops.moe.kernels.padded): the slot sums against a loop and the
 layout's placement of the routed pairs. The padded expert matmul itself, against the definition,
 is in test_expert_matmul.py.
 
@@ -8,8 +8,9 @@ Shape legend: M rows, K experts per row, E experts, N = M·K pairs, P slots.
 import pytest
 import torch
 
-from moeify.ops.expert_matmul import make_plan
-from moeify.ops.padded_matmul import CAPACITY_SLACK, padded_layout, slot_sums
+from moeify.ops.moe import make_plan
+from moeify.ops.moe.kernels.padded import CAPACITY_SLACK, padded_layout
+from moeify.ops.moe.layout import slot_sums
 from references import routed_inputs
 
 f64 = torch.float64
@@ -67,7 +68,7 @@ def test_backward_of_any_input_subset_equals_the_definition(skew, D, F, wanted):
     # The backward takes the gate gradient on the narrower side (ga · xs or g · xs W), reuses
     # its buffers, and skips what is not asked for: every subset of (x, w, gates) against the
     # reference's gradients, both layouts, D < F and D > F.
-    from moeify.ops.expert_matmul import expert_matmul
+    from moeify.ops.moe import expert_matmul
 
     x, idx, w, gates = routed_inputs(30, 2, 5, D, F, skew=skew)
     g = torch.randn(30, F, generator=torch.Generator().manual_seed(1), dtype=f64)
@@ -87,7 +88,7 @@ def test_backward_of_any_input_subset_equals_the_definition(skew, D, F, wanted):
 def test_sum_by_id_equals_index_add(path, L, monkeypatch):
     # Per-block weight gradients summed into their experts: the index_add it stands for, with
     # experts that get no block, repeated ids and no blocks at all.
-    from moeify.ops.padded_matmul import sum_by_id
+    from moeify.ops.moe.layout import sum_by_id
 
     if path == "fallback":
         def no_kernel(*args, **kwargs):

@@ -1,11 +1,11 @@
-"""The "triton" expert matmul (moeify.ops.triton_matmul) against the pair-by-pair float64
+"""The "triton" expert matmul (moeify.ops.moe.kernels.triton) against the pair-by-pair float64
 definition (references.ref_expert_rows): outputs and the x, w and gate gradients, for every
 output contract, widths that are not multiples of the tiles, empty experts, skewed routing,
 one expert per row (plain stores instead of atomics), fp32 and fp16; then partial gradients,
 torch.compile, and the errors where it cannot run.
 
 On a machine without CUDA the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 must
-be in the environment when the kernels are decorated (moeify.ops._triton_kernels, imported on
+be in the environment when the kernels are decorated (moeify.ops.moe.kernels._triton_jit, imported on
 first use) and, for older Triton, when triton is first imported, so it is set here before
 triton is imported and restored when the module ends. With CUDA the same tests run the compiled
 kernels on the GPU. Skipped where triton is not installed. Tiny shapes: the interpreter runs
@@ -28,8 +28,9 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e "
                              "'.[triton]' in the checkout); the fused expert-matmul kernels need it")
 
-from moeify.ops import triton_matmul  # noqa: E402
-from moeify.ops.expert_matmul import chosen_impl, expert_matmul, make_plan  # noqa: E402
+from moeify.ops.moe.kernels import triton as triton_matmul  # noqa: E402
+from moeify.ops.moe import expert_matmul, make_plan
+from moeify.ops.moe import resolved_impl  # noqa: E402
 from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -40,7 +41,7 @@ TOL = {f32: 1e-5, f16: 5e-3, bf16: 2e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_env():
-    kernels = sys.modules.get("moeify.ops._triton_kernels")
+    kernels = sys.modules.get("moeify.ops.moe.kernels._triton_jit")
     if not CUDA and kernels is not None and not kernels.INTERPRET:
         pytest.skip("the Triton kernels were decorated without TRITON_INTERPRET=1 earlier in "
                     "this process; run this file alone (or with TRITON_INTERPRET=1 set)")
@@ -198,9 +199,9 @@ def test_compiled_graph_keeps_the_registered_ops(needs):
 
 def test_auto_takes_triton_on_cuda_only():
     x, idx, w, _ = routed_inputs(8, 2, 4, 16, 16, dtype=f32)
-    assert chosen_impl("auto", x, idx, w) != "triton"  # never on the CPU, interpreter or not
+    assert resolved_impl("auto", x, idx, w) != "triton"  # never on the CPU, interpreter or not
     if CUDA:
-        assert chosen_impl("auto", x.cuda(), idx.cuda(), w.cuda()) == "triton"
+        assert resolved_impl("auto", x.cuda(), idx.cuda(), w.cuda()) == "triton"
 
 
 def test_cannot_run_raises_a_value_error_that_says_what_to_do(monkeypatch):
@@ -234,9 +235,9 @@ def test_every_kernel_compiles_for_hopper():
 
 
 def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():
-    """sigma-MoE / Switch (moeify.ops.expert_mlp): with impl="triton" the two expert matmuls run
+    """sigma-MoE / Switch (moeify.ops.moe.mlp): with impl="triton" the two expert matmuls run
     on the kernels, the hidden units in pair order between them; against the definition."""
-    from moeify.ops.expert_mlp import expert_mlp
+    from moeify.ops.moe import expert_mlp
     from references import ref_expert_mlp
 
     x, idx, w1, gates = routed_inputs(10, 2, 4, 12, 20, dtype=f32, seed=8)
@@ -253,7 +254,7 @@ def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():
 
 
 def test_autotune_off_gives_each_gpu_kernel_its_first_configuration(monkeypatch):
-    from moeify.ops import _triton_kernels as k
+    from moeify.ops.moe.kernels import _triton_jit as k
 
     monkeypatch.setattr(k, "INTERPRET", False)
     monkeypatch.setattr(k, "AUTOTUNE", False)

@@ -61,8 +61,7 @@ def _capture(trainer):
         ff = block.feedforward
 
         def hook(mod, args, out, i=i):
-            w = getattr(mod, "w_router_RD", None)
-            w = mod.w_sel_ED if w is None else w
+            w = mod.w_router
             seen.append({"layer": i, "x": args[0].detach().clone(), "w": w.detach().clone(),
                          "bias": mod.expert_bias.clone(),
                          "losses": {k: v.detach().clone() for k, v in out[1].losses.items()}})

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moeify.models.presets import get_preset
-from moeify.ops.expert_matmul import IMPLEMENTATIONS, expert_matmul, make_plan
+from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan
 from moeify.train.config import TrainConfig, apply_model_overrides
 from moeify.train.trainer import train
 from references import english_corpus

@@ -49,7 +49,7 @@ def _bias_out_expert3(layer, name, x):
     """Expert 3 receives no token: feature 0 of every input is 1, and expert 3's router row
     reads it with weight -100."""
     with torch.no_grad():
-        w = layer.w_sel_ED if name == "sigma" else layer.w_router_RD
+        w = layer.w_router
         w[3] = 0.0
         w[3, 0] = -100.0
 
@@ -119,7 +119,7 @@ def test_one_layer_equals_the_single_process_layer_outputs_and_every_gradient(tm
         torch.testing.assert_close(torch.cat([ranks[r][name]["x_grad"] for r in range(2)], 1),
                                    x_grad)
         for n, g in grads.items():
-            if n.endswith(("_EDG", "_EGD", "_EDF", "_EFD")):  # expert shards, gathered
+            if n.endswith(("w_in", "w_gate", "w_out", "bias_in")):  # expert shards, gathered
                 got = ranks[0][name]["grads"][n]
                 assert got.shape == g.shape
                 torch.testing.assert_close(got, g, msg=f"{name}: {n}")
@@ -351,9 +351,9 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
                        nprocs=2, join=True, start_method="fork")
     two = torch.load(out)
     kinds = two["kinds"]  # what each parameter was on process 0
-    assert kinds["blocks.0.feedforward.keys_EDG"] == ("ep", "S(0)", 2)
-    assert kinds["blocks.1.feedforward.values_EGD"] == ("ep", "S(0)", 2)
-    assert kinds["blocks.0.feedforward.w_sel_ED"][0] == "world"  # FSDP2 shard
+    assert kinds["blocks.0.feedforward.w_in"] == ("ep", "S(0)", 2)
+    assert kinds["blocks.1.feedforward.w_out"] == ("ep", "S(0)", 2)
+    assert kinds["blocks.0.feedforward.w_router"][0] == "world"  # FSDP2 shard
     assert kinds["embedding.weight"][0] == "world"
     for s in range(1, 11):
         assert abs(two["losses"][s] - single["losses"][s]) < 1e-5, (s, two["losses"][s],

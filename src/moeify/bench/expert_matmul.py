@@ -5,14 +5,9 @@ from __future__ import annotations
 import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times
-from moeify.ops.expert_matmul import (
-    IMPLEMENTATIONS,
-    PLANLESS,
-    chosen_impl,
-    expert_matmul,
-    make_plan,
-)
-from moeify.ops.triton_matmul import unavailable_reason
+from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
+from moeify.ops.moe.kernels.triton import unavailable_reason
+from moeify.ops.moe.policy import planless
 
 
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, device="cpu",
@@ -34,7 +29,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
 
     def run_impl(impl):
         def fn():
-            plan = None if impl in PLANLESS else make_plan(idx, E, group_size=E)
+            plan = None if planless(impl) else make_plan(idx, E, group_size=E)
             y = expert_matmul(x, idx, w, gates, impl=impl, plan=plan)
             torch.autograd.backward(y, grad_out)
             x.grad = w.grad = gates.grad = None
@@ -63,7 +58,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "auto": chosen_impl("auto", x, idx, w, group_size=E),
+        "auto": resolved_impl("auto", x, idx, w, group_size=E),
         "fastest": fastest,
         "rows": rows,
         "fastest_vs_dense": times[fastest] / base,

@@ -33,7 +33,7 @@ from moeify.errors import install_hint
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
-from moeify.ops.expert_matmul import IMPLEMENTATIONS
+from moeify.ops.moe import IMPLEMENTATIONS
 
 DENSE = "dense MLP (equal MACs)"
 HF_PREFIX = "HF Mixtral "

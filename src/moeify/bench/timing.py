@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from moeify.ops.moe import TRACE_PREFIX
 
 def _sync(device: torch.device | str | None) -> None:
     if _is_cuda(device):
@@ -123,10 +124,9 @@ def emit(result: dict, table: str, as_json: bool) -> None:
 
 def expert_impls_run(fn: Callable[[], object]) -> list[str]:
     """The expert-matmul implementations one call of ``fn`` really ran, sorted: read from the
-    profiler ranges that ``moeify.ops.expert_matmul`` names after the implementation."""
+    profiler ranges that ``moeify.ops.moe.expert_matmul`` names after the kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    from moeify.ops.expert_matmul import TRACE_PREFIX
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

@@ -22,8 +22,8 @@ def run(args) -> int:
         raise ValueError(f"--k {args.k} is larger than --experts {args.experts}: each row "
                          "picks k of the experts")
     from moeify.ops import expert_matmul, sigmoid_topk
-    from moeify.ops.expert_matmul import IMPLEMENTATIONS, make_plan
-    from moeify.ops.triton_matmul import unavailable_reason
+    from moeify.ops.moe import IMPLEMENTATIONS, make_plan
+    from moeify.ops.moe.kernels.triton import unavailable_reason
 
     torch.manual_seed(0)
     D, F = 128, 64

@@ -26,6 +26,7 @@ from moeify.layers.common import (
     check_positive,
     init_scale,
     project_by_input,
+    rename_legacy_keys,
     trunc_normal_exact_std_,
 )
 from moeify.layers.kv_cache import KVCache
@@ -61,12 +62,9 @@ def core_config(cfg, *, n_heads: int, n_kv_heads: int | None = None, xl_heads: i
 
 def rename_legacy_core_keys(module: nn.Module, names: tuple[str, ...]) -> None:
     """Checkpoints written before the core existed hold ``w_pos`` (and the dense ``bias_u``,
-    ``bias_v``, ``scale``) on the layer itself: load them into ``core.*``."""
-    def hook(state_dict, prefix, *args):
-        for n in names:
-            if prefix + n in state_dict:
-                state_dict[prefix + "core." + n] = state_dict.pop(prefix + n)
-    module._register_load_state_dict_pre_hook(hook)
+    ``bias_v``, ``scale``) on the layer itself: load them into ``core.*``
+    (moeify.layers.common.rename_legacy_keys)."""
+    rename_legacy_keys(module, {n: "core." + n for n in names})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,49 @@
 """What every layer shares: the Aux record it returns beside its output, the training-only usage
-buffers of routed layers, the config checks and the initialisers of the papers' recipes.
+buffers of routed layers, the config checks, the initialisers of the papers' recipes, and the
+load-time renaming of legacy state-dict keys.
+
+Parameter names (they are state-dict keys: checkpoints, Hugging Face key maps, expert
+parallelism and upcycling name them). Names say the role; the shape is documented beside the
+Parameter (and in each file's shape legend), not spelled into the name:
+
+    router (selection) weights   ``w_router`` [X, D], one row per router output: X = E experts
+                                 (sigma-MoE, MoA), E + Z router outputs (Switch with no-op
+                                 experts), H·E (SwitchHead with ``shared_selection``), H heads
+                                 (MoSA, each head choosing its tokens). Mixture-of-Depths has
+                                 one output: ``w_router`` [D], a vector (matrices alone get
+                                 weight decay, and an optimizer state saved with it in the
+                                 no-decay group must still load).
+                                 SwitchHead's two sides: ``w_router_src`` (source side, serves V
+                                 and K) and ``w_router_dst`` (destination side, serves O and Q).
+                                 A router bias is ``bias_router`` [X] (MoD's scalar one: []).
+    stacked expert weights       ``w_<role>`` with the expert (or head) first: the feedforward
+                                 MoEs' ``w_in`` [E, D, G], ``w_gate`` [E, D, G] (gated experts)
+                                 and ``w_out`` [E, G, D]; the attention projections ``w_q``,
+                                 ``w_k``, ``w_v`` [X, D, C] and ``w_o`` [X, C, D] when they are
+                                 experts ([D, H·C] / [H·C, D] when dense).
+    expert biases                ``bias_in`` [E, G], the hidden bias of each expert; ``bias_out``
+                                 [D], the one ungated output bias.
+
+G is the expert's hidden width (sigma-MoE's expert_size, Switch's d_ff). Buffers keep their
+own names (``usage*``, ``expert_bias`` of loss-free balancing), as do nn.Linear sub-modules
+(``shared_gate.weight``, dense MLPs' ``w1`` / ``w_up``, ...), whose names follow torch's.
+
+Checkpoints written with earlier names still load: every layer that renamed a Parameter
+registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
+``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
+reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
+themselves carry the same renames: sharded checkpoints (moeify.train.sharded) and transformers'
+loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
+convention (earlier name -> current):
+
+    SwitchHeadAttention  w_sel -> w_router, w_sel_src -> w_router_src, w_sel_dst -> w_router_dst
+    SigmaMoE             w_sel_ED -> w_router, keys_EDG -> w_in, values_EGD -> w_out,
+                         bias_EG -> bias_in, bias_D -> bias_out
+    SwitchFeedForward    w_router_RD -> w_router, w_in_EDF -> w_in, w_gate_EDF -> w_gate,
+                         w_out_EFD -> w_out, bias_EF -> bias_in, bias_D -> bias_out
+    MixtureOfDepths      router_D -> w_router, router_bias -> bias_router
+    MoSAAttention        w_r -> w_router
+    attention layers     w_pos, bias_u, bias_v, scale -> core.* (the attention core's)
 
 Shape legend: X rows of a selection matrix (one per expert), D d_model.
 """
@@ -13,7 +57,7 @@ import torch
 from torch import nn
 
 from moeify.ops.dropout import dropout
-from moeify.ops.expert_matmul import IMPLEMENTATIONS
+from moeify.ops.moe import implementations
 from moeify.ops.memo import stamps
 from moeify.ops.routing import count_selections
 
@@ -246,6 +290,52 @@ def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> to
 
 
 # ----------------------------------------------------------------------------------------------
+# Legacy state-dict keys.
+
+
+def rename_legacy_keys(module: nn.Module, renames: dict) -> None:
+    """Let ``module`` load state dicts written with earlier names of its own entries:
+    ``renames`` maps an old key (relative to the module) to the current one, or to
+    ``(current, fn)`` where the tensor also changed form (``fn(old_tensor)``). Applied by a
+    load_state_dict pre-hook, so ``load_state_dict`` of the module or of any model holding it
+    (strict or not) reads both. A key is renamed only when its current name is absent: a state
+    dict holding both keeps the current one and the old key stays unexpected. Calling it again
+    on the same module adds renames."""
+    table = module.__dict__.get("_legacy_keys")
+    if table is None:
+        table = {}
+        object.__setattr__(module, "_legacy_keys", table)
+
+        def hook(state_dict, prefix, *args):
+            _rename_into(state_dict, prefix, table)
+
+        module._register_load_state_dict_pre_hook(hook)
+    table.update(renames)
+
+
+def _rename_into(state_dict, prefix: str, table: dict) -> None:
+    for old, new in table.items():
+        fn = None
+        if isinstance(new, tuple):
+            new, fn = new
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            value = state_dict.pop(prefix + old)
+            state_dict[prefix + new] = value if fn is None else fn(value)
+
+
+def upgrade_legacy_keys(model: nn.Module, state_dict: dict) -> dict:
+    """A copy of ``state_dict`` (a state dict of ``model``, perhaps written with earlier names)
+    with every legacy key renamed as ``model.load_state_dict`` would rename it: for code that
+    indexes a checkpoint by the current names before loading it."""
+    out = dict(state_dict)
+    for name, module in model.named_modules():
+        table = module.__dict__.get("_legacy_keys")
+        if table:
+            _rename_into(out, f"{name}." if name else "", table)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Config checks: ValueError naming the config class, the field and the value.
 
 
@@ -276,9 +366,9 @@ def check_nonnegative(cfg, *names: str) -> None:
 
 
 def check_expert_impl(cfg, *, sets: bool = False) -> None:
-    """``cfg.expert_impl`` must name a moeify.ops.expert_matmul implementation or "auto";
+    """``cfg.expert_impl`` must name a registered kernel (moeify.ops.moe.registry) or "auto";
     "sets" only where the layer routes in groups of experts (``sets=True``: SwitchHead)."""
-    allowed = tuple(i for i in IMPLEMENTATIONS if sets or i != "sets") + ("auto",)
+    allowed = tuple(i for i in implementations() if sets or i != "sets") + ("auto",)
     if cfg.expert_impl not in allowed:
         raise ValueError(f"{type(cfg).__name__}.expert_impl must be one of {allowed}, "
                          f"got {cfg.expert_impl!r}")

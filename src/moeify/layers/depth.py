@@ -62,6 +62,7 @@ from moeify.layers.common import (
     check_token_input,
     init_scale,
     register_usage,
+    rename_legacy_keys,
 )
 from moeify.ops.depth_routing import (
     causal_route,
@@ -119,25 +120,28 @@ class MixtureOfDepths(nn.Module):
         super().__init__()
         self.config = config
         self.block = block
-        self.router_D = nn.Parameter(torch.empty(config.d_model))
-        self.router_bias = nn.Parameter(torch.zeros(()))
+        # Names: moeify.layers.common (the naming convention). One router output: [D], not
+        # [1, D], so that it stays a vector (no weight decay: the trainer decays matrices only,
+        # and an optimizer state saved with it in the no-decay group still loads).
+        self.w_router = nn.Parameter(torch.empty(config.d_model))
+        self.bias_router = nn.Parameter(torch.zeros(()))
         self.predictor = None
         if config.causal_router == "predictor":
             self.predictor = nn.Sequential(
                 nn.Linear(config.d_model, config.predictor_hidden), nn.ReLU(),
                 nn.Linear(config.predictor_hidden, 1))
         register_usage(self, "usage", (2,))
+        rename_legacy_keys(self, {"router_D": "w_router", "router_bias": "bias_router"})
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         c = self.config
-        nn.init.normal_(self.router_D, std=init_scale(c.n_layers) / c.d_model ** 0.5)
+        nn.init.normal_(self.w_router, std=init_scale(c.n_layers) / c.d_model ** 0.5)
 
     def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """r = wᵀx + b, float32 [B, T] (also under autocast: the top-k is sensitive to rounding)."""
-        return routing.router_logits(x_BTD, self.router_D[None],
-                                     self.router_bias[None]).squeeze(-1)
+        return routing.router_logits(x_BTD, self.w_router[None], self.bias_router[None]).squeeze(-1)
 
     def causal_logits(self, x_BTD: torch.Tensor, logits_BT: torch.Tensor) -> torch.Tensor:
         """Logits of the causal rule: the router itself, or the stop-gradient predictor."""

@@ -23,7 +23,7 @@ ACTIVATIONS = {
 
 
 def expert_activation(name: str):
-    """The ``activation`` argument of moeify.ops.expert_mlp: None for ReLU (its fused path),
+    """The ``activation`` argument of moeify.ops.moe.expert_mlp: None for ReLU (its fused path),
     else the function."""
     return None if name == "relu" else ACTIVATIONS[name]
 

@@ -51,7 +51,8 @@ from moeify.layers.common import (
 )
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
-from moeify.ops.expert_matmul import PLANLESS, expert_matmul, make_plan
+from moeify.ops.moe import expert_matmul, make_plan
+from moeify.ops.moe.policy import planless
 from moeify.ops.routing import selection_logits, softmax_topk
 
 
@@ -179,7 +180,7 @@ class MoAAttention(nn.Module):
         x_MD = q_BTD.reshape(B * T, D)
         logits_ME = selection_logits(x_MD, self.w_router)
         top = softmax_topk(logits_ME, K, renormalize=c.renormalize)
-        plan = None if c.expert_impl in PLANLESS else make_plan(top.idx, E)
+        plan = None if planless(c.expert_impl) else make_plan(top.idx, E)
         q_MKC = expert_matmul(x_MD, top.idx, self.w_q, impl=c.expert_impl, plan=plan)
         q_BKTC = q_MKC.view(B, T, K, C).transpose(1, 2)
         # The shared K and V in one matmul, except with RoPE (project_by_input).

@@ -15,10 +15,11 @@ read only in excerpts):
     Y        = scatter(Y_s, I) ∈ R^{T×d}              zero at the tokens the head did not pick
 
 and the layer's output is the sum of its heads' Y (plus the dense heads', below). The router
-score in the output is what trains W_r (the TopK itself has no gradient). RoPE rotates Q and K
-by the original positions I (the authors' code rotates half of each head's channels: moeify's
-``rope_fraction`` 0.5 default). k = T // ρ clamped to [2, T], as the authors' code; with
-``include_first`` the first token is always selected (the authors' option; off by default).
+score in the output is what trains W_r (``w_router`` [H, D]; the TopK itself has no gradient).
+RoPE rotates Q and K by the original positions I (the authors' code rotates half of each
+head's channels: moeify's ``rope_fraction`` 0.5 default). k = T // ρ clamped to [2, T], as
+the authors' code; with ``include_first`` the first token is always selected (the authors'
+option; off by default).
 
 Hybrid: the paper's MoSA models keep a few dense heads beside the sparse ones (the
 authors' ``MoSA(num_mosa_heads, num_other_heads, hybrid_type="dense" | "local")``).
@@ -63,7 +64,7 @@ from torch import nn
 
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.attention_core import check_core_fields
-from moeify.layers.common import Aux, check_positive, init_scale
+from moeify.layers.common import Aux, check_positive, init_scale, rename_legacy_keys
 from moeify.ops.positional import apply_rope, rope_dims
 from moeify.ops.routing import selection_logits, top_indices
 
@@ -153,7 +154,8 @@ class MoSAAttention(nn.Module):
         super().__init__()
         self.config = c = config
         D, H, C = c.d_model, c.n_heads, c.d_head
-        self.w_r = nn.Parameter(torch.empty(H, D))
+        # Names: moeify.layers.common (the naming convention); registration order kept.
+        self.w_router = nn.Parameter(torch.empty(H, D))  # [H, D]: head h's token router
         self.w_q = nn.Parameter(torch.empty(H, D, C))
         self.w_k = nn.Parameter(torch.empty(H, D, C))
         self.w_v = nn.Parameter(torch.empty(H, D, C))
@@ -161,13 +163,14 @@ class MoSAAttention(nn.Module):
         dense = c.dense_config()
         self.dense = None if dense is None else dense.build()
         self.n_rot = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
+        rename_legacy_keys(self, {"w_r": "w_router"})
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         c = self.config
         s = init_scale(c.n_layers)
-        for w in (self.w_r, self.w_q, self.w_k, self.w_v):
+        for w in (self.w_router, self.w_q, self.w_k, self.w_v):
             w.normal_(0.0, s / math.sqrt(c.d_model))
         self.w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads) * c.d_head))
 
@@ -183,7 +186,7 @@ class MoSAAttention(nn.Module):
         """r = σ(X W_r) per head, float32 [B, H, T]: the logits as SwitchHead's selection (in
         the input's precision, float32 under autocast), the sigmoid in float32."""
         B, T, D = x_BTD.shape
-        logits_MH = selection_logits(x_BTD.reshape(B * T, D), self.w_r)
+        logits_MH = selection_logits(x_BTD.reshape(B * T, D), self.w_router)
         return torch.sigmoid(logits_MH.float()).view(B, T, -1).transpose(1, 2)
 
     def _select(self, r_BHS: torch.Tensor, valid_BS: torch.Tensor | None):

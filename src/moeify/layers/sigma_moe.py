@@ -4,12 +4,14 @@ Feedforward Networks for Efficient Transformers"); the feedforward half of Switc
 A two-layer ReLU MLP of hidden size E·G cut into E experts of G hidden units each. Per token
 (moe-family.md, sigma-MoE):
 
-    s   = sigmoid(x · W_selᵀ)                      float32, [E]
+    s   = sigmoid(x · W_routerᵀ)                   float32, [E]
     sel = top-k of s                                (indices carry no gradient)
-    y   = sum over e in sel of  s_e · ReLU(x · K_e) · V_e          no biases
+    y   = sum over e in sel of  s_e · ReLU(x · W_in,e) · W_out,e    no biases
 
-(``bias`` and ``activation`` generalise the expert to act(x · K_e + b_e) · V_e, plus an ungated
-output bias: the form of a dense MLP with biases and another activation, for upcycling.)
+(the paper's keys K_e and values V_e are ``w_in`` [E, D, G] and ``w_out`` [E, G, D]; ``w_router``
+[E, D] is its W_sel. ``bias`` and ``activation`` generalise the expert to
+act(x · W_in,e + b_e) · W_out,e, plus an ungated output bias: the form of a dense MLP with
+biases and another activation, for upcycling.)
 
 Regulariser (coefficient gamma = ``entropy_coef``, returned as the aux loss "entropy"): minus the
 entropy of the batch-averaged softmax of the selection logits; routing itself stays sigmoid.
@@ -41,6 +43,7 @@ from moeify.layers.common import (
     init_scale,
     later_option,
     register_usage,
+    rename_legacy_keys,
     routing_record,
     renorm_rows_,
 )
@@ -48,8 +51,7 @@ from moeify.layers.ff_common import check_activation, expert_activation, routing
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import batch_entropy_loss
-from moeify.ops.expert_matmul import make_plan
-from moeify.ops.expert_mlp import expert_mlp
+from moeify.ops.moe import expert_mlp, make_plan
 from moeify.ops.routing import router_logits, sigmoid_topk
 
 
@@ -65,9 +67,9 @@ class SigmaMoEConfig:
     dropout:        dropout on the expert hidden activations (the authors' layer has this
                     option); 0 in every published sigma-MoE run, hence the default.
     n_layers:       model depth L for the init scale s = sqrt(2 / L).
-    expert_impl:    the moeify.ops.expert_matmul implementation ("auto" picks per device).
-    bias:           a hidden bias per expert ``bias_EG`` [E, G] and one ungated output bias
-                    ``bias_D`` [D] (zero-initialised); the paper's layer has none. A dense MLP
+    expert_impl:    the moeify.ops.moe kernel ("auto" picks per device).
+    bias:           a hidden bias per expert ``bias_in`` [E, G] and one ungated output bias
+                    ``bias_out`` [D] (zero-initialised); the paper's layer has none. A dense MLP
                     with biases needs them to be split exactly into its experts
                     (moeify.models.upcycle).
     activation:     the experts' hidden activation, one of moeify.layers.ff_common.ACTIVATIONS:
@@ -130,12 +132,17 @@ class SigmaMoE(nn.Module):
         super().__init__()
         self.config = config
         E, D, G = config.n_experts, config.d_model, config.expert_size
-        self.w_sel_ED = nn.Parameter(torch.empty(E, D))
-        self.keys_EDG = nn.Parameter(torch.empty(E, D, G))
-        self.values_EGD = nn.Parameter(torch.empty(E, G, D))
+        # Names: moeify.layers.common (the naming convention); registration order kept, as
+        # optimizer states are saved by parameter index.
+        self.w_router = nn.Parameter(torch.empty(E, D))  # [E, D]
+        self.w_in = nn.Parameter(torch.empty(E, D, G))  # [E, D, G], the paper's keys
+        self.w_out = nn.Parameter(torch.empty(E, G, D))  # [E, G, D], the paper's values
         if config.bias:
-            self.bias_EG = nn.Parameter(torch.zeros(E, G))
-            self.bias_D = nn.Parameter(torch.zeros(D))
+            self.bias_in = nn.Parameter(torch.zeros(E, G))  # [E, G]
+            self.bias_out = nn.Parameter(torch.zeros(D))  # [D]
+        rename_legacy_keys(self, {"w_sel_ED": "w_router", "keys_EDG": "w_in",
+                                  "values_EGD": "w_out", "bias_EG": "bias_in",
+                                  "bias_D": "bias_out"})
         build_shared(self, config)
         if config.lossfree_rate > 0:  # persistent: a resumed run keeps its balance
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
@@ -151,19 +158,19 @@ class SigmaMoE(nn.Module):
         # selection rows renormalised to equal norm.
         c = self.config
         s = init_scale(c.n_layers)
-        nn.init.normal_(self.keys_EDG, std=s / c.d_model ** 0.5)
-        nn.init.normal_(self.w_sel_ED, std=s / c.d_model ** 0.5)
-        nn.init.normal_(self.values_EGD, std=s / (c.n_experts * c.expert_size) ** 0.5)
-        renorm_rows_(self.w_sel_ED)
+        nn.init.normal_(self.w_in, std=s / c.d_model ** 0.5)
+        nn.init.normal_(self.w_router, std=s / c.d_model ** 0.5)
+        nn.init.normal_(self.w_out, std=s / (c.n_experts * c.expert_size) ** 0.5)
+        renorm_rows_(self.w_router)
         if c.bias:
-            self.bias_EG.zero_()
-            self.bias_D.zero_()
+            self.bias_in.zero_()
+            self.bias_out.zero_()
         reset_shared_gate(self, c)
 
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
         c = self.config
-        logits_ME = router_logits(x_MD, self.w_sel_ED)  # float32 even under autocast (spec)
+        logits_ME = router_logits(x_MD, self.w_router)  # float32 even under autocast (spec)
         exclude_ME = None
         if self.training and c.expert_dropout > 0:
             exclude_ME = torch.rand_like(logits_ME) < c.expert_dropout
@@ -198,7 +205,7 @@ class SigmaMoE(nn.Module):
             y_MD = self._mlp(x_MD, idx_MK, gates_MK)
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
-            y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
+            y_BTD = y_BTD + self.bias_out.to(y_BTD.dtype)
         y_BTD = add_shared(self, c, y_BTD, x_BTD, valid_BT)
 
         aux = Aux()
@@ -215,19 +222,19 @@ class SigmaMoE(nn.Module):
         return y_BTD, aux
 
     def _mlp(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, gates_RK: torch.Tensor,
-             *, keys_EDG: torch.Tensor | None = None, values_EGD: torch.Tensor | None = None,
-             bias_EG: torch.Tensor | None = None) -> torch.Tensor:
+             *, w_in: torch.Tensor | None = None, w_out: torch.Tensor | None = None,
+             bias_in: torch.Tensor | None = None) -> torch.Tensor:
         """The experts on rows ``x_RD``: sum over k of gate · expert_{ids[r, k]}(x_r), [R, D].
         The weights default to the layer's own; expert parallelism passes this process's
         shard of them (E_local experts, ids in [0, E_local))."""
         c = self.config
-        keys_EDG = self.keys_EDG if keys_EDG is None else keys_EDG
-        values_EGD = self.values_EGD if values_EGD is None else values_EGD
-        if bias_EG is None and c.bias:
-            bias_EG = self.bias_EG
-        # One sort of the routed pairs serves both expert matmuls; moeify.ops.expert_matmul's
-        # choose_impl decides "auto", and the hidden units stay in expert order between them.
-        return expert_mlp(x_RD, ids_RK, keys_EDG, values_EGD, gates_RK,
-                          impl=c.expert_impl, plan=make_plan(ids_RK, keys_EDG.shape[0]),
-                          dropout=c.dropout, training=self.training, bias_EG=bias_EG,
+        w_in = self.w_in if w_in is None else w_in
+        w_out = self.w_out if w_out is None else w_out
+        if bias_in is None and c.bias:
+            bias_in = self.bias_in
+        # One sort of the routed pairs serves both expert matmuls (moeify.ops.moe.policy decides
+        # "auto"), and the hidden units stay in expert order between them.
+        return expert_mlp(x_RD, ids_RK, w_in, w_out, gates_RK,
+                          impl=c.expert_impl, plan=make_plan(ids_RK, w_in.shape[0]),
+                          dropout=c.dropout, training=self.training, bias_EG=bias_in,
                           activation=expert_activation(c.activation))

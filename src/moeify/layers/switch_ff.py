@@ -79,6 +79,7 @@ from moeify.layers.common import (
     check_token_input,
     later_option,
     register_usage,
+    rename_legacy_keys,
     routing_record,
     trunc_normal_,
 )
@@ -87,9 +88,7 @@ from moeify.layers.ff_common import (ACTIVATIONS, check_activation, expert_activ
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import global_balance_loss, switch_balance_loss, z_loss
-from moeify.ops.expert_matmul import make_plan
-from moeify.ops.expert_mlp import expert_mlp
-from moeify.ops.gated_expert_mlp import gated_expert_mlp
+from moeify.ops.moe import expert_mlp, gated_expert_mlp, make_plan
 from moeify.ops.routing import (capacity_mask, count_selections, expert_capacity,
                                 router_logits, softmax_topk)
 
@@ -104,14 +103,14 @@ class SwitchFFConfig:
     expert_dropout: dropout on the experts' hidden activations (the Switch paper's "expert
                     dropout": 0.4 inside the experts when fine-tuning; 0 for pre-training).
     noop_experts:   Z no-op experts among the router's choices (integrated MoDE).
-    bias:           a hidden bias per expert ``bias_EF`` [E, F] and one output bias ``bias_D``
+    bias:           a hidden bias per expert ``bias_in`` [E, F] and one output bias ``bias_out``
                     [D] added to every token, ungated, also to dropped ones (zero-initialised).
                     T5-style Switch has none; a dense MLP with biases needs them to be copied
                     exactly into its experts (moeify.models.upcycle).
     activation:     the experts' hidden activation, one of moeify.layers.ff_common.ACTIVATIONS:
                     "relu" is the paper's (T5's); "gelu_tanh" / "gelu" / "silu" hold copies
                     of a dense MLP with that activation (GPT-2's is "gelu_tanh").
-    gated:          SwiGLU experts: a second input matrix ``w_gate_EDF`` [E, D, F], hidden
+    gated:          SwiGLU experts: a second input matrix ``w_gate`` [E, D, F], hidden
                     units act(x · w_gate) ⊙ (x · w_in) (Mixtral, Qwen-MoE, OLMoE; no biases).
     renormalize:    the k kept softmax gates are rescaled to sum to 1 (Mixtral; Qwen-MoE and
                     OLMoE with ``norm_topk_prob``).
@@ -196,11 +195,13 @@ class SwitchFeedForward(nn.Module):
         self.config = config
         E, D, Fh = config.n_experts, config.d_model, config.d_ff
         R = E + config.noop_experts
-        self.w_router_RD = nn.Parameter(torch.empty(R, D))
-        self.w_in_EDF = nn.Parameter(torch.empty(E, D, Fh))
-        self.w_out_EFD = nn.Parameter(torch.empty(E, Fh, D))
+        # Names: moeify.layers.common (the naming convention); registration order kept, as
+        # optimizer states are saved by parameter index.
+        self.w_router = nn.Parameter(torch.empty(R, D))  # [R, D]
+        self.w_in = nn.Parameter(torch.empty(E, D, Fh))  # [E, D, F]
+        self.w_out = nn.Parameter(torch.empty(E, Fh, D))  # [E, F, D]
         if config.gated:
-            self.w_gate_EDF = nn.Parameter(torch.empty(E, D, Fh))
+            self.w_gate = nn.Parameter(torch.empty(E, D, Fh))  # [E, D, F]
         build_shared(self, config)
         if config.lossfree_rate > 0:  # persistent: a resumed run keeps its balance
             self.register_buffer("expert_bias", torch.zeros(R, dtype=torch.float32))
@@ -210,8 +211,11 @@ class SwitchFeedForward(nn.Module):
         self.count_sync = None
         self.dispatch = None
         if config.bias:
-            self.bias_EF = nn.Parameter(torch.zeros(E, Fh))
-            self.bias_D = nn.Parameter(torch.zeros(D))
+            self.bias_in = nn.Parameter(torch.zeros(E, Fh))  # [E, F]
+            self.bias_out = nn.Parameter(torch.zeros(D))  # [D]
+        rename_legacy_keys(self, {"w_router_RD": "w_router", "w_in_EDF": "w_in",
+                                  "w_out_EFD": "w_out", "w_gate_EDF": "w_gate",
+                                  "bias_EF": "bias_in", "bias_D": "bias_out"})
         register_usage(self, "usage", (R,))
         register_usage(self, "dropped", ())
         self.reset_parameters()
@@ -220,15 +224,15 @@ class SwitchFeedForward(nn.Module):
     def reset_parameters(self) -> None:
         # Switch §2.4: truncated normal, std sqrt(0.1 / fan_in) (a tenth of the usual scale).
         c = self.config
-        trunc_normal_(self.w_router_RD, (0.1 / c.d_model) ** 0.5)
-        trunc_normal_(self.w_in_EDF, (0.1 / c.d_model) ** 0.5)
-        trunc_normal_(self.w_out_EFD, (0.1 / c.d_ff) ** 0.5)
+        trunc_normal_(self.w_router, (0.1 / c.d_model) ** 0.5)
+        trunc_normal_(self.w_in, (0.1 / c.d_model) ** 0.5)
+        trunc_normal_(self.w_out, (0.1 / c.d_ff) ** 0.5)
         if c.gated:
-            trunc_normal_(self.w_gate_EDF, (0.1 / c.d_model) ** 0.5)
+            trunc_normal_(self.w_gate, (0.1 / c.d_model) ** 0.5)
         reset_shared_gate(self, c)
         if c.bias:
-            self.bias_EF.zero_()
-            self.bias_D.zero_()
+            self.bias_in.zero_()
+            self.bias_out.zero_()
 
     def capacity(self, num_rows: int) -> int | None:
         """Pairs each expert may take out of ``num_rows`` tokens (None: dropless)."""
@@ -248,7 +252,7 @@ class SwitchFeedForward(nn.Module):
         M, K, N = B * T, c.k, B * T * c.k
         valid_M = None if valid_BT is None else valid_BT.reshape(M)
 
-        logits_MR = router_logits(x_MD, self.w_router_RD)  # float32, also under autocast (§2.4)
+        logits_MR = router_logits(x_MD, self.w_router)  # float32, also under autocast (§2.4)
         top = softmax_topk(logits_MR, K, renormalize=c.renormalize,
                            bias=self.expert_bias if c.lossfree_rate > 0 else None)
         # Best choice first: position priority puts every first choice before any second one.
@@ -271,7 +275,7 @@ class SwitchFeedForward(nn.Module):
                                  N if cap is None else min(N, E * cap))
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
-            y_BTD = y_BTD + self.bias_D.to(y_BTD.dtype)
+            y_BTD = y_BTD + self.bias_out.to(y_BTD.dtype)
         y_BTD = add_shared(self, c, y_BTD, x_BTD, valid_BT)
 
         aux = Aux()
@@ -329,27 +333,27 @@ class SwitchFeedForward(nn.Module):
         y_ND = y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
         return y_ND.view(M, K, -1).sum(1)
 
-    def _mlp(self, x_RD, ids_RK, gates_RK, *, w_in_EDF=None, w_gate_EDF=None, w_out_EFD=None,
-             bias_EF=None) -> torch.Tensor:
+    def _mlp(self, x_RD, ids_RK, gates_RK, *, w_in=None, w_gate=None, w_out=None,
+             bias_in=None) -> torch.Tensor:
         """The experts on rows ``x_RD``, [R, D]. The weights default to the layer's own; expert
         parallelism passes this process's shard of them (E_local experts, ids in [0, E_local))."""
-        # One plan for both matmuls; moeify.ops.expert_matmul.choose_impl decides "auto". The
-        # plan spans the experts the weights hold (a shard of them under expert parallelism).
+        # One plan for both matmuls; moeify.ops.moe.policy decides "auto". The plan spans the
+        # experts the weights hold (a shard of them under expert parallelism).
         c = self.config
-        w_in_EDF = self.w_in_EDF if w_in_EDF is None else w_in_EDF
-        w_out_EFD = self.w_out_EFD if w_out_EFD is None else w_out_EFD
-        if c.gated and w_gate_EDF is None:
-            w_gate_EDF = self.w_gate_EDF
-        if c.bias and bias_EF is None:
-            bias_EF = self.bias_EF
-        E_here = w_in_EDF.shape[0]
+        w_in = self.w_in if w_in is None else w_in
+        w_out = self.w_out if w_out is None else w_out
+        if c.gated and w_gate is None:
+            w_gate = self.w_gate
+        if c.bias and bias_in is None:
+            bias_in = self.bias_in
+        E_here = w_in.shape[0]
         if c.gated:
-            return gated_expert_mlp(x_RD, ids_RK, w_gate_EDF, w_in_EDF, w_out_EFD,
+            return gated_expert_mlp(x_RD, ids_RK, w_gate, w_in, w_out,
                                     gates_RK, activation=ACTIVATIONS[c.activation],
                                     impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                                     dropout=c.expert_dropout, training=self.training)
-        return expert_mlp(x_RD, ids_RK, w_in_EDF, w_out_EFD, gates_RK,
+        return expert_mlp(x_RD, ids_RK, w_in, w_out, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                           dropout=c.expert_dropout, training=self.training,
-                          bias_EG=bias_EF if c.bias else None,
+                          bias_EG=bias_in if c.bias else None,
                           activation=expert_activation(c.activation))

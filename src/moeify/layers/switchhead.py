@@ -18,10 +18,10 @@ one selection matrix serves both sides, and in self-attention its scores are com
 
 Speed: each selection's top-k is taken once and its routing plan built once (``make_plan``,
 grouped by head: ``group_size=E``); every expert matmul sharing it reuses that plan and the
-layouts cached on it. On CPU that is the set layout (moeify.ops.set_matmul: the (token, head)
-units sorted by their set of k experts, each set's k matrices side by side in one matmul) once
-there are enough units per set, else the padded layout (moeify.ops.padded_matmul: one batched
-matmul for all H·E experts). Source-side experts run with rows = source tokens, ids = h·E + e
+layouts cached on it. On CPU that is the set layout (moeify.ops.moe.switchhead: the (token,
+head) units sorted by their set of k experts, each set's k matrices side by side in one matmul)
+once there are enough units per set, else the padded layout (moeify.ops.moe.kernels.padded: one
+batched matmul for all H·E experts); the policy (moeify.ops.moe.policy) decides. Source-side experts run with rows = source tokens, ids = h·E + e
 and ``groups=H`` and come out as [B, H, S, C], the layout attention takes, so the gate-weighted
 sum per head never materialises a [rows, k, C] tensor; O experts run with rows = destination
 tokens × heads and ``sum_rows=H``, so the sum over heads happens inside the expert matmul too. Dense Q / K projections and the
@@ -29,8 +29,8 @@ selection logits that read the same input share one matmul (``_fused_projections
 attention core stays on scaled_dot_product_attention for RoPE and no positions; XL runs the
 fused core of moeify.ops.xl_attention.
 
-Decoding (a handful of rows, no gradient, where "auto" takes the "all" layout): the Q / K / V
-experts join that fused matmul for every expert and are gate-weighted per head afterwards
+Decoding (a handful of rows, no gradient, where the policy's ``decodes_all`` holds): the Q / K /
+V experts join that fused matmul for every expert and are gate-weighted per head afterwards
 (``gated_sum_of_all``), and the O experts are one GEMM over every expert
 (``gated_group_sum_all``): a decode step calls no expert matmul.
 """
@@ -60,19 +60,15 @@ from moeify.layers.common import (
     init_scale,
     project_by_input,
     register_usage,
+    rename_legacy_keys,
     routing_record,
     renorm_rows_,
 )
 from moeify.layers.kv_cache import KVCache
-from moeify.ops.expert_matmul import (
-    PLANLESS,
-    ExpertPlan,
-    expert_matmul,
-    few_rows_impl,
-    make_plan,
-    trace,
-)
-from moeify.ops.planless_matmul import gated_group_sum_all, gated_sum_of_all
+from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
+from moeify.ops.moe.matmul import trace
+from moeify.ops.moe.policy import decodes_all, planless
+from moeify.ops.moe.switchhead import gated_group_sum_all, gated_sum_of_all
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
@@ -163,7 +159,7 @@ class Selection(NamedTuple):
     gates: torch.Tensor  # float32 [M, H, K], raw sigmoid values (differentiable)
     idx: torch.Tensor  # int64 [M, H, K], expert within the head
     ids: torch.Tensor  # int64 [M, H, K], h·E + idx: the row of the stacked [H·E, ...] weights
-    plan: ExpertPlan | None  # sorted routing shared by every expert matmul of this side
+    plan: RoutingPlan | None  # sorted routing shared by every expert matmul of this side
 
 
 class SwitchHeadAttention(nn.Module):
@@ -180,16 +176,19 @@ class SwitchHeadAttention(nn.Module):
             shape = (X, D, C) if p in c.experts else (D, H * C)
             setattr(self, f"w_{p}", nn.Parameter(torch.empty(shape)))
         self.w_o = nn.Parameter(torch.empty((X, C, D) if "o" in c.experts else (H * C, D)))
+        # Selection (router) weights [X, D] (moeify.layers.common: the naming convention).
         if c.shared_selection:
-            self.w_sel = nn.Parameter(torch.empty(X, D))
+            self.w_router = nn.Parameter(torch.empty(X, D))
         else:
             if c.source_side:
-                self.w_sel_src = nn.Parameter(torch.empty(X, D))
+                self.w_router_src = nn.Parameter(torch.empty(X, D))
             if c.dest_side:
-                self.w_sel_dst = nn.Parameter(torch.empty(X, D))
+                self.w_router_dst = nn.Parameter(torch.empty(X, D))
         self.core = AttentionCore(core_config(c, n_heads=H))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
         rename_legacy_core_keys(self, ("w_pos",))
+        rename_legacy_keys(self, {"w_sel": "w_router", "w_sel_src": "w_router_src",
+                                  "w_sel_dst": "w_router_dst"})
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
             register_usage(self, f"usage_{p}", (H, E))
@@ -204,7 +203,7 @@ class SwitchHeadAttention(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters(recurse=False):
                 p.normal_(0.0, std_out if name == "w_o" else std_in)
-                if name.startswith("w_sel"):
+                if name.startswith("w_router"):
                     renorm_rows_(p)
             if c.pos == "xl":
                 self.core.w_pos.normal_(0.0, std_in)
@@ -218,7 +217,8 @@ class SwitchHeadAttention(nn.Module):
     # ------------------------------------------------------------------------------------------
 
     def _sel_weight(self, side: str) -> torch.Tensor:
-        return self.w_sel if self.config.shared_selection else getattr(self, f"w_sel_{side}")
+        return (self.w_router if self.config.shared_selection
+                else getattr(self, f"w_router_{side}"))
 
     def _route(self, x_BND: torch.Tensor, w_XD: torch.Tensor,
                logits_BNX: torch.Tensor | None = None) -> Selection:
@@ -232,7 +232,7 @@ class SwitchHeadAttention(nn.Module):
         top = sigmoid_topk(logits_MHE, c.k)  # Eq. 7-8: float32 sigmoid, no renormalisation
         ids = top.idx + self.head_offset[:, None]
         plan = None
-        if c.expert_impl not in PLANLESS:
+        if not planless(c.expert_impl):
             plan = make_plan(ids, c.n_heads * c.n_experts, group_size=c.n_experts,
                              in_range=True)  # a top-k within each head, plus its offset
         return Selection(top.gates, top.idx, ids, plan)
@@ -294,21 +294,16 @@ class SwitchHeadAttention(nn.Module):
 
     def _decodes_all(self, name: str, x: torch.Tensor) -> bool:
         """Whether expert projection ``name`` runs every expert for its rows outside
-        expert_matmul (Q / K / V: in the fused matmul; O: ``_output``): where "auto" would run
-        the "all" layout anyway (CPU, a few rows) and no gradient flows to the weights (the
-        fused weights are kept in the memo between calls). ``x``: the projection's input,
-        [..., D] (O: the attention output [B, H, T, C])."""
+        expert_matmul (Q / K / V: in the fused matmul; O: ``_output``), as the policy decides
+        (``decodes_all``: a few rows on CPU, no gradient to the weights, which the memo keeps
+        fused between calls). ``x``: the projection's input, [..., D] (O: the attention output
+        [B, H, T, C])."""
         c = self.config
-        if name not in c.experts or c.expert_impl != "auto" or x.device.type != "cpu":
-            return False
-        w = getattr(self, f"w_{name}")
-        if torch.is_grad_enabled() and w.requires_grad or torch.compiler.is_compiling():
-            return False
-        if w.is_inference():  # no version counter: the memo could not keep the fused weights
+        if name not in c.experts:
             return False
         x_MD = x.reshape(-1, x.shape[-1])
         pairs = x_MD.shape[0] * c.k * (c.n_heads if name != "o" else 1)
-        return few_rows_impl(x_MD, w, pairs) == "all"
+        return decodes_all(c.expert_impl, x_MD, getattr(self, f"w_{name}"), pairs)
 
     def _from_all(self, y_BNF: torch.Tensor, sel: Selection) -> torch.Tensor:
         """Eq. 9 from every expert's product y_BNF = x · [W[h, e] for all h, e] (the "all"

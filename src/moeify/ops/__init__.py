@@ -2,7 +2,7 @@
 
 No nn.Module and no config objects live here (see ARCHITECTURE in the README)."""
 
-from moeify.ops.expert_matmul import ExpertPlan, expert_matmul, make_plan
+from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
 from moeify.ops.routing import (
     TopK,
     capacity_mask,
@@ -14,6 +14,6 @@ from moeify.ops.routing import (
 )
 
 __all__ = [
-    "ExpertPlan", "expert_matmul", "make_plan", "TopK", "capacity_mask", "expert_capacity",
+    "RoutingPlan", "expert_matmul", "make_plan", "TopK", "capacity_mask", "expert_capacity",
     "expert_choice", "expert_choice_count", "sigmoid_topk", "softmax_topk",
 ]

@@ -5,9 +5,9 @@ mesh dimension, token counts are exchanged first, tokens dispatched by all-to-al
 experts run, results combined.
 
 Mesh. W processes form a 2-D DeviceMesh ("dp", "ep") of shape (W / P, P), P = expert_parallel.
-``parallelize_experts`` turns the expert weights of every MoE feedforward (``keys_EDG`` /
-``values_EGD`` / ``bias_EG`` of sigma-MoE, ``w_in_EDF`` / ``w_gate_EDF`` / ``w_out_EFD`` /
-``bias_EF`` of Switch) into Parameters holding a DTensor of the full global shape [E, ...] on
+``parallelize_experts`` turns the stacked expert weights of every MoE feedforward (``w_in`` /
+``w_gate`` / ``w_out`` and the per-expert hidden bias ``bias_in``; moeify.layers.common: the
+naming convention) into Parameters holding a DTensor of the full global shape [E, ...] on
 the 1-D "ep" sub-mesh with placement ``Shard(0)``: each process stores E / P experts (expert e
 lives on ep rank e // (E / P)), the P processes of an ep group together hold every expert, and
 the dp groups hold replicas. Everything else (attention, embeddings, routers, shared experts,
@@ -62,12 +62,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeify.layers.common import upgrade_legacy_keys
 from moeify.layers.sigma_moe import SigmaMoE
 from moeify.layers.switch_ff import SwitchFeedForward
 from moeify.ops.routing import count_ids
 
-EXPERT_PARAMS = {SigmaMoE: ("keys_EDG", "values_EGD", "bias_EG"),
-                 SwitchFeedForward: ("w_in_EDF", "w_gate_EDF", "w_out_EFD", "bias_EF")}
+EXPERT_PARAMS = {SigmaMoE: ("w_in", "w_out", "bias_in"),
+                 SwitchFeedForward: ("w_in", "w_gate", "w_out", "bias_in")}
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -126,6 +127,7 @@ class ExpertParallel:
         self.ep_group = self.mesh.get_group("ep")
         self.dp_group = self.mesh.get_group("dp")
         self.ep_rank = self.mesh.get_local_rank("ep")
+        self.model = model  # its names: the checkpoint's keys (load_full_state)
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError("expert_parallel > 1 needs a model with sigma-MoE or Switch "
@@ -255,8 +257,9 @@ class ExpertParallel:
     def load_full_state(self, model_state: dict, optimizer_state: dict | None,
                         optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
         """The state dicts of a single-file checkpoint (full tensors) with the expert weights
-        and their AdamW moments narrowed to this process's rows (Shard(0) DTensors)."""
-        model_state = dict(model_state)
+        and their AdamW moments narrowed to this process's rows (Shard(0) DTensors; a
+        checkpoint written with earlier parameter names is read by the current ones)."""
+        model_state = upgrade_legacy_keys(self.model, model_state)
         for name in self.params:
             model_state[name] = self._shard(model_state[name])
         if optimizer_state is None or optimizer is None:

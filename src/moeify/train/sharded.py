@@ -28,8 +28,10 @@ resumes training, ``load_weights`` fills a plain one-device model (eval, generat
 ``load_model_checkpoint`` does that for either kind of checkpoint. Expert-parallel runs
 (moeify.train.expert_parallel) write these too: their expert weights are Shard(0) DTensors over
 the "ep" mesh dimension, stored by global shape and offsets like FSDP's shards, so they load at
-another expert-parallel degree as well. With several nodes the run
-directory must be on a filesystem every node sees.
+another expert-parallel degree as well. With several nodes the run directory must be on a
+filesystem every node sees. A checkpoint written before a layer renamed a parameter
+(moeify.layers.common: the naming convention) holds it, and its AdamW state, under the earlier
+name: loading reads it under that name (``_load_dcp``).
 """
 
 from __future__ import annotations
@@ -197,14 +199,62 @@ def verify(ckpt: Path, *, model_config: dict[str, Any] | None = None) -> dict[st
     return meta
 
 
-def _load_dcp(ckpt: Path, state: dict[str, Any]) -> None:
+def _load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module) -> None:
+    """Fill ``state`` ({"model": ..., "optim": ...} as ``get_state_dict`` gives them, keyed by
+    parameter name) from the checkpoint. A checkpoint written with earlier parameter names
+    (moeify.layers.common.rename_legacy_keys) is read under those names and handed back under
+    the current ones."""
     dcp, _, _ = _dcp()
     try:
-        dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+        renames = _legacy_names(dcp, ckpt, state, model)
+        _rename_state(state, renames)
+        try:
+            dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+        finally:
+            _rename_state(state, {old: new for new, old in renames.items()})
     except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
         first = str(e).strip().splitlines()
         raise MoeifyError(f"checkpoint {ckpt} does not fit this model or cannot be read: "
                           f"{' '.join(first[:2]) or type(e).__name__}") from None
+
+
+def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
+                  ) -> dict[str, str]:
+    """{current name: the name the checkpoint holds it under} for the parameters the checkpoint
+    holds under an earlier name only (none for a checkpoint of the current names)."""
+    # (DCP loads in place, into tensors of the current shape: only plain renames apply.)
+    pairs = {(old, new) for m in model.modules()
+             for old, new in m.__dict__.get("_legacy_keys", {}).items() if isinstance(new, str)}
+    if not pairs:
+        return {}
+    saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+    renames = {}
+    for key in state["model"]:
+        if "model." + key in saved:
+            continue
+        for old, new in pairs:
+            if key == new or key.endswith("." + new):
+                was = key[:len(key) - len(new)] + old
+                if "model." + was in saved:
+                    renames[key] = was
+    return renames
+
+
+def _rename_state(state: dict[str, Any], renames: dict[str, str]) -> None:
+    """Rename parameters in place in the model and optimizer state dicts of ``get_state_dict``
+    (the optimizer's: its per-parameter ``state`` and its param groups' ``params`` lists)."""
+    if not renames:
+        return
+    model_sd = state["model"]
+    for key in [k for k in model_sd if k in renames]:
+        model_sd[renames[key]] = model_sd.pop(key)
+    optim_sd = state.get("optim")
+    if optim_sd:
+        per_param = optim_sd.get("state", {})
+        for key in [k for k in per_param if k in renames]:
+            per_param[renames[key]] = per_param.pop(key)
+        for group in optim_sd.get("param_groups", []):
+            group["params"] = [renames.get(k, k) for k in group["params"]]
 
 
 def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -215,7 +265,7 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     meta = verify(ckpt, model_config=model_config)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    _load_dcp(ckpt, state)
+    _load_dcp(ckpt, state, model)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     if meta.get("optimizer_fresh"):  # written before the first step (save_sharded)
@@ -235,7 +285,7 @@ def holds_weights(env: DistEnv, ckpt: Path, model: torch.nn.Module) -> bool:
     now = get_model_state_dict(model)
     saved = {k: torch.empty_like(v) for k, v in now.items()}
     try:
-        _load_dcp(ckpt, {"model": saved})
+        _load_dcp(ckpt, {"model": saved}, model)
         same = all(torch.equal(_local(saved[k]), _local(v.detach())) for k, v in now.items())
     except MoeifyError:
         same = False
@@ -248,7 +298,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module, *,
     checkpoint's meta record. The optimizer state is not read."""
     meta = verify(ckpt, model_config=model_config)
     state = {"model": model.state_dict()}
-    _load_dcp(ckpt, state)
+    _load_dcp(ckpt, state, model)
     model.load_state_dict(state["model"], strict=True)
     return meta
 

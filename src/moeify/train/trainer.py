@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from moeify.errors import MoeifyError
+from moeify.layers.common import upgrade_legacy_keys
 from moeify.ops.optim import adamw
 from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
@@ -487,7 +488,7 @@ class Trainer:
         if self.sharded:
             return sharded_io.holds_weights(self.env, ckpt, self.model)
         try:
-            saved = ckpt_io.load_checkpoint(ckpt).model_state
+            saved = upgrade_legacy_keys(self.model, ckpt_io.load_checkpoint(ckpt).model_state)
         except MoeifyError:
             return False
         now = self.model.state_dict()

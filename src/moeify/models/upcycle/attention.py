@@ -146,7 +146,7 @@ def to_switchhead(attn: DenseAttention | GroupedQueryAttention, *, n_experts: in
         if c.pos == "xl":
             out.core.w_pos.copy_(_cat_heads(w["pos"][rep]))
         for name, p in out.named_parameters(recurse=False):
-            if name.startswith("w_sel"):
+            if name.startswith("w_router"):
                 p.copy_(renorm_rows_(small_router(tuple(p.shape), s / c.d_model ** 0.5,
                                                   router_scale, gen))
                         if router_scale > 0 else torch.zeros_like(p))

@@ -31,7 +31,7 @@ def to_mod(block: TransformerBlock, *, d_model: int, n_layers: int, capacity: fl
                     aux_coef=aux_coef, n_layers=n_layers)
     out = MixtureOfDepths(cfg, block)
     with torch.no_grad():
-        out.router_D.copy_(small_router((d_model,), init_scale(n_layers) / d_model ** 0.5,
+        out.w_router.copy_(small_router((d_model,), init_scale(n_layers) / d_model ** 0.5,
                                         router_scale, generator(seed)))
-        out.router_bias.fill_(1.0)  # r = 1: a routed token gets f(x) (module docstring)
+        out.bias_router.fill_(1.0)  # r = 1: a routed token gets f(x) (module docstring)
     return out

@@ -9,10 +9,11 @@ so everything stated below holds for every activation. A gated MLP (SwiGLU: Llam
 Qwen2) is refused: its experts would need a third matrix W_gate, which neither expert has.
 
 sigma-MoE (moe-family.md; sigma-MoE's experts are slices of one MLP): the F hidden units are
-permuted and cut into E experts of G = F / E units; expert e's keys are its units' rows of W1,
-its values their columns of W2, its bias their b1 (``SigmaMoEConfig.bias``), and b2 becomes the
-layer's ungated output bias. The output of an expert is multiplied by its gate sigmoid(s_e),
-s_e = x · w_sel,e; the conversion doubles the values (1 / sigmoid(0)) and starts the router
+permuted and cut into E experts of G = F / E units; expert e's keys (``w_in``) are its units'
+rows of W1, its values (``w_out``) their columns of W2, its bias (``bias_in``) their b1
+(``SigmaMoEConfig.bias``), and b2 becomes the layer's ungated output bias (``bias_out``). The
+output of an expert is multiplied by its gate sigmoid(s_e), s_e = x · w_router,e; the
+conversion doubles the values (1 / sigmoid(0)) and starts the router
 near 0, so every gate is about 1/2 and the doubled values cancel it.
     Preserves: with k = E and router_scale = 0 every gate is exactly 1/2 and every unit is
     used, so the layer equals the dense MLP (a permutation of its hidden units): exact.
@@ -125,21 +126,21 @@ def to_sigma_moe(ff: DenseFeedForward | MLP, *, n_experts: int, k: int | None = 
                          activation=act)
     gen = generator(seed)
     perm_F = balanced_clusters(w1, E, gen) if split == "cluster" else torch.arange(c.d_ff)
-    keys_EDG = w1[perm_F].view(E, G, c.d_model).transpose(1, 2)
+    w_in_EDG = w1[perm_F].view(E, G, c.d_model).transpose(1, 2)
     s = init_scale(c.n_layers)
     if router == "keys":
-        w_sel_ED = F.normalize(keys_EDG.mean(-1), dim=-1) * (s * router_scale)
+        w_router_ED = F.normalize(w_in_EDG.mean(-1), dim=-1) * (s * router_scale)
     else:
-        w_sel_ED = small_router((E, c.d_model), s / c.d_model ** 0.5, router_scale, gen)
+        w_router_ED = small_router((E, c.d_model), s / c.d_model ** 0.5, router_scale, gen)
     moe = SigmaMoE(cfg)
     with torch.no_grad():
-        moe.keys_EDG.copy_(keys_EDG)
+        moe.w_in.copy_(w_in_EDG)
         # 1 / sigmoid(0) = 2: the gates start at about 1/2 (module docstring).
-        moe.values_EGD.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
-        moe.w_sel_ED.copy_(w_sel_ED)
+        moe.w_out.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
+        moe.w_router.copy_(w_router_ED)
         if b1 is not None:
-            moe.bias_EG.copy_(b1[perm_F].view(E, G))
-            moe.bias_D.copy_(b2)
+            moe.bias_in.copy_(b1[perm_F].view(E, G))
+            moe.bias_out.copy_(b2)
     return moe
 
 
@@ -179,12 +180,12 @@ def to_switch(ff: DenseFeedForward | MLP, *, n_experts: int, k: int = 1, noise: 
                                           b1.mean().item())
     moe = SwitchFeedForward(cfg)
     with torch.no_grad():
-        moe.w_in_EDF.copy_(w_in_EDF)
+        moe.w_in.copy_(w_in_EDF)
         # Gates start at 1/E each, k of them: E / k restores the dense output (docstring).
-        moe.w_out_EFD.copy_(w_out_EFD * (E / k))
-        moe.w_router_RD.copy_(small_router(tuple(moe.w_router_RD.shape),
-                                           (0.1 / c.d_model) ** 0.5, router_scale, gen))
+        moe.w_out.copy_(w_out_EFD * (E / k))
+        moe.w_router.copy_(small_router(tuple(moe.w_router.shape),
+                                        (0.1 / c.d_model) ** 0.5, router_scale, gen))
         if b_in_EF is not None:
-            moe.bias_EF.copy_(b_in_EF)
-            moe.bias_D.copy_(b2)
+            moe.bias_in.copy_(b_in_EF)
+            moe.bias_out.copy_(b2)
     return moe

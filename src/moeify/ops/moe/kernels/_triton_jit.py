@@ -1,4 +1,4 @@
-"""The Triton kernels of the "triton" expert matmul (their design: moeify.ops.triton_matmul,
+"""The Triton kernels of the "triton" expert kernel (their design: moeify.ops.moe.kernels.triton,
 which imports this module only when triton is installed and a kernel is first needed).
 
 Triton resolves the names a kernel calls from its module's globals, so the kernels live at the
@@ -36,17 +36,10 @@ def _tile(pid, offsets_ptr, N, E: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.co
     return e, start, end
 
 @triton.jit
-def _out_row(p, K, KG, G, R):
-    """The row of the gated output [O, F] that pair p is summed into."""
-    m = p // K
-    return (m // R) * G + (p - m * K) // KG
-
-@triton.jit
-def _fwd(x_ptr, w_ptr, y_ptr, ys_ptr, order_ptr, offsets_ptr, gates_ptr,
+def _fwd(x_ptr, w_ptr, y_ptr, order_ptr, offsets_ptr,
          N, D, F, K,
          sxm, sxd, swe, swd, swf,
-         E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr, SAVE_YS: tl.constexpr,
-         PRECISION: tl.constexpr,
+         E: tl.constexpr, E_P2: tl.constexpr, PRECISION: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     n_f = tl.cdiv(F, BLOCK_F)
     pid = tl.program_id(0)  # the F tiles of one tile of pairs run side by side (L2 reuse)
@@ -69,19 +62,13 @@ def _fwd(x_ptr, w_ptr, y_ptr, ys_ptr, order_ptr, offsets_ptr, gates_ptr,
         acc = tl.dot(xa, wb, acc, input_precision=PRECISION)
     omask = rmask[:, None] & fmask[None, :]
     offs = p[:, None] * F + f[None, :]  # [N, F], contiguous
-    if SAVE_YS:
-        tl.store(ys_ptr + offs, acc.to(ys_ptr.dtype.element_ty), mask=omask)
-    if GATED:
-        g = tl.load(gates_ptr + p, mask=rmask, other=0.0).to(tl.float32)
-        acc = acc * g[:, None]
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 @triton.jit
-def _bwd_x(grad_ptr, w_ptr, x_ptr, ys_ptr, gx_ptr, gg_ptr, order_ptr, offsets_ptr, gates_ptr,
-           N, D, F, K, KG, G, R,
+def _bwd_x(grad_ptr, w_ptr, gx_ptr, order_ptr, offsets_ptr,
+           N, D, F, K,
            sxm, sxd, swe, swd, swf,
-           E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr,
-           NEED_GX: tl.constexpr, NEED_GG: tl.constexpr, ATOMIC: tl.constexpr,
+           E: tl.constexpr, E_P2: tl.constexpr, ATOMIC: tl.constexpr,
            PRECISION: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     n_d = tl.cdiv(D, BLOCK_D)
@@ -92,48 +79,30 @@ def _bwd_x(grad_ptr, w_ptr, x_ptr, ys_ptr, gx_ptr, gg_ptr, order_ptr, offsets_pt
     rmask = r < end
     p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
     m = p // K
-    if GATED:
-        orow = _out_row(p, K, KG, G, R)
-    else:
-        orow = p
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
     w_e = w_ptr + e.to(tl.int64) * swe
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    gg = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    ggmask = rmask & (tl.zeros_like(r) + pid_d == 0)  # first D tile only
     for f0 in range(0, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)
         fmask = f < F
-        gr = tl.load(grad_ptr + orow[:, None] * F + f[None, :],
+        gr = tl.load(grad_ptr + p[:, None] * F + f[None, :],
                      mask=rmask[:, None] & fmask[None, :], other=0.0)
-        if NEED_GX:
-            wt = tl.load(w_e + f[:, None] * swf + d[None, :] * swd,
-                         mask=fmask[:, None] & dmask[None, :], other=0.0)
-            acc = tl.dot(gr, wt, acc, input_precision=PRECISION)
-        if NEED_GG:
-            ys = tl.load(ys_ptr + p[:, None] * F + f[None, :],
-                         mask=ggmask[:, None] & fmask[None, :], other=0.0)
-            gg += tl.sum(gr.to(tl.float32) * ys.to(tl.float32), 1)
-    if NEED_GG:
-        tl.store(gg_ptr + p, gg, mask=ggmask)
-    if NEED_GX:
-        if GATED:
-            g = tl.load(gates_ptr + p, mask=rmask, other=0.0).to(tl.float32)
-            acc = acc * g[:, None]
-        xmask = rmask[:, None] & dmask[None, :]
-        offs = m[:, None] * sxm + d[None, :] * sxd
-        if ATOMIC:
-            tl.atomic_add(gx_ptr + offs, acc, mask=xmask, sem="relaxed")  # no ordering needed
-        else:
-            tl.store(gx_ptr + offs, acc.to(gx_ptr.dtype.element_ty), mask=xmask)
+        wt = tl.load(w_e + f[:, None] * swf + d[None, :] * swd,
+                     mask=fmask[:, None] & dmask[None, :], other=0.0)
+        acc = tl.dot(gr, wt, acc, input_precision=PRECISION)
+    xmask = rmask[:, None] & dmask[None, :]
+    offs = m[:, None] * sxm + d[None, :] * sxd
+    if ATOMIC:
+        tl.atomic_add(gx_ptr + offs, acc, mask=xmask, sem="relaxed")  # no ordering needed
+    else:
+        tl.store(gx_ptr + offs, acc.to(gx_ptr.dtype.element_ty), mask=xmask)
 
 @triton.jit
-def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr, gates_ptr,
-           N, D, F, K, KG, G, R,
+def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr,
+           N, D, F, K,
            sxm, sxd,
-           E: tl.constexpr, E_P2: tl.constexpr, GATED: tl.constexpr,
-           PRECISION: tl.constexpr, ITERS: tl.constexpr,
+           E: tl.constexpr, E_P2: tl.constexpr, PRECISION: tl.constexpr, ITERS: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     n_d = tl.cdiv(D, BLOCK_D)
     n_f = tl.cdiv(F, BLOCK_F)
@@ -150,17 +119,10 @@ def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr, gates_ptr,
         rmask = r < end
         p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
         m = p // K
-        if GATED:
-            orow = _out_row(p, K, KG, G, R)
-        else:
-            orow = p
         xt = tl.load(x_ptr + m[None, :] * sxm + d[:, None] * sxd,
                      mask=rmask[None, :] & dmask[:, None], other=0.0)
-        gr = tl.load(grad_ptr + orow[:, None] * F + f[None, :],
+        gr = tl.load(grad_ptr + p[:, None] * F + f[None, :],
                      mask=rmask[:, None] & fmask[None, :], other=0.0)
-        if GATED:
-            g = tl.load(gates_ptr + p, mask=rmask, other=0.0).to(tl.float32)
-            gr = (gr.to(tl.float32) * g[:, None]).to(xt.dtype)
         acc = tl.dot(xt, gr, acc, input_precision=PRECISION)
     tl.atomic_add(gw_ptr + e.to(tl.int64) * D * F + d[:, None] * F + f[None, :], acc,
                   mask=(dmask & (start + tl.zeros_like(d) < end))[:, None] & fmask[None, :],
@@ -214,14 +176,13 @@ def build():
         return dict(fwd=(_fwd, fixed), bwd_x=(_bwd_x, fixed), bwd_w=(_bwd_w, dict(fixed, ITERS=2)),
                     autotuned=False)
 
-    # Keyed on the widths, the expert count and the variant (gated, atomic or stores), not on N
-    # (which changes with every batch shape).
+    # Keyed on the widths, the expert count and the variant (atomic or stores), not on N (which
+    # changes with every batch shape).
     key = ["D", "F", "E"]
-    fwd = triton.autotune(FWD_CONFIGS, key=key + ["GATED", "SAVE_YS"])(_fwd)
+    fwd = triton.autotune(FWD_CONFIGS, key=key)(_fwd)
     # The atomically accumulated outputs are zeroed before every trial and the final run.
-    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key + ["GATED", "NEED_GX", "ATOMIC"],
-                            reset_to_zero=["gx_ptr"])(_bwd_x)
-    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key + ["GATED"], reset_to_zero=["gw_ptr"])(_bwd_w)
+    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key + ["ATOMIC"], reset_to_zero=["gx_ptr"])(_bwd_x)
+    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key, reset_to_zero=["gw_ptr"])(_bwd_w)
     return dict(fwd=(fwd, {}), bwd_x=(bwd_x, {}), bwd_w=(bwd_w, {}), autotuned=True)
 
 

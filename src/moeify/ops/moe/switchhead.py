@@ -1,4 +1,7 @@
-"""The expert-set matmul: units that chose the same set of experts, multiplied together.
+"""SwitchHead's own machinery beside the shared expert matmul: the expert-set kernel ("sets"),
+the head-major output layout, and the decoding sums over every expert.
+
+The expert-set matmul: units that chose the same set of experts, multiplied together.
 
 Shape legend
     U  units: (row, group) pairs, each routed to K experts of its group    K  experts per unit
@@ -47,16 +50,17 @@ from dataclasses import dataclass
 import torch
 
 from moeify.ops.amp import amp_backward, amp_forward
-from moeify.ops.padded_matmul import blocked_block, gather_rows, slot_sums, sum_by_id
+from moeify.ops.moe.kernels.dense import dense_gates
+from moeify.ops.moe.kernels.padded import blocked_block
+from moeify.ops.moe.layout import gather_rows, slot_sums, sum_by_id
+from moeify.ops.moe.registry import WholeKernel, register
 
 # Largest number of sets per group the layout takes (C(E, K) must not exceed it).
 MAX_SETS = 64
 # The fewest units per (group, set) block, on average, for "auto" to take the layout. Below it
 # the padding of the blocks (a set's count fluctuates around the mean) and the per-call copies
 # of the set weights cost about what the wider matmuls save, and the kept [P, K·F] products
-# are not worth their memory. Measured at SwitchHead 47M shapes (D = 412, d_head = 76, E = 5,
-# K = 2: 20 blocks), fwd+bwd time of sets / padded: V experts 1.18 / 0.90 / 0.84 / 0.64 and O
-# experts 1.15 / 1.03 / 0.88 / 0.71 at 100 / 205 / 410 / 820 units per block.
+# are not worth their memory (the measurements: docs/benchmarks/expert-matmul-cpu-policy.md).
 MIN_UNITS_PER_SET = 320
 # Layout costs in padded rows (module docstring): a block's weight copy and gradient sum, and a
 # second grid's three extra batched matmuls. Rough equivalents measured at the 47M shapes.
@@ -350,5 +354,67 @@ class SetExpertMatmul(torch.autograd.Function):
         return grad_x, grad_w, grad_gates, None, None, None, None
 
 
-__all__ = ["Grid", "SetExpertMatmul", "SetLayout", "head_major_order", "n_sets",
-           "set_layout", "sets_eligible"]
+def plan_set_layout(plan, idx_MK: torch.Tensor, k: int) -> SetLayout:
+    """The set layout of ``plan`` for units of k experts, built once and cached on the plan."""
+    return plan.cached(("set_layout", k), lambda: set_layout(idx_MK.reshape(-1, k).to(torch.int64),
+                                                             plan.group_size))
+
+
+class SetsKernel(WholeKernel):
+    """expert_matmul's gated contract over the set layout (module docstring); needs a plan
+    built with ``make_plan(..., group_size=E)``."""
+
+    name = "sets"
+    needs_plan = True
+
+    def run(self, x_MD, idx_MK, w_EDF, gates_MK, *, groups, sum_rows, plan, batch):
+        if gates_MK is None or plan is None or plan.group_size is None:
+            raise ValueError('impl="sets" needs gates and a plan built with make_plan(..., '
+                             'group_size=E) (experts in groups of E consecutive ids)')
+        M, Fo = x_MD.shape[0], w_EDF.shape[-1]
+        k = idx_MK.shape[1] // groups
+        order = None if batch is None else head_major_order(M * groups, groups, batch,
+                                                            x_MD.device)
+        y = SetExpertMatmul.apply(x_MD, w_EDF, gates_MK.reshape(-1, k),
+                                  plan_set_layout(plan, idx_MK, k), groups, sum_rows, order)
+        if batch is not None:
+            return y.view(batch, groups, M // batch, Fo)
+        return y.view(M, groups, Fo) if groups > 1 else y
+
+
+register(SetsKernel())
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: a handful of (token, head) units, where the policy runs every expert (the "all"
+# layout) and SwitchHead fuses those products with its other projections.
+
+
+def gated_sum_of_all(y_MGEF: torch.Tensor, idx_MGK: torch.Tensor,
+                     gates_MGK: torch.Tensor) -> torch.Tensor:
+    """The gated sum of the "all" kernel from products already computed (e.g. in a matmul
+    fused with other projections of the same input): y_MGEF[m, g, e] is row m through expert e
+    of group g, ``idx_MGK`` the K experts row m selected in group g (within the group) and
+    ``gates_MGK`` their gates. Returns [M, G, F], Σ_k gates[m, g, k] · y[m, g, idx[m, g, k]]:
+    the gates scattered into a dense [M, G, E] matrix (``dense_gates``) times y."""
+    dense_MGE = dense_gates(idx_MGK, gates_MGK, y_MGEF.shape[2], y_MGEF)
+    return torch.matmul(dense_MGE.unsqueeze(-2), y_MGEF).squeeze(-2)
+
+
+def gated_group_sum_all(x_TGC: torch.Tensor, idx_TGK: torch.Tensor, gates_TGK: torch.Tensor,
+                        w_XCF: torch.Tensor) -> torch.Tensor:
+    """Σ_g Σ_k gates[t, g, k] · x[t, g] W[g·E + idx[t, g, k]], [T, F], for a few rows: each
+    group g of x routes over its own E experts (``idx`` within the group; W stacks the G·E
+    matrices group-major, [G·E, C, F]). The gates scattered into a dense [T, G, E] matrix times
+    x give every (group, expert) input at once, then one GEMM with every matrix: the "all"
+    layout of ``expert_matmul(..., sum_rows=G)`` without its id-space detour."""
+    T, G, C = x_TGC.shape
+    E = w_XCF.shape[0] // G
+    dense_TGE = dense_gates(idx_TGK, gates_TGK, E, x_TGC)
+    z_TGEC = dense_TGE.unsqueeze(-1) * x_TGC.unsqueeze(2)
+    return z_TGEC.reshape(T, G * E * C) @ w_XCF.reshape(G * E * C, w_XCF.shape[-1])
+
+
+__all__ = ["Grid", "SetExpertMatmul", "SetLayout", "SetsKernel", "gated_group_sum_all",
+           "gated_sum_of_all", "head_major_order", "n_sets", "plan_set_layout", "set_layout",
+           "sets_eligible"]

@@ -1,0 +1,32 @@
+"""The Mixture-of-Experts ops: one routing plan, a registry of expert kernels, the shared
+combine, one autograd Function over them, the expert MLP, the policy that decides "auto", and
+the registered ops that torch.compile keeps whole.
+
+    plan.py        RoutingPlan / make_plan: the routed pairs sorted by expert once
+    layout.py      slot layouts, and the gathers and sums between pairs and slots
+    registry.py    ExpertKernel / WholeKernel, register, get_kernel
+    kernels/       the built-in kernels, one module each
+    combine.py     gates, groups and row sums, written once
+    function.py    the autograd Function over every slot-layout kernel
+    matmul.py      expert_matmul, the entry point
+    mlp.py         expert_mlp, gated_expert_mlp
+    policy.py      what "auto" runs, for every layer, decoding included
+    compiled.py    moeify::expert_matmul (torch.library) for torch.compile
+    switchhead.py  SwitchHead's set layout, head-major layout and decoding sums
+"""
+
+from moeify.ops.moe import kernels  # noqa: F401  (registers the built-in kernels)
+from moeify.ops.moe import switchhead  # noqa: F401  (registers "sets")
+from moeify.ops.moe.kernels import triton  # noqa: F401  (registers "triton")
+from moeify.ops.moe.matmul import TRACE_PREFIX, expert_matmul
+from moeify.ops.moe.mlp import expert_mlp, gated_expert_mlp
+from moeify.ops.moe.plan import RoutingPlan, make_plan
+from moeify.ops.moe.policy import choose_impl, resolved_impl
+from moeify.ops.moe.registry import ExpertKernel, WholeKernel, get_kernel, implementations, register
+
+# The built-in kernels' names (``implementations()`` also lists kernels registered later).
+IMPLEMENTATIONS = implementations()
+
+__all__ = ["ExpertKernel", "IMPLEMENTATIONS", "RoutingPlan", "TRACE_PREFIX", "WholeKernel",
+           "choose_impl", "expert_matmul", "expert_mlp", "gated_expert_mlp", "get_kernel",
+           "implementations", "make_plan", "register", "resolved_impl"]

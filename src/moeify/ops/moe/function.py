@@ -1,0 +1,114 @@
+"""The one autograd Function over every slot-layout kernel, and the math it runs (shared with
+the registered op of moeify.ops.moe.compiled).
+
+Shape legend: M rows, K experts per row, E experts, N = M · K pairs, P slots, D input width,
+F output width, G groups, R rows summed per output.
+
+Forward: the rows gathered into the kernel's slots (unless it reads them itself), its GEMMs,
+the shared combine (moeify.ops.moe.combine). Backward: the output gradient taken to the slots
+(``spread``); d/dgate on the narrower side (ga · xs for D <= F, g · (xs W) otherwise; from the
+kept products for a kernel that reads rows itself); d/dx through the kernel's input-gradient
+entry point, summed over a row's pairs with its gates; d/dW through its weight-gradient entry
+point with the gate multiplied into the narrower side. Only x, w and the gates are saved (plus
+the narrow products for a kernel that reads rows itself): the gathered rows are rebuilt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeify.ops.amp import amp_backward, amp_forward
+from moeify.ops.moe.combine import combine, per_output, spread
+from moeify.ops.moe.layout import SlotLayout, gather_rows, row_dot, slot_sums
+from moeify.ops.moe.registry import ExpertKernel
+
+
+# The math over any slot-layout kernel (shared by the autograd Function and the compiled op).
+
+
+def matmul_forward(kernel: ExpertKernel, x_MD, w_EDF, gates_MK, lay: SlotLayout, k: int,
+                   groups: int, sum_rows: int, keep_products: bool):
+    """(y, ys): the expert matmul's output, and the per-slot products when ``keep_products``
+    (a kernel that reads rows itself takes its gate gradient from them), else None."""
+    if kernel.gathers_rows:
+        ys_PF = kernel.forward(x_MD, w_EDF, lay, k)
+    else:
+        ys_PF = kernel.forward(gather_rows(x_MD, lay, lay.rows(k)), w_EDF, lay)
+    y = combine(ys_PF, gates_MK, k, groups, sum_rows, None if lay.identity else lay.slot_N)
+    return y, (ys_PF if keep_products else None)
+
+
+def matmul_backward(kernel: ExpertKernel, grad_y, x_MD, w_EDF, gates_MK, ys_PF,
+                    lay: SlotLayout, k: int, groups: int, sum_rows: int,
+                    need_x: bool, need_w: bool, need_g: bool):
+    """(grad_x, grad_w, grad_gates), None where not needed."""
+    M, D = x_MD.shape
+    E, _, Fo = w_EDF.shape
+    gated = gates_MK is not None
+    need_g = need_g and gated
+    grad_x = grad_w = grad_gates = None
+    g_PF = spread(grad_y.to(x_MD.dtype), lay, per_output(k, groups, sum_rows, gated))
+    gate_N = gates_MK.reshape(-1).to(x_MD.dtype) if gated else None
+    gate_P = gather_rows(gate_N[:, None], lay, lay.pair_P) if gated else None  # 0 in padding
+
+    def pairs(v_P):  # per-slot values in pair order
+        return (v_P if lay.identity else v_P.index_select(0, lay.slot_N)).view(M, k)
+
+    if kernel.gathers_rows:
+        # The kernel reads x through the layout: the gate gradient g · (x W) comes from the
+        # kept products, and the gates scale the output gradient before the kernel sees it.
+        if need_g:
+            grad_gates = pairs(row_dot(g_PF, ys_PF))
+        gs_PF = g_PF * gate_P if gated else g_PF
+        if need_x:
+            grad_x = kernel.input_grad(gs_PF, w_EDF, lay, k, M)
+        if need_w:
+            grad_w = kernel.weight_grad(x_MD, gs_PF, lay, E, k)
+    else:
+        ga_PD = None
+        if need_x or (need_g and D <= Fo):
+            # ga = g Wᵀ, the slot's output gradient before gating taken back through its
+            # expert: d/dx sums gate · ga over a row's pairs, d/dgate = ga · xs.
+            ga_PD = kernel.input_grad(g_PF, w_EDF, lay)
+            if need_x:
+                grad_x = slot_sums(ga_PD, lay.slot_N, gate_N, k)
+        if need_g or need_w:
+            # For D > F d/dgate is taken on the narrow side, g · (xs W), and ga is no longer
+            # needed: the rows are gathered into its buffer, so the two [P, D] tensors are
+            # never alive together.
+            reuse = ga_PD if ga_PD is not None and D > Fo else None
+            xs_PD = gather_rows(x_MD, lay, lay.rows(k), out=reuse)
+            if need_g:
+                grad_gates = pairs(row_dot(ga_PD, xs_PD) if D <= Fo else
+                                   row_dot(kernel.forward(xs_PD, w_EDF, lay), g_PF))
+            if need_w:
+                if gated:  # the gate multiplied into the narrower side, in place
+                    (xs_PD if D <= Fo else g_PF).mul_(gate_P)
+                grad_w = kernel.weight_grad(xs_PD, g_PF, lay, E)
+    if grad_gates is not None:
+        grad_gates = grad_gates.to(gates_MK.dtype)
+    return grad_x, grad_w, grad_gates
+
+
+class ExpertMatmulFunction(torch.autograd.Function):
+    """The expert matmul over any slot-layout kernel (module docstring); inputs validated."""
+
+    @staticmethod
+    @amp_forward
+    def forward(ctx, x_MD, w_EDF, gates_MK, kernel, lay, k, groups, sum_rows):
+        keep = kernel.gathers_rows and gates_MK is not None and gates_MK.requires_grad
+        y, ys_PF = matmul_forward(kernel, x_MD, w_EDF, gates_MK, lay, k, groups, sum_rows, keep)
+        ctx.save_for_backward(x_MD, w_EDF, gates_MK, ys_PF)
+        ctx.meta = (kernel, lay, k, groups, sum_rows)
+        return y
+
+    @staticmethod
+    @amp_backward
+    def backward(ctx, grad_y):
+        x_MD, w_EDF, gates_MK, ys_PF = ctx.saved_tensors
+        grads = matmul_backward(*ctx.meta[:1], grad_y, x_MD, w_EDF, gates_MK, ys_PF,
+                                *ctx.meta[1:], *ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None)
+
+
+__all__ = ["ExpertMatmulFunction", "matmul_backward", "matmul_forward"]

@@ -1,0 +1,129 @@
+"""The routing plan: the routed (row, expert) pairs of one routing, sorted by expert once.
+
+Shape legend: M rows, K experts per row, E experts, N = M · K routed pairs.
+
+A plan is built once per routing (``make_plan``) and shared by every expert matmul that uses
+that routing (SwitchHead's V and K experts, or O and Q; an expert MLP's two matmuls), also when
+those matmuls view the same ids with different row groupings. Everything on it is computed on
+first use and kept, the layouts that kernels derive from it included (``RoutingPlan.cached``):
+a kernel that never needs the sort by expert never pays for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from moeify.ops.routing import count_ids
+
+
+class RoutingPlan:
+    """Routed pairs sorted by expert (module docstring).
+
+    The pairs are the flattened ids, idx.reshape(-1) (``flat_N``); ``order_N`` lists pair
+    indices in expert order (stable, so ties keep row order) and ``inverse_N`` maps a pair back
+    to its sorted position; ``counts_E`` [E] (int64, on the device) counts the pairs per expert
+    and ``offsets_E`` (int32) is its cumulative sum; ``counts()`` is the same counts read back
+    to the host, once (a host sync on accelerators: for kernels that size work on the host).
+
+    ``group_size``: the experts come in groups of that many consecutive ids, and a row's
+    experts of one group form a set (SwitchHead: the E experts of each head); None: no groups.
+    """
+
+    def __init__(self, flat_N: torch.Tensor, num_experts: int, group_size: int | None = None):
+        self.num_experts = num_experts
+        self.group_size = group_size
+        self.flat_N = flat_N  # int64 [N]: the expert of each pair
+        self._memo: dict = {}
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, computed on the first call with this key and kept on the plan: the
+        layouts and host-side numbers that kernels derive from the routing."""
+        v = self._memo.get(key)
+        if v is None:
+            v = self._memo[key] = build()
+        return v
+
+    def holds(self, key: Any) -> bool:
+        """Whether ``cached`` has built ``key`` on this plan (which layouts a call used)."""
+        return key in self._memo
+
+    @property
+    def num_pairs(self) -> int:
+        return self.flat_N.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat_N.device
+
+    @property
+    def order_N(self) -> torch.Tensor:
+        return self.cached("order", lambda: torch.argsort(self.flat_N, stable=True))
+
+    @property
+    def inverse_N(self) -> torch.Tensor:
+        def inverse():
+            order = self.order_N
+            return torch.empty_like(order).index_copy_(
+                0, order, torch.arange(order.numel(), device=order.device))
+        return self.cached("inverse", inverse)
+
+    @property
+    def counts_E(self) -> torch.Tensor:
+        return self.cached("counts", lambda: count_ids(self.flat_N, self.num_experts))
+
+    @property
+    def offsets_E(self) -> torch.Tensor:
+        return self.cached("offsets", lambda: torch.cumsum(self.counts_E, 0).to(torch.int32))
+
+    def counts(self) -> list[int]:
+        """The pairs per expert on the host (one read-back, then kept)."""
+        return self.cached("counts_host", lambda: self.counts_E.tolist())
+
+    def max_count(self) -> int:
+        """The largest expert's number of pairs (0 without pairs), on the host."""
+        return self.cached("max_count", lambda: max(self.counts(), default=0))
+
+
+def check_ids(idx: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError unless ``idx`` holds integer expert ids in [0, num_experts). On CPU the
+    range is read back; on accelerators a device-side assertion fires asynchronously instead
+    (no host sync)."""
+    if idx.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+        raise ValueError(f"expert ids must be an integer tensor, got dtype {idx.dtype}")
+    compiling = torch.compiler.is_compiling()
+    if not compiling and idx.numel() == 0:  # compiled, numel may be an unbacked symbol
+        return                              # (expert parallelism): the assertion takes 0 ids
+    if idx.device.type == "cpu" and not compiling:
+        if idx.numel() <= 64:  # decoding: one host copy instead of two reductions
+            vals = idx.reshape(-1).tolist()
+            lo, hi = min(vals), max(vals)
+        else:
+            lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(
+                f"expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]; "
+                f"check the number of experts the weights were built with"
+            )
+    else:
+        torch._assert_async(((idx >= 0) & (idx < num_experts)).all(), "expert id out of range")
+
+
+def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = None,
+              in_range: bool = False) -> RoutingPlan:
+    """The routing of ``idx`` (any shape; flattened) as a RoutingPlan. ``group_size``: the
+    experts form groups of that many consecutive ids. ``in_range``: the caller built the ids in
+    [0, num_experts) itself (a top-k over that many scores, plus group offsets), so the range
+    check, which reads every id back to the host, is skipped."""
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if group_size is not None and (group_size < 1 or num_experts % group_size):
+        raise ValueError(f"group_size={group_size} must be a positive divisor of "
+                         f"num_experts={num_experts}")
+    if not in_range:
+        check_ids(idx, num_experts)
+    return RoutingPlan(idx.reshape(-1).to(torch.int64), num_experts, group_size)
+
+
+__all__ = ["RoutingPlan", "check_ids", "make_plan"]

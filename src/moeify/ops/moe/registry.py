@@ -1,0 +1,126 @@
+"""The registry of expert kernels: every way moeify runs the per-expert GEMMs, by name.
+
+Two kinds of kernel share the registry:
+
+``ExpertKernel`` (segment, grouped, padded, triton): the GEMMs over a slot layout, three entry
+points and nothing else. The gathers, the gates, the group and row sums, the gate gradient and
+the autograd are written once, for all of them (moeify.ops.moe.matmul and
+moeify.ops.moe.mlp). A kernel is a module that defines a subclass and registers an instance:
+
+    class LoopKernel(ExpertKernel):
+        name = "loop"
+        def forward(self, a, w_EAB, lay, k=None):  # [P, B]: every slot times its expert
+            ...
+        def weight_grad(self, a, g_PB, lay, n_experts, k=None):  # [E, A, B]
+            ...
+    register(LoopKernel())
+
+after which ``expert_matmul(..., impl="loop")``, the expert MLP, torch.compile (through the
+registered op of moeify.ops.moe.compiled) and the CPU-GPU test matrix all run it.
+
+``WholeKernel`` (reference, gather, pairs, all, sets): an implementation of the whole contract
+in one ``run`` (composites of differentiable torch ops, or with a layout of their own); they
+need no routing plan unless they say so.
+
+Entry points of an ExpertKernel (A, B the widths of the side being multiplied; rows of ``a``):
+    forward(a, w_EAB, lay, k)      [P, B]: slot p times its expert's matrix. With ``k`` the rows
+                                   of ``a`` are input rows and slot p reads row pair_P[p] // k;
+                                   with k None ``a`` already holds one row per slot.
+    input_grad(g_PB, w_EAB, lay, k, n_rows)
+                                   with k None: [P, A], g[p] @ w[e]ᵀ per slot; with k: those
+                                   summed into the [n_rows, A] rows of the slots' pairs.
+    weight_grad(a, g_PB, lay, n_experts, k)
+                                   [E, A, B]: Σ over each expert's slots of aᵀ g (``a`` read as in
+                                   ``forward``).
+A kernel with ``gathers_rows`` is handed input rows (``k``) and reads them through the layout
+itself, with no [P, A] copy; the others are handed slot rows already gathered (k None), and the
+base class does the gathers and sums for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeify.ops.moe.layout import SlotLayout, gather_rows, slot_sums, sorted_layout
+from moeify.ops.moe.plan import RoutingPlan
+
+
+class ExpertKernel:
+    """GEMMs over a slot layout (module docstring)."""
+
+    name: str = ""
+    # Reads input rows through the layout itself (module docstring).
+    gathers_rows: bool = False
+    # Reads the routing's counts back to the host (a sync on accelerators): under
+    # torch.compile such a kernel runs inside a registered op only.
+    host_sync: bool = True
+
+    def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
+        """Why this kernel cannot run on these operands (what to do instead), or None."""
+        return None
+
+    def layout(self, plan: RoutingPlan) -> SlotLayout:
+        """The slots this kernel multiplies (default: the pairs sorted by expert)."""
+        return sorted_layout(plan)
+
+    def forward(self, a: torch.Tensor, w_EAB: torch.Tensor, lay: SlotLayout,
+                k: int | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def input_grad(self, g_PB: torch.Tensor, w_EAB: torch.Tensor, lay: SlotLayout,
+                   k: int | None = None, n_rows: int = 0) -> torch.Tensor:
+        ga_PA = self.forward(g_PB, w_EAB.transpose(1, 2), lay)
+        return ga_PA if k is None else slot_sums(ga_PA, lay.slot_N, None, k)
+
+    def weight_grad(self, a: torch.Tensor, g_PB: torch.Tensor, lay: SlotLayout,
+                    n_experts: int, k: int | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def slot_rows(self, a: torch.Tensor, lay: SlotLayout, k: int | None) -> torch.Tensor:
+        """``a`` as one row per slot: gathered when ``k`` says its rows are input rows."""
+        return a if k is None else gather_rows(a, lay, lay.rows(k))
+
+
+class WholeKernel:
+    """A kernel that runs the whole expert-matmul contract itself (module docstring)."""
+
+    name: str = ""
+    needs_plan: bool = False
+
+    def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
+        return None
+
+    def run(self, x_MD, idx_MK, w_EDF, gates_MK, *, groups: int, sum_rows: int,
+            plan: RoutingPlan | None, batch: int | None) -> torch.Tensor:
+        """expert_matmul's contract (moeify.ops.moe.matmul), inputs validated; returns
+        [M, K, F], [M / R, F], [M, G, F], or [B, G, S, F] when it lays out ``batch`` itself."""
+        raise NotImplementedError
+
+
+KERNELS: dict[str, ExpertKernel | WholeKernel] = {}
+
+
+def register(kernel: ExpertKernel | WholeKernel) -> ExpertKernel | WholeKernel:
+    """Add ``kernel`` to the registry under its name (replacing a kernel of that name)."""
+    if not kernel.name or kernel.name == "auto":
+        raise ValueError(f"a kernel needs a name other than 'auto', got {kernel.name!r}")
+    KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def get_kernel(name: str) -> ExpertKernel | WholeKernel:
+    """The registered kernel ``name``; ValueError naming the choices otherwise."""
+    kernel = KERNELS.get(name)
+    if kernel is None:
+        raise ValueError(f"unknown expert-matmul implementation {name!r}; choose one of "
+                         f"{', '.join(implementations() + ('auto',))}")
+    return kernel
+
+
+def implementations() -> tuple[str, ...]:
+    """The registered names, in registration order."""
+    return tuple(KERNELS)
+
+
+__all__ = ["ExpertKernel", "KERNELS", "WholeKernel", "get_kernel", "implementations",
+           "register"]

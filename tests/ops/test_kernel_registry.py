@@ -1,0 +1,109 @@
+"""The kernel seam (moeify.ops.moe.registry): a kernel added from outside the package, as one
+class registered by name, runs every output contract of the expert matmul, its gradients, the
+fused expert MLP, a layer's config and the registered op of torch.compile; and what the
+registry refuses.
+
+Shape legend: M rows, K experts per row, E experts, D input width, F output width."""
+
+import pytest
+import torch
+
+from moeify.layers.sigma_moe import SigmaMoEConfig
+from moeify.ops.moe import (
+    ExpertKernel,
+    expert_matmul,
+    expert_mlp,
+    get_kernel,
+    implementations,
+    register,
+)
+from moeify.ops.moe.registry import KERNELS
+from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs
+
+f64 = torch.float64
+
+
+class LoopKernel(ExpertKernel):
+    """The obvious kernel: one matmul per slot (what a kernel author starts from)."""
+
+    name = "test-loop"
+
+    def forward(self, a, w_EAB, lay, k=None):
+        a_PA = self.slot_rows(a, lay, k)
+        e_P = lay.plan.flat_N.index_select(0, lay.pair_P)
+        return torch.stack([a_PA[p] @ w_EAB[e] for p, e in enumerate(e_P.tolist())]) \
+            if len(e_P) else a_PA.new_zeros(0, w_EAB.shape[-1])
+
+    def weight_grad(self, a, g_PB, lay, n_experts, k=None):
+        a_PA = self.slot_rows(a, lay, k)
+        out = a_PA.new_zeros(n_experts, a_PA.shape[1], g_PB.shape[1])
+        for p, e in enumerate(lay.plan.flat_N.index_select(0, lay.pair_P).tolist()):
+            out[e] += torch.outer(a_PA[p], g_PB[p])
+        return out
+
+
+@pytest.fixture
+def loop_kernel():
+    kernel = register(LoopKernel())
+    yield kernel
+    del KERNELS[kernel.name]
+
+
+CONTRACTS = {"rows": (1, 1, False), "sum": (1, 1, True), "groups": (2, 1, True),
+             "sum_rows": (1, 2, True)}
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_a_registered_kernel_runs_every_contract(loop_kernel, contract):
+    groups, sum_rows, gated = CONTRACTS[contract]
+    x, idx, w, gates = routed_inputs(12, 4, 5, 6, 3, gated=gated)
+    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
+                                                   sum_rows=sum_rows)
+    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
+                      sum_rows=sum_rows, impl="test-loop")
+    torch.testing.assert_close(y, want)
+    for got, ref in zip(torch.autograd.grad(y, inputs, gy), want_grads):
+        torch.testing.assert_close(got, ref)
+
+
+def test_a_registered_kernel_runs_the_expert_mlp_and_a_layer(loop_kernel):
+    x, idx, w1, gates = routed_inputs(10, 2, 4, 6, 5)
+    w2 = torch.randn(4, 5, 6, dtype=f64)
+    args = (x.requires_grad_(), idx, w1.requires_grad_(), w2.requires_grad_(),
+            gates.requires_grad_())
+    y = expert_mlp(*args, impl="test-loop")
+    h = torch.relu(ref_expert_rows(x, idx, w1, None))  # [M, K, G]
+    want = ref_expert_rows(h.reshape(-1, 5), idx.reshape(-1, 1), w2, gates.reshape(-1, 1),
+                           sum_rows=2)
+    torch.testing.assert_close(y, want)
+    got = torch.autograd.grad(y.sum(), args[2:])
+    ref = torch.autograd.grad(want.sum(), args[2:])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    assert "test-loop" in implementations()
+    layer = SigmaMoEConfig(d_model=6, n_experts=4, expert_size=4, k=2, expert_impl="test-loop").build()
+    out = layer(torch.randn(2, 3, 6))
+    assert out[0].shape == (2, 3, 6)
+
+
+def test_a_registered_kernel_runs_inside_the_compiled_op(loop_kernel):
+    from moeify.ops.moe.compiled import expert_matmul_op
+
+    x, idx, w, gates = routed_inputs(8, 2, 4, 6, 3)
+    want = ref_expert_rows(x, idx, w, gates)
+    y = expert_matmul_op(x, idx, w, gates, 1, 1, None, "test-loop")
+    torch.testing.assert_close(y, want)
+
+
+def test_the_registry_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="unknown expert-matmul implementation 'nope'"):
+        get_kernel("nope")
+
+    class Nameless(ExpertKernel):
+        pass
+
+    with pytest.raises(ValueError, match="needs a name"):
+        register(Nameless())
+    with pytest.raises(ValueError, match="expert_impl must be one of"):
+        SigmaMoEConfig(d_model=6, n_experts=4, expert_size=4, k=2, expert_impl="not-registered")

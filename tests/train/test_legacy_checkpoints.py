@@ -1,0 +1,78 @@
+"""Sharded (DCP) checkpoints written before the parameter-naming convention of
+moeify.layers.common: the weights and the AdamW state stored under the earlier names load into
+the current model and optimizer (the single-file checkpoints go through load_state_dict, whose
+renaming tests/layers/test_legacy_keys.py checks)."""
+
+import pytest
+import torch
+
+from moeify.models.presets import get_preset
+from moeify.train import sharded
+from moeify.train.config import apply_model_overrides
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# current name -> earlier name, by the last component of the key (tiny-switchall: SwitchHead
+# attention with two selections, sigma-MoE feedforward)
+EARLIER = {"w_router_src": "w_sel_src", "w_router_dst": "w_sel_dst", "w_in": "keys_EDG",
+           "w_out": "values_EGD", "w_router": "w_sel_ED"}
+
+
+def _earlier(key: str) -> str:
+    head, _, last = key.rpartition(".")
+    return f"{head}.{EARLIER.get(last, last)}"
+
+
+def _trained(seed: int):
+    cfg = apply_model_overrides(get_preset("tiny-switchall"),
+                                ("model.d_model=32", "model.n_layers=2", "model.context_length=16"))
+    torch.manual_seed(seed)
+    model = cfg.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (2, 13))
+    out = model(ids[:, :-1], ids[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_sharded_checkpoint_with_the_earlier_names_restores_weights_and_adamw_state(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _trained(0)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    old_model = {_earlier(k): v for k, v in model_sd.items()}
+    assert any(k.endswith(".keys_EDG") for k in old_model)
+    old_optim = {"state": {_earlier(k): v for k, v in optim_sd["state"].items()},
+                 "param_groups": [{**g, "params": [_earlier(k) for k in g["params"]]}
+                                  for g in optim_sd["param_groups"]]}
+    dcp.save({"model": old_model, "optim": old_optim},
+             checkpoint_id=str(tmp_path / sharded.DCP_DIR))
+
+    fresh, fresh_opt = _trained(1)
+    state_model, state_optim = get_state_dict(fresh, fresh_opt)
+    state = {"model": state_model, "optim": state_optim}
+    sharded._load_dcp(tmp_path, state, fresh)
+    assert state["model"].keys() == model_sd.keys()  # handed back under the current names
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
+    _, got = get_state_dict(fresh, fresh_opt)
+    for key, st in optim_sd["state"].items():
+        for name, value in st.items():
+            torch.testing.assert_close(got["state"][key][name], value, rtol=0, atol=0)
+
+
+def test_a_sharded_checkpoint_with_the_current_names_needs_no_renaming(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = _trained(0)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / sharded.DCP_DIR))
+    fresh, _ = _trained(1)
+    state = {"model": fresh.state_dict()}
+    assert sharded._legacy_names(dcp, tmp_path, state, fresh) == {}
+    sharded._load_dcp(tmp_path, state, fresh)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state["model"][key], value, rtol=0, atol=0)
