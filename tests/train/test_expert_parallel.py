@@ -511,7 +511,7 @@ def _compile_worker(rank, world, init_file, out_file):
                     # breaks for both layers; measured, not repeated here: it traces again).
                     # aot_eager traces forward and backward as inductor does, without
                     # generating C++ kernels (seconds instead of minutes on this CPU; with
-                    # backend="inductor" this test passed too, in 180 s on 2 busy cores).
+                    # backend="inductor" this test passed too, in 61-180 s on 2 shared cores).
                     fn = torch.compile(layer, backend="aot_eager", fullgraph=True)
                 else:
                     fn = layer
