@@ -567,6 +567,51 @@ def _init_from_worker(rank, world, init_file, cfg_dict, run_dir, source, out_fil
         dist.destroy_process_group()
 
 
+def _start_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
+    import torch.distributed as dist
+
+    from moeify.train.rundir import load_trained as load
+    from moeify.train.trainer import start_run_from_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        src = load(source, "cpu")
+        valid = start_run_from_model(TrainConfig.from_dict(cfg_dict), run_dir, src.model,
+                                     src.tokenizer, validate=True)
+        torch.save(valid, f"{out_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_started_from_a_model_validates_expert_parallel(setup):
+    """start_run_from_model with validation at expert_parallel=2: the forward is collective,
+    so both processes validate (process 0 alone would wait forever) and get the loss one
+    process gets."""
+    from moeify.train.rundir import load_trained as load
+    from moeify.train.trainer import init_config, start_run_from_model
+
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=2,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                      model_overrides=TINY)
+    train(cfg, tmp / "src", quiet=True)
+    new = init_config(tmp / "src")
+    src = load(tmp / "src", "cpu")
+    one = start_run_from_model(new, tmp / "one", src.model, src.tokenizer, validate=True)
+    out = tmp / "valid"
+    gc.collect()
+    mp.start_processes(_start_worker, args=(2, str(tmp / "pg"),
+                                            {**new.to_dict(), "expert_parallel": 2},
+                                            str(tmp / "ep"), str(tmp / "src"), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    for r in range(2):
+        got = torch.load(f"{out}.{r}")
+        assert abs(got["loss"] - one["loss"]) < 1e-5, (r, got, one)
+
+
 def test_init_from_a_one_process_run_trains_expert_parallel(setup):
     """--init-from (train_from) with expert_parallel=2: the new run's step-0 checkpoint holds the
     source's full weights split over the ep group, and it trains as the one-process run does."""

@@ -786,13 +786,16 @@ def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.
             state = trainer.ep.load_full_state(state, None, None)[0]
         trainer.model.load_state_dict(state, strict=True)
         valid = None
-        if validate and trainer.env.is_main:
-            sink = MetricsSink(trainer.run_dir, tensorboard=False)
+        # A sharded or expert-parallel forward is collective: every process validates then.
+        if validate and (trainer.env.is_main or trainer.sharded):
+            sink = (MetricsSink(trainer.run_dir, tensorboard=False) if trainer.env.is_main
+                    else None)
             try:
                 valid = trainer._log_validation(sink, Progress(cfg.steps, 0, stream=trainer.stream,
                                                                enabled=not trainer.quiet))
             finally:
-                sink.close()
+                if sink is not None:
+                    sink.close()
         trainer.save_checkpoint()
         return valid
     finally:
