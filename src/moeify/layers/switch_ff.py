@@ -333,18 +333,27 @@ class SwitchFeedForward(nn.Module):
         y_ND = y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
         return y_ND.view(M, K, -1).sum(1)
 
-    def _mlp(self, x_RD, ids_RK, gates_RK) -> torch.Tensor:
-        # One plan for both matmuls; moeify.ops.moe.policy decides "auto". The
-        # plan spans the experts this module holds (a shard of them under expert parallelism).
+    def _mlp(self, x_RD, ids_RK, gates_RK, *, w_in=None, w_gate=None, w_out=None,
+             bias_in=None) -> torch.Tensor:
+        """The experts on rows ``x_RD``, [R, D]. The weights default to the layer's own; expert
+        parallelism passes this process's shard of them (E_local experts, ids in [0, E_local))."""
+        # One plan for both matmuls; moeify.ops.moe.policy decides "auto". The plan spans the
+        # experts the weights hold (a shard of them under expert parallelism).
         c = self.config
-        E_here = self.w_in.shape[0]
+        w_in = self.w_in if w_in is None else w_in
+        w_out = self.w_out if w_out is None else w_out
+        if c.gated and w_gate is None:
+            w_gate = self.w_gate
+        if c.bias and bias_in is None:
+            bias_in = self.bias_in
+        E_here = w_in.shape[0]
         if c.gated:
-            return gated_expert_mlp(x_RD, ids_RK, self.w_gate, self.w_in, self.w_out,
+            return gated_expert_mlp(x_RD, ids_RK, w_gate, w_in, w_out,
                                     gates_RK, activation=ACTIVATIONS[c.activation],
                                     impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                                     dropout=c.expert_dropout, training=self.training)
-        return expert_mlp(x_RD, ids_RK, self.w_in, self.w_out, gates_RK,
+        return expert_mlp(x_RD, ids_RK, w_in, w_out, gates_RK,
                           impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
                           dropout=c.expert_dropout, training=self.training,
-                          bias_EG=self.bias_in if c.bias else None,
+                          bias_EG=bias_in if c.bias else None,
                           activation=expert_activation(c.activation))

@@ -32,14 +32,15 @@ def fused_supported(params: Iterable[torch.Tensor]) -> bool:
 
 
 def adamw(param_groups, *, lr: float, betas: tuple[float, float], weight_decay: float = 0.0,
-          impl: str = "auto") -> torch.optim.AdamW:
+          impl: str = "auto", foreach: bool | None = None) -> torch.optim.AdamW:
     """torch.optim.AdamW over ``param_groups`` (parameters or torch's group dicts): fused when
     ``impl="auto"`` and every parameter allows it (module docstring), or "fused"; "default":
-    torch's own choice (the reference the tests compare against)."""
+    torch's own choice (the reference the tests compare against). ``foreach``: torch's
+    argument, for the unfused implementation (None: torch's choice)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown AdamW impl {impl!r}; choose from {', '.join(IMPLS)}")
     groups = list(param_groups)
     params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
     fused = impl == "fused" or (impl == "auto" and fused_supported(params))
     return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                             fused=True if fused else None)
+                             fused=True if fused else None, foreach=None if fused else foreach)

@@ -90,8 +90,10 @@ class TrainConfig:
                       form a 2-D mesh (data-parallel W/P x expert-parallel P); the experts of
                       every sigma-MoE and Switch feedforward are split along dim 0 over the P
                       processes of an expert-parallel group, tokens travel to them by
-                      all-to-all. 1 = off. Checkpoints hold the full experts, so a run resumes at
-                      another degree or in one process.
+                      all-to-all. 1 = off. Composes with parallel=ddp (the other parameters
+                      replicated) and parallel=fsdp (the other parameters sharded over all
+                      processes). Checkpoints are sharded (DCP) and resume at another degree,
+                      another process count or in one process.
     lr_extensions:    written by a resume with ``--schedule extend|stretch``, not set by hand:
                       each (start, end, factor, phase) replaces the schedule from update
                       ``start`` on by a cosine decay to the floor at update ``end``
@@ -171,9 +173,6 @@ class TrainConfig:
                 or self.expert_parallel < 1):
             raise ValueError(f"expert_parallel must be a positive integer (1 = every process "
                              f"holds every expert), got {self.expert_parallel!r}")
-        if self.expert_parallel > 1 and self.parallel != "ddp":
-            raise ValueError("expert_parallel > 1 runs with parallel=ddp (the non-expert "
-                             "parameters replicated); it does not compose with parallel=fsdp yet")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.tokenizer not in TOKENIZER_CHOICES:

@@ -1,25 +1,35 @@
 """Expert parallelism for the feedforward MoEs (sigma-MoE, Switch), applied from outside the model
 (ARCHITECTURE: layers never touch torch.distributed). The design follows torchtitan's
-distributed/expert_parallel.py: experts split along dim 0 over an "ep" mesh dimension, token
-counts exchanged first, tokens dispatched by all-to-all, the local experts run, results combined.
+distributed/expert_parallel.py: expert weights are DTensors placed ``Shard(0)`` over an "ep"
+mesh dimension, token counts are exchanged first, tokens dispatched by all-to-all, the local
+experts run, results combined.
 
 Mesh. W processes form a 2-D DeviceMesh ("dp", "ep") of shape (W / P, P), P = expert_parallel.
-The P processes of one ep group each hold E / P experts of every MoE feedforward (expert e lives
-on ep rank e // (E / P)): the stacked expert weights ``w_in`` / ``w_gate`` / ``w_out`` and the
-per-expert hidden bias ``bias_in`` (moeify.layers.common: the naming convention) become
-Parameters of E / P rows, this process's Shard(0) of the full tensor. Everything else
-(attention, embeddings, routers, shared experts, norms) is replicated and averaged over all W
-processes by DDP as before.
+``parallelize_experts`` turns the stacked expert weights of every MoE feedforward (``w_in`` /
+``w_gate`` / ``w_out`` and the per-expert hidden bias ``bias_in``; moeify.layers.common: the
+naming convention) into Parameters holding a DTensor of the full global shape [E, ...] on
+the 1-D "ep" sub-mesh with placement ``Shard(0)``: each process stores E / P experts (expert e
+lives on ep rank e // (E / P)), the P processes of an ep group together hold every expert, and
+the dp groups hold replicas. Everything else (attention, embeddings, routers, shared experts,
+norms) is either replicated and averaged by DDP (parallel=ddp) or sharded over all W processes
+by FSDP2 (parallel=fsdp, ``fully_shard(..., ignored_params=<the expert DTensors>)``).
 
-One MoE forward on each process (``dispatch``, injected as the layer's ``dispatch``):
+torchtitan applies its EP with ``distribute_module`` on a module that holds only the experts;
+moeify's feedforwards hold router and experts in one module (one file per idea), and
+``distribute_module`` would turn every other parameter into a replicated DTensor too. So the
+expert weights are distributed here by name (``EXPERT_PARAMS``) and the token movement is
+installed through the layer's narrow ``dispatch`` hook (the layer calls it with its routing
+decisions when set; it never imports torch.distributed).
+
+One MoE forward on each process (``dispatch``):
 
  1. its routed (token, expert) pairs, dropped ones left out, sorted by expert: counts per expert;
  2. the counts are exchanged (all_to_all_single): each process learns how many rows every peer
     sends to each of its local experts; the host reads the splits (the one sync of EP);
  3. the rows travel to their experts' process: ``all_to_all_single_autograd`` with uneven
     splits (its backward is the reverse all-to-all);
- 4. the local experts run through the layer's own expert op (moeify.ops.moe.expert_mlp via the
-    layer's ``_mlp``), gate 1;
+ 4. the local experts run through the layer's own expert op (``layer._mlp`` with the local
+    shards, ``DTensor.to_local()``, whose backward returns a ``Shard(0)`` gradient), gate 1;
  5. the outputs travel back (the reverse all-to-all) and are combined at the token's process:
     gate times output, summed over the token's choices.
 
@@ -30,13 +40,17 @@ per process as in plain DDP: ceil(M_local · k / E · factor) of the process's o
 not of the global batch (the same meaning as data parallelism without EP).
 
 Gradients. The all-to-all backward brings every peer's gradient to the expert shards, so after
-backward a shard holds the sum over its ep group; ``sync_grads`` sums it over the dp group and
-divides by W, which is DDP's average over all processes. DDP itself ignores the expert shards.
-The clipping norm adds the shards' squared norms over the ep group (``clip_grad_norm_``).
+backward a shard's gradient (a ``Shard(0)`` DTensor) holds the sum over its ep group;
+``sync_grads`` sums it over the dp group and divides by W, which is DDP's (and FSDP's) average
+over all processes. DDP ignores the expert shards, FSDP2 is told to. ``clip_grad_norm_`` adds
+the squared norms of plain gradients once, of FSDP shards over all processes and of expert
+shards over an ep group (one all-reduce).
 
-Checkpoints hold full tensors: ``full_state`` gathers the shards (and their AdamW moments) over
-the ep group, ``load_full_state`` keeps this process's rows. A checkpoint written at one degree
-resumes at any other, or in one process (eval, generate, export read it as any checkpoint).
+Checkpoints are DCP sharded checkpoints (moeify.train.sharded): each tensor is stored with its
+global shape and the offsets of every shard, so one written at any (dp, ep) layout loads at any
+other, into FSDP or DDP runs, and into one plain process (eval, generate, export). Single-file
+checkpoints of full tensors (written by one process, or by an expert-parallel run of an earlier
+moeify) still resume here: ``load_full_state`` keeps this process's rows.
 
 Shape legend: M tokens, K choices, N kept pairs, R rows received, D d_model, E experts, P ep
 degree, L = E / P local experts.
@@ -62,19 +76,54 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m) in EXPERT_PARAMS]
 
 
+def expert_mesh(degree: int, device: torch.device):
+    """The 2-D ("dp", "ep") DeviceMesh of W / degree x degree processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    W = dist.get_world_size() if dist.is_initialized() else 1
+    if degree < 1 or W % degree:
+        raise ValueError(f"expert_parallel={degree} must divide the number of processes "
+                         f"({W}); choose a divisor of {W}")
+    return init_device_mesh(device.type, (W // degree, degree), mesh_dim_names=("dp", "ep"))
+
+
+def parallelize_experts(model: nn.Module, ep_mesh) -> dict[str, nn.Parameter]:
+    """Turn every MoE feedforward's expert weights into ``Shard(0)`` DTensor Parameters on the
+    1-D ``ep_mesh`` (in place, same attribute, so the parameter order is kept). Every process
+    must hold the same full weights (the trainer seeds them alike); no communication. Returns
+    the new Parameters by qualified name."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    P, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    names = {id(m): n for n, m in model.named_modules()}
+    params: dict[str, nn.Parameter] = {}
+    for layer in moe_layers(model):
+        E = layer.config.n_experts
+        if E % P:
+            raise ValueError(f"expert_parallel={P} must divide every MoE layer's n_experts (a "
+                             f"layer has {E}); choose a divisor of {E}")
+        L = E // P
+        for pname in EXPERT_PARAMS[type(layer)]:
+            full = getattr(layer, pname, None)
+            if full is None:
+                continue
+            local = full.detach()[rank * L:(rank + 1) * L].clone()
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                    shape=full.shape, stride=full.stride())
+            setattr(layer, pname, nn.Parameter(dt, requires_grad=full.requires_grad))
+            prefix = names[id(layer)]
+            params[f"{prefix}.{pname}" if prefix else pname] = getattr(layer, pname)
+    return params
+
+
 class ExpertParallel:
     """The expert-parallel state of a run: the mesh, the sharded layers, the collectives."""
 
     def __init__(self, model: nn.Module, degree: int, device: torch.device) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        W = dist.get_world_size() if dist.is_initialized() else 1
-        if degree < 1 or W % degree:
-            raise ValueError(f"expert_parallel={degree} must divide the number of processes "
-                             f"({W}); choose a divisor of {W}")
-        self.W, self.P = W, degree
-        self.mesh = init_device_mesh(device.type, (W // degree, degree),
-                                     mesh_dim_names=("dp", "ep"))
+        self.W = dist.get_world_size() if dist.is_initialized() else 1
+        self.P = degree
+        self.mesh = expert_mesh(degree, device)
+        self.ep_mesh = self.mesh["ep"]
         self.ep_group = self.mesh.get_group("ep")
         self.dp_group = self.mesh.get_group("dp")
         self.ep_rank = self.mesh.get_local_rank("ep")
@@ -83,22 +132,8 @@ class ExpertParallel:
         if not self.layers:
             raise ValueError("expert_parallel > 1 needs a model with sigma-MoE or Switch "
                              "feedforwards")
-        self.params: dict[str, nn.Parameter] = {}  # qualified name -> local shard
-        names = {id(m): n for n, m in model.named_modules()}
+        self.params = parallelize_experts(model, self.ep_mesh)  # qualified name -> DTensor
         for layer in self.layers:
-            E = layer.config.n_experts
-            if E % degree:
-                raise ValueError(f"expert_parallel={degree} must divide every MoE layer's "
-                                 f"n_experts (a layer has {E})")
-            L = E // degree
-            for pname in EXPERT_PARAMS[type(layer)]:
-                full = getattr(layer, pname, None)
-                if full is None:
-                    continue
-                shard = full.detach()[self.ep_rank * L:(self.ep_rank + 1) * L].clone()
-                setattr(layer, pname, nn.Parameter(shard))  # same slot: parameter order kept
-                prefix = names[id(layer)]
-                self.params[f"{prefix}.{pname}" if prefix else pname] = getattr(layer, pname)
             layer.dispatch = self.dispatch
 
     # ------------------------------------------------------------------ forward
@@ -125,10 +160,18 @@ class ExpertParallel:
         send_split, recv_split = splits
         x_ND = x_MD.index_select(0, torch.div(pairs, K, rounding_mode="floor"))
         x_RD = all_to_all_single_autograd(x_ND, recv_split, send_split, self.ep_group)
-        local_R = torch.arange(L, device=x_MD.device).repeat(P).repeat_interleave(recv_E)
-        if x_RD.shape[0]:
+        # output_size: the row count is known (and, compiled, the same symbol as x_RD's)
+        local_R = torch.arange(L, device=x_MD.device).repeat(P).repeat_interleave(
+            recv_E, output_size=x_RD.shape[0])
+        # The local shards as plain tensors: to_local()'s backward hands the gradient back to
+        # the DTensor parameter as a Shard(0) DTensor.
+        weights = {n: getattr(layer, n).to_local() for n in EXPERT_PARAMS[type(layer)]
+                   if getattr(layer, n, None) is not None}
+        if torch.compiler.is_compiling():
+            y_RD = self._compiled_experts(layer, x_RD, local_R, weights, send_split + recv_split)
+        elif x_RD.shape[0]:
             ones = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_MD.device)
-            y_RD = layer._mlp(x_RD, local_R[:, None], ones)
+            y_RD = layer._mlp(x_RD, local_R[:, None], ones, **weights)
         else:  # nothing to compute here; the reverse all-to-all must still run in backward
             y_RD = x_RD * 0.0
         y_ND = all_to_all_single_autograd(y_RD, send_split, recv_split, self.ep_group)
@@ -137,24 +180,36 @@ class ExpertParallel:
         out = torch.zeros(M, x_MD.shape[1], dtype=y_ND.dtype, device=x_MD.device)
         return out.index_add(0, torch.div(pairs, K, rounding_mode="floor"), y_ND)
 
+    @staticmethod
+    def _compiled_experts(layer, x_RD, local_R, weights, splits) -> torch.Tensor:
+        """The local experts inside a compiled graph, where R is an unbacked symbol (the sum of
+        the received splits). Two padding rows (expert 0, gate 0, dropped after) make R + 2 >= 2
+        provable, so inductor's matmul lowerings, which ask whether a size is 1, need no guard
+        on the data; the expert ops take R = 0 rows too, so nothing branches on R."""
+        for s in splits:
+            torch._check_is_size(s)
+        R, D = x_RD.shape
+        x_QD = torch.cat([x_RD, x_RD.new_zeros(2, D)])
+        ids_Q = torch.cat([local_R, local_R.new_zeros(2)])
+        gates_Q1 = torch.cat([torch.ones(R, 1, device=x_RD.device),
+                              torch.zeros(2, 1, device=x_RD.device)])
+        return layer._mlp(x_QD, ids_Q[:, None], gates_Q1, **weights)[:R]
+
     # ------------------------------------------------------------------ gradients
-
-    def ignore_in_ddp(self, model: nn.Module) -> None:
-        """Tell DDP (before wrapping) not to all-reduce the expert shards."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, list(self.params))
 
     @torch.no_grad()
     def sync_grads(self) -> None:
         """After the update's last backward: expert gradients summed over the dp group and
         divided by W (DDP's average over all processes; module docstring)."""
+        from torch.distributed.tensor import DTensor, Shard
+
         grads = []
         for p in self.params.values():
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+                p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), self.ep_mesh,
+                                            [Shard(0)], run_check=False, shape=p.shape,
+                                            stride=p.stride())
+            grads.append(p.grad.to_local())  # under no_grad: the DTensor's own storage
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.W // self.P > 1:
             dist.all_reduce(flat, group=self.dp_group)
@@ -164,73 +219,64 @@ class ExpertParallel:
 
     @torch.no_grad()
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
-        """torch's clip_grad_norm_ over the whole model: replicated gradients count once, the
-        expert shards' squared norms are summed over the ep group."""
+        """torch's clip_grad_norm_ over the whole model: plain (replicated) gradients count
+        once, FSDP2's shards (DTensors on the world mesh) are summed over all processes, the
+        expert shards over an ep group (their dp replicas are equal: summed over all processes
+        and divided by the dp size). One all-reduce."""
+        from torch.distributed.tensor import DTensor
+
         expert = {id(p) for p in self.params.values()}
         params = [p for p in params if p.grad is not None]
-        sq = torch.zeros(2, dtype=torch.float64, device=params[0].grad.device)
+        # [FSDP shards, expert shards, replicated]
+        sq = torch.zeros(3, dtype=torch.float64, device=params[0].grad.device)
         for p in params:
-            sq[0 if id(p) in expert else 1] += p.grad.detach().double().square().sum()
-        shard_sq = sq[:1].clone()
-        dist.all_reduce(shard_sq, group=self.ep_group)
-        total = (shard_sq[0] + sq[1]).sqrt().float()
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            slot = 1 if id(p) in expert else 0 if isinstance(p.grad, DTensor) else 2
+            sq[slot] += g.detach().double().square().sum()
+        part = sq[:2].clone()
+        dist.all_reduce(part)
+        total = (part[0] + part[1] / (self.W // self.P) + sq[2]).sqrt().float()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(coef.to(g.dtype))
         return total
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ single-file checkpoints
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(self.P)]
-        dist.all_gather(parts, t.contiguous(), group=self.ep_group)
-        return torch.cat(parts, 0)
+    def _shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a full tensor, as a Shard(0) DTensor on the ep mesh."""
+        from torch.distributed.tensor import DTensor, Shard
 
-    def _narrow(self, full: torch.Tensor) -> torch.Tensor:
         L = full.shape[0] // self.P
-        return full[self.ep_rank * L:(self.ep_rank + 1) * L]
-
-    @torch.no_grad()
-    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        """(model state dict, optimizer state dict) with full expert tensors. Collective."""
-        state = model.state_dict()
-        for name in self.params:
-            state[name] = self._gather(state[name])
-        opt = optimizer.state_dict()
-        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
-                                                 for p in g["params"])}
-        for p in self.params.values():
-            st = opt["state"].get(index[id(p)])
-            if st is None:
-                continue
-            st = dict(st)
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    st[k] = self._gather(v)
-            opt["state"][index[id(p)]] = st
-        return state, opt
+        local = full[self.ep_rank * L:(self.ep_rank + 1) * L].clone()
+        return DTensor.from_local(local, self.ep_mesh, [Shard(0)], run_check=False,
+                                  shape=full.shape, stride=full.stride())
 
     @torch.no_grad()
     def load_full_state(self, model_state: dict, optimizer_state: dict | None,
                         optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
-        """The state dicts of a full checkpoint narrowed to this process's expert rows (a
+        """The state dicts of a single-file checkpoint (full tensors) with the expert weights
+        and their AdamW moments narrowed to this process's rows (Shard(0) DTensors; a
         checkpoint written with earlier parameter names is read by the current ones)."""
         model_state = upgrade_legacy_keys(self.model, model_state)
         for name in self.params:
-            model_state[name] = self._narrow(model_state[name]).clone()
+            model_state[name] = self._shard(model_state[name])
         if optimizer_state is None or optimizer is None:
             return model_state, optimizer_state
         index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
                                                  for p in g["params"])}
         opt = dict(optimizer_state)
         opt["state"] = dict(opt["state"])
+        # The kernel flags stay this optimizer's: a one-process run's fused AdamW (which
+        # load_state_dict would restore) takes no DTensor.
+        opt["param_groups"] = [{**g, **{k: mine[k] for k in ("fused", "foreach") if k in mine}}
+                               for g, mine in zip(opt["param_groups"], optimizer.param_groups)]
         for p in self.params.values():
             i = index[id(p)]
             st = opt["state"].get(i, opt["state"].get(str(i)))
             if st is None:
                 continue
-            full_rows = p.shape[0] * self.P
-            opt["state"][i] = {k: (self._narrow(v).clone() if torch.is_tensor(v) and v.dim()
-                                   and v.shape[0] == full_rows and v.shape[1:] == p.shape[1:]
-                                   else v) for k, v in st.items()}
+            opt["state"][i] = {k: (self._shard(v) if torch.is_tensor(v)
+                                   and v.shape == p.shape else v) for k, v in st.items()}
         return model_state, opt

@@ -27,8 +27,21 @@ import torch
 from moeify.train.config import PARALLEL_MODES
 
 
-def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+def allow_data_dependent_shapes() -> None:
+    """Let dynamo trace expert parallelism's dispatch (moeify.train.expert_parallel) into one
+    graph: the token counts the all-to-all exchanges become unbacked symbolic sizes
+    (``capture_scalar_outputs``: the splits read with ``tolist``) and the routed pairs come from
+    ``nonzero`` (``capture_dynamic_output_shape_ops``). Without them every MoE layer's forward
+    breaks into pieces at those points. Process-wide dynamo settings, set when expert-parallel
+    blocks are compiled."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+
+
+def compile_blocks(model: torch.nn.Module, *, expert_parallel: bool = False) -> torch.nn.Module:
     """Compile every block of a TransformerLM in place (module docstring); returns ``model``."""
+    if expert_parallel:
+        allow_data_dependent_shapes()
     for block in model.blocks:
         block.compile()
     return model
@@ -46,29 +59,40 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
-def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+def shard_fsdp(model: torch.nn.Module, ignored=None) -> torch.nn.Module:
     """FSDP2 in place: ``fully_shard`` per block, then on the root (the embedding and output
     layer), over all processes of the default group. Parameters stay float32 (autocast computes
-    the matmuls in bf16 or fp16), so gradients are reduced in float32."""
+    the matmuls in bf16 or fp16), so gradients are reduced in float32. ``ignored``: parameters
+    FSDP must leave alone (the expert shards of expert parallelism, DTensors of their own mesh
+    whose gradients moeify.train.expert_parallel reduces)."""
     from torch.distributed.fsdp import fully_shard
 
+    ignored = set(ignored) if ignored else None
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
     return model
 
 
 def parallelize(model: torch.nn.Module, mode: str, *, device: torch.device, distributed: bool,
-                compile: bool = False) -> torch.nn.Module:
+                compile: bool = False, expert_params=None) -> torch.nn.Module:
     """The module to train: ``model`` compiled and/or sharded in place, or a DDP wrapper around
     it. With one process and ``mode="ddp"`` nothing is wrapped; ``mode="fsdp"`` always shards
-    (a one-process FSDP run equals the unsharded run)."""
+    (a one-process FSDP run equals the unsharded run). ``expert_params``: the expert-parallel
+    shards (moeify.train.expert_parallel, already applied), which neither DDP nor FSDP
+    reduces."""
     if mode not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
     if compile:
-        compile_blocks(model)
+        compile_blocks(model, expert_parallel=bool(expert_params))
     if mode == "fsdp":
-        return shard_fsdp(model)
+        return shard_fsdp(model, ignored=expert_params)
+    if distributed and expert_params:
+        from torch.nn.parallel import DistributedDataParallel
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [names[id(p)] for p in expert_params])
     return wrap_ddp(model, device) if distributed else model
 
 

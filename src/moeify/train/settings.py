@@ -43,9 +43,9 @@ TRAIN_HELP = {
                    "'.[tensorboard]')",
     "compile": "torch.compile every block",
     "parallel": "under torchrun: ddp replicates the model, fsdp shards it (FSDP2)",
-    "expert_parallel": "under torchrun with parallel=ddp: split the sigma-MoE / Switch experts "
-                       "over this many processes (a divisor of the process count and of "
-                       "n_experts; 1 = off)",
+    "expert_parallel": "under torchrun (parallel=ddp or fsdp): split the sigma-MoE / Switch "
+                       "experts over this many processes (a divisor of the process count and "
+                       "of n_experts; 1 = off); checkpoints are sharded (DCP)",
 }
 
 # Fields several layer configs share, where their docstrings say nothing.

@@ -25,10 +25,13 @@ NaN or an infinity (NonFiniteState).
 DCP stores each tensor with its global shape and the offsets of every shard, so a checkpoint
 written by W processes loads into any number of processes, sharded or not: ``restore_sharded``
 resumes training, ``load_weights`` fills a plain one-device model (eval, generate, export), and
-``load_model_checkpoint`` does that for either kind of checkpoint. With several nodes the run
-directory must be on a filesystem every node sees. A checkpoint written before a layer renamed
-a parameter (moeify.layers.common: the naming convention) holds it, and its AdamW state, under
-the earlier name: loading reads it under that name (``_load_dcp``).
+``load_model_checkpoint`` does that for either kind of checkpoint. Expert-parallel runs
+(moeify.train.expert_parallel) write these too: their expert weights are Shard(0) DTensors over
+the "ep" mesh dimension, stored by global shape and offsets like FSDP's shards, so they load at
+another expert-parallel degree as well. With several nodes the run directory must be on a
+filesystem every node sees. A checkpoint written before a layer renamed a parameter
+(moeify.layers.common: the naming convention) holds it, and its AdamW state, under the earlier
+name: loading reads it under that name (``_load_dcp``).
 """
 
 from __future__ import annotations
@@ -75,7 +78,13 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
     when a weight or AdamW tensor of any process's shards is not finite, and MoeifyError on
     every process when a write fails (the temporary directory is removed)."""
     dcp, get_state_dict, _ = _dcp()
+    # get_state_dict gives an optimizer that has not stepped yet a state by stepping it once
+    # with lr 0 (torch's _init_optim_state): AdamW's step count becomes 1, and a run resumed
+    # from it would use another bias correction than a fresh one. Recorded, and undone on load.
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:
+        meta = {**meta, "optimizer_fresh": True}
     _check_finite_shards(env, model_sd, optim_sd, step)
     root = Path(run_dir) / ck.CHECKPOINTS
     name = ck.checkpoint_name(step)
@@ -253,12 +262,14 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Load weights and AdamW state into ``model`` / ``optimizer`` (sharded or not, any number
     of processes; collective when sharded) and return the unsharded training state."""
     _, get_state_dict, set_state_dict = _dcp()
-    verify(ckpt, model_config=model_config)
+    meta = verify(ckpt, model_config=model_config)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     _load_dcp(ckpt, state, model)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    if meta.get("optimizer_fresh"):  # written before the first step (save_sharded)
+        optimizer.state.clear()
     try:
         return torch.load(ckpt / ck.STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types

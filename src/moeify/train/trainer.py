@@ -209,27 +209,31 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights in every process
         self.model = self.model_cfg.build().to(self.device)
         torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
-        # Expert parallelism: each process keeps its shard of the experts (before DDP, which
-        # must ignore them, and before the optimizer, which must see the shards).
+        # Expert parallelism: the expert weights become Shard(0) DTensors over the "ep" mesh
+        # dimension (before DDP or FSDP, which must leave them alone, and before the
+        # optimizer, which must see the shards).
         self.ep = None
         if cfg.expert_parallel > 1:
             from moeify.train.expert_parallel import ExpertParallel
 
             self.ep = ExpertParallel(self.model, cfg.expert_parallel, self.device)
-            if self.env.enabled:
-                self.ep.ignore_in_ddp(self.model)
         # Compiled and/or sharded in place, or wrapped by DDP; before the optimizer, which must
         # see the sharded parameters under FSDP.
         self.train_model: torch.nn.Module = parallel.parallelize(
             self.model, cfg.parallel, device=self.device, distributed=self.env.enabled,
-            compile=cfg.compile)
-        self.sharded = cfg.parallel == "fsdp"
+            compile=cfg.compile,
+            expert_params=None if self.ep is None else list(self.ep.params.values()))
+        # Sharded (DCP) checkpoints, and a forward that is collective: FSDP or EP.
+        self.sharded = cfg.parallel == "fsdp" or self.ep is not None
         self.balancing = Balancing(self.model, self.env)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = adamw(  # fused where torch can (moeify.ops.optim)
             [{"params": decay, "weight_decay": cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
+            # torch's foreach kernels (its default on GPUs) refuse a list that mixes plain
+            # tensors with DTensors, or DTensors of two meshes, as expert parallelism's groups do
+            foreach=False if self.ep is not None else None)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
 
@@ -346,7 +350,7 @@ class Trainer:
             st = sharded_io.restore_sharded(ckpt_dir, self.model, self.optimizer,
                                             model_config=model_config_dict(self.model_cfg))
         else:
-            if self.sharded:
+            if self.cfg.parallel == "fsdp":
                 raise MoeifyError(f"{ckpt_dir} is a single-file checkpoint; resume it with "
                                   "parallel=ddp (sharded runs resume sharded checkpoints)")
             ckpt = ckpt_io.load_checkpoint(ckpt_dir, map_location="cpu",
@@ -420,9 +424,6 @@ class Trainer:
         meta = {"preset": self.cfg.preset, "model_config": model_config_dict(self.model_cfg),
                 "train_config": self.cfg.to_dict()}
         state = None
-        full = None
-        if self.ep is not None and not self.sharded:  # collective: gathers the expert shards
-            full = self.ep.full_state(self.model, self.optimizer)
         if self.env.is_main:
             memory = None if any(m is None for m in mems) else [
                 torch.cat([m[i] for m in mems], 0) for i in range(len(mems[0]))]
@@ -434,7 +435,8 @@ class Trainer:
             try:
                 self.last_checkpoint = sharded_io.save_sharded(
                     self.env, self.run_dir, self.step, self.model, self.optimizer, state,
-                    meta={**meta, "world_size": self.env.world_size},
+                    meta={**meta, "world_size": self.env.world_size,
+                          "expert_parallel": self.cfg.expert_parallel},
                     keep=self.cfg.keep_checkpoints)
             except ckpt_io.NonFiniteState as e:  # raised on every process
                 raise MoeifyError(f"{e}. {self._last_good()}") from None
@@ -442,11 +444,9 @@ class Trainer:
         error = None
         path = None
         if self.env.is_main:
-            state["optimizer"] = self.optimizer.state_dict() if full is None else full[1]
+            state["optimizer"] = self.optimizer.state_dict()
             try:
-                path = ckpt_io.save_checkpoint(self.run_dir, self.step,
-                                               self.model.state_dict() if full is None
-                                               else full[0],
+                path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
                                                state, meta=meta, keep=self.cfg.keep_checkpoints)
             except ckpt_io.NonFiniteState as e:
                 error = f"{e}. {self._last_good()}"
@@ -641,7 +641,7 @@ class Trainer:
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
             clock.pause()
             # A sharded or expert-parallel forward is collective.
-            if self.env.is_main or self.sharded or self.ep is not None:
+            if self.env.is_main or self.sharded:
                 result.valid = self._log_validation(sink, progress)
             valid_loss = self.env.broadcast_object(result.valid and result.valid["loss"])
             if valid_loss is not None and not math.isfinite(valid_loss):
@@ -720,9 +720,7 @@ class Trainer:
         return res
 
     def describe(self) -> str:
-        n_params = sum(p.numel() for p in self.model.parameters())
-        if self.ep is not None:  # the other processes' expert shards
-            n_params += (self.ep.P - 1) * sum(p.numel() for p in self.ep.params.values())
+        n_params = sum(p.numel() for p in self.model.parameters())  # DTensors: global numel
         return (f"training {self.cfg.preset} ({n_params / 1e6:.2f}M parameters) on "
                 f"{self.corpus.name} with the {self.tokenizer.name} tokenizer (vocab "
                 f"{self.tokenizer.vocab_size}): {self.cfg.steps} steps x {self.cfg.batch_size} x "
@@ -783,15 +781,21 @@ def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.
         if model_config_dict(trainer.model_cfg) != model_config_dict(model.config):
             raise MoeifyError("the training configuration does not describe this model; pass "
                               "TrainConfig(model=model.config.to_dict(), ...)")
-        trainer.model.load_state_dict(model.state_dict(), strict=True)
+        state = model.state_dict()
+        if trainer.ep is not None:  # this process's rows of the experts, as Shard(0) DTensors
+            state = trainer.ep.load_full_state(state, None, None)[0]
+        trainer.model.load_state_dict(state, strict=True)
         valid = None
-        if validate and trainer.env.is_main:
-            sink = MetricsSink(trainer.run_dir, tensorboard=False)
+        # A sharded or expert-parallel forward is collective: every process validates then.
+        if validate and (trainer.env.is_main or trainer.sharded):
+            sink = (MetricsSink(trainer.run_dir, tensorboard=False) if trainer.env.is_main
+                    else None)
             try:
                 valid = trainer._log_validation(sink, Progress(cfg.steps, 0, stream=trainer.stream,
                                                                enabled=not trainer.quiet))
             finally:
-                sink.close()
+                if sink is not None:
+                    sink.close()
         trainer.save_checkpoint()
         return valid
     finally:

@@ -92,9 +92,10 @@ def check_ids(idx: torch.Tensor, num_experts: int) -> None:
     (no host sync)."""
     if idx.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise ValueError(f"expert ids must be an integer tensor, got dtype {idx.dtype}")
-    if idx.numel() == 0:
-        return
-    if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling and idx.numel() == 0:  # compiled, numel may be an unbacked symbol
+        return                              # (expert parallelism): the assertion takes 0 ids
+    if idx.device.type == "cpu" and not compiling:
         if idx.numel() <= 64:  # decoding: one host copy instead of two reductions
             vals = idx.reshape(-1).tolist()
             lo, hi = min(vals), max(vals)
