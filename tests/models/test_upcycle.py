@@ -22,7 +22,7 @@ from moeify.models.cost import count_module_parameters, model_cost, moa_cost, sw
 from moeify.models.upcycle import Spec, parse_spec, upcycle
 from moeify.models.upcycle.feedforward import balanced_clusters
 from moeify.train.config import TrainConfig
-from moeify.train.rundir import load_trained
+from moeify.rundir import load_trained
 from moeify.train.trainer import train
 from references import english_corpus as write_corpus
 
@@ -404,7 +404,7 @@ def test_train_resume_of_an_upcycled_run_learns_and_is_exact(runs, cli_run, caps
                      "--set", "eval_every=0", "--set", "log_every=1",
                      "--set", "checkpoint_every=5", *conv]) == 0
     assert main(["train", "--resume", str(tmp / "straight"), "--quiet"]) == 0
-    from moeify.train.rundir import read_train_config
+    from moeify.train.config import read_train_config
 
     # interrupted after step 5 (same schedule: steps stays 12), then resumed
     train(read_train_config(tmp / "split"), tmp / "split", resume=True, stop_after=5, quiet=True)
@@ -429,7 +429,7 @@ def test_the_first_step_of_an_upcycled_run_is_a_fresh_runs_first_step(runs, cli_
     """The step-0 checkpoint carries a fresh run's state: resuming it gives the losses of a run
     that trains the same model from the same weights without any checkpoint in between."""
     from moeify.train.config import TrainConfig as TC
-    from moeify.train.rundir import read_train_config
+    from moeify.train.config import read_train_config
     from moeify.train.trainer import Trainer
 
     tmp = runs["tmp"]

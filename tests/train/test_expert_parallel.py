@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
-from moeify.train import checkpoint as ck
+from moeify.rundir import checkpoints as ckr
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import Trainer, train
 
@@ -187,8 +187,8 @@ def test_twenty_steps_equal_one_process_and_the_checkpoint_resumes_in_one(setup)
             bound = (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7
             assert err <= bound, (s, k, err, g1[k].norm().item())
     # The checkpoint holds the full experts: it loads into one process like the single run's.
-    w1 = ck.load_checkpoint(tmp / "one").model_state
-    w2 = ck.load_checkpoint(tmp / "ep").model_state
+    w1 = ckr.load_checkpoint(tmp / "one").model_state
+    w2 = ckr.load_checkpoint(tmp / "ep").model_state
     assert w1.keys() == w2.keys()
     for k in w1:  # Adam's amplified round-off (above), as w_pos in test_distributed.py
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-3, msg=k)

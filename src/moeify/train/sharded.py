@@ -24,8 +24,9 @@ NaN or an infinity (NonFiniteState).
 
 DCP stores each tensor with its global shape and the offsets of every shard, so a checkpoint
 written by W processes loads into any number of processes, sharded or not: ``restore_sharded``
-resumes training, ``load_weights`` fills a plain one-device model (eval, generate, export), and
-``load_model_checkpoint`` does that for either kind of checkpoint. With several nodes the run
+resumes training; moeify.rundir.checkpoints reads them for everything else
+(``load_sharded_weights`` fills a plain one-device model, ``load_model_checkpoint`` does that
+for either kind of checkpoint). With several nodes the run
 directory must be on a filesystem every node sees.
 """
 
@@ -39,18 +40,17 @@ from typing import Any
 import torch
 
 from moeify.errors import MoeifyError, describe_os_error
+from moeify.rundir.atomic import fsync_path, sha256_file, write_json_atomic
+from moeify.rundir.checkpoints import load_dcp, nonfinite_state, refuse_nonfinite, verify_sharded
+from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, SHARDED_KIND,
+                                  STATE_FILE, checkpoint_name)
 from moeify.train import checkpoint as ck
 from moeify.train.distributed import DistEnv
 
-DCP_DIR = "dcp"
-KIND = "sharded"
-
-
-def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
-    return ck.read_meta(ckpt_dir).get("kind") == KIND
-
 
 def _dcp():
+    # torch.distributed.checkpoint is imported only when a sharded run saves or resumes: it is
+    # slow to import and absent from torch builds without distributed support.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -59,7 +59,7 @@ def _dcp():
 
 def _files(ckpt: Path) -> list[str]:
     """The files a sharded checkpoint's checksums cover, relative to it (meta.json excluded)."""
-    found = [ck.STATE_FILE] + [f"{DCP_DIR}/{p.name}" for p in sorted((ckpt / DCP_DIR).iterdir())]
+    found = [STATE_FILE] + [f"{DCP_DIR}/{p.name}" for p in sorted((ckpt / DCP_DIR).iterdir())]
     return [f for f in found if (ckpt / f).is_file()]
 
 
@@ -75,8 +75,8 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
     dcp, get_state_dict, _ = _dcp()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     _check_finite_shards(env, model_sd, optim_sd, step)
-    root = Path(run_dir) / ck.CHECKPOINTS
-    name = ck.checkpoint_name(step)
+    root = Path(run_dir) / CHECKPOINTS
+    name = checkpoint_name(step)
     tmp, error = None, None
     if env.is_main:
         try:
@@ -116,9 +116,9 @@ def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[
                          step: int) -> None:
     """Collective: every process checks its own shards and all of them learn every bad name,
     so all raise NonFiniteState together (or none does)."""
-    bad = ck.nonfinite_state(_local(model_sd), {"optimizer": _local(optim_sd)})
+    bad = nonfinite_state(_local(model_sd), {"optimizer": _local(optim_sd)})
     everywhere = list(dict.fromkeys(n for names in env.all_gather_object(bad) for n in names))
-    ck.refuse_nonfinite(everywhere, f"sharded checkpoint step {step} was not written",
+    refuse_nonfinite(everywhere, f"sharded checkpoint step {step} was not written",
                         ck.DIVERGED_ADVICE)
 
 
@@ -140,20 +140,20 @@ def _write_and_publish(env: DistEnv, dcp, tmp: Path, name: str, step: int, model
             error = describe_os_error(e)
     error = env.broadcast_object(error)
     _raise_if(error, step, run_dir)
-    return final if final is not None else Path(run_dir) / ck.CHECKPOINTS / name
+    return final if final is not None else Path(run_dir) / CHECKPOINTS / name
 
 
 def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Path:
     """Process 0, every shard on disk: the unsharded state, checksums, meta.json, publish."""
-    torch.save(train_state, tmp / ck.STATE_FILE)
+    torch.save(train_state, tmp / STATE_FILE)
     files = _files(tmp)
     for f in files:
-        ck.fsync_path(tmp / f)
-    ck.fsync_path(tmp / DCP_DIR)
-    record = {"format": ck.FORMAT_VERSION, "kind": KIND, "step": step, **meta,
-              "sha256": {f: ck.sha256_file(tmp / f) for f in files}}
-    ck.write_json_atomic(tmp / ck.META_FILE, record)
-    ck.fsync_path(tmp)
+        fsync_path(tmp / f)
+    fsync_path(tmp / DCP_DIR)
+    record = {"format": FORMAT_VERSION, "kind": SHARDED_KIND, "step": step, **meta,
+              "sha256": {f: sha256_file(tmp / f) for f in files}}
+    write_json_atomic(tmp / META_FILE, record)
+    fsync_path(tmp)
     return ck.publish_checkpoint(tmp, name, keep=keep)
 
 
@@ -165,54 +165,21 @@ def _raise_if(error: str | None, step: int, run_dir: Path) -> None:
 
 # ---------------------------------------------------------------------- loading
 
-def verify(ckpt: Path, *, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The meta record of a sharded checkpoint, after checking its files against the checksums
-    (and its model config against ``model_config``, when given)."""
-    meta = ck.read_meta(ckpt)
-    if meta.get("kind") != KIND:
-        raise MoeifyError(f"{ckpt} is not a sharded checkpoint")
-    if meta.get("format") != ck.FORMAT_VERSION:
-        raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
-                          f"reads format {ck.FORMAT_VERSION}")
-    if model_config is not None and meta.get("model_config") != model_config:
-        raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
-                          f"{meta.get('preset')!r}); load it with its own run's configuration")
-    for f, want in meta["sha256"].items():
-        p = ckpt / f
-        if not p.is_file():
-            raise MoeifyError(f"checkpoint {ckpt} is incomplete: {f} is missing; use an earlier "
-                              "checkpoint")
-        if ck.sha256_file(p) != want:
-            raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
-                              "recorded when it was written; use an earlier checkpoint")
-    return meta
-
-
-def _load_dcp(ckpt: Path, state: dict[str, Any]) -> None:
-    dcp, _, _ = _dcp()
-    try:
-        dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
-    except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
-        first = str(e).strip().splitlines()
-        raise MoeifyError(f"checkpoint {ckpt} does not fit this model or cannot be read: "
-                          f"{' '.join(first[:2]) or type(e).__name__}") from None
-
-
 def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                     model_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load weights and AdamW state into ``model`` / ``optimizer`` (sharded or not, any number
     of processes; collective when sharded) and return the unsharded training state."""
     _, get_state_dict, set_state_dict = _dcp()
-    verify(ckpt, model_config=model_config)
+    verify_sharded(ckpt, model_config=model_config)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    _load_dcp(ckpt, state)
+    load_dcp(ckpt, state)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     try:
-        return torch.load(ckpt / ck.STATE_FILE, map_location="cpu", weights_only=True)
+        return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types
-        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {ck.STATE_FILE} cannot be read ({e})") \
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {STATE_FILE} cannot be read ({e})") \
             from None
 
 
@@ -224,34 +191,8 @@ def holds_weights(env: DistEnv, ckpt: Path, model: torch.nn.Module) -> bool:
     now = get_model_state_dict(model)
     saved = {k: torch.empty_like(v) for k, v in now.items()}
     try:
-        _load_dcp(ckpt, {"model": saved})
+        load_dcp(ckpt, {"model": saved})
         same = all(torch.equal(_local(saved[k]), _local(v.detach())) for k, v in now.items())
     except MoeifyError:
         same = False
     return all(env.all_gather_object(same))
-
-
-def load_weights(ckpt: Path, model: torch.nn.Module, *,
-                 model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Fill a plain (unsharded) model from a sharded checkpoint in this one process; returns the
-    checkpoint's meta record. The optimizer state is not read."""
-    meta = verify(ckpt, model_config=model_config)
-    state = {"model": model.state_dict()}
-    _load_dcp(ckpt, state)
-    model.load_state_dict(state["model"], strict=True)
-    return meta
-
-
-def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
-                          model_config: dict[str, Any] | None = None) -> ck.Checkpoint:
-    """Load either kind of checkpoint (a checkpoint directory or a run directory's latest) into
-    the plain model ``model``. Returns the Checkpoint (for a sharded one ``model_state`` is the
-    model's own state dict and ``train_state`` is empty)."""
-    ckpt_dir = ck.resolve_checkpoint(path)
-    if is_sharded_checkpoint(ckpt_dir):
-        meta = load_weights(ckpt_dir, model, model_config=model_config)
-        return ck.Checkpoint(path=ckpt_dir, step=int(meta["step"]), model_state=model.state_dict(),
-                             train_state={}, meta=meta)
-    loaded = ck.load_checkpoint(ckpt_dir, model_config=model_config)
-    ck.load_model_state(model, loaded)
-    return loaded
