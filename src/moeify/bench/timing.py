@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from moeify.ops.expert_matmul import TRACE_PREFIX
+
 
 def _sync(device: torch.device | str | None) -> None:
     if _is_cuda(device):
@@ -64,19 +66,6 @@ def _no_gc():
             gc.enable()
 
 
-def median_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
-                device: torch.device | str | None = None) -> float:
-    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    with _no_gc():
-        for _ in range(repeats):
-            times.append(_timed_call(fn, device))
-    return statistics.median(times)
-
-
 def interleaved_median_times(fns: dict[str, Callable[[], object]], *, warmup: int = 2,
                              repeats: int = 7, device=None,
                              cpu_times: dict | None = None) -> dict[str, float]:
@@ -124,9 +113,7 @@ def emit(result: dict, table: str, as_json: bool) -> None:
 def expert_impls_run(fn: Callable[[], object]) -> list[str]:
     """The expert-matmul implementations one call of ``fn`` really ran, sorted: read from the
     profiler ranges that ``moeify.ops.expert_matmul`` names after the implementation."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from moeify.ops.expert_matmul import TRACE_PREFIX
+    from torch.profiler import ProfilerActivity, profile  # only benchmarks that trace need it
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
