@@ -152,6 +152,7 @@ def _write_tokenizer(tmp: Path, tm) -> bool:
 def _save_weights(state: dict, tmp: Path, out: Path | None) -> None:
     """model.safetensors in ``tmp``; a full disk (or another OS error, which safetensors reports
     as its own error type) as the OSError of the file the user asked for, under ``out``."""
+    # Looked up when called: tests replace safetensors.torch.save_file to fill the disk.
     from safetensors.torch import save_file
 
     try:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from moeify.data.cache import atomic_directory, sweep_stale_directories
 from moeify.data.hf_tokenizer import HFTokenizer
@@ -58,7 +59,7 @@ from moeify.layers.norm import NormConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.models.config import ModelConfig
 from moeify.rundir.files import model_config_dict, write_run_files
-from moeify.train.checkpoint import save_checkpoint
+from moeify.train import checkpoint as train_checkpoint
 from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -291,8 +292,6 @@ def _moe_layers(hf: dict, D: int, L: int, act: str) -> tuple:
 
 def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards model.safetensors.index.json names."""
-    from safetensors.torch import load_file
-
     single, index = src / "model.safetensors", src / "model.safetensors.index.json"
     if single.is_file():
         files = [single]
@@ -504,5 +503,6 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
                 "weights_only": True,
                 "imported_from": {"path": str(src.resolve()),
                                   "architecture": SUPPORTED_ARCHITECTURES[hf["model_type"]]}}
-        save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True}, meta=meta)
+        train_checkpoint.save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True},
+                                         meta=meta)
     return out

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from moeify.data.corpora import load_corpus
 from moeify.data.stream import StreamBatcher, tokenize_split
@@ -777,8 +778,6 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = 
 def _is_peer_error(e: BaseException) -> bool:
     """An error of the process group's transport (a peer that is gone), raised by a collective
     inside torch (FSDP's get_state_dict) rather than by DistEnv's helpers."""
-    import torch.distributed as dist
-
     backend_error = getattr(dist, "DistBackendError", ())
     text = str(e)
     return (backend_error and isinstance(e, backend_error)) or any(
