@@ -56,7 +56,7 @@ def random_run(root: Path, preset: str, seed: int = 0,
     from moeify.data.tokenizers import ByteTokenizer
     from moeify.train.checkpoint import save_checkpoint as save_run_checkpoint
     from moeify.train.config import TrainConfig, resolve_model_config
-    from moeify.train.rundir import model_config_dict, write_run_files
+    from moeify.rundir.files import model_config_dict, write_run_files
 
     cfg = TrainConfig(preset=preset, model_overrides=overrides, tokenizer="byte256")
     model_cfg = resolve_model_config(cfg, 256)

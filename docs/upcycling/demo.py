@@ -93,14 +93,15 @@ def _continue_dense() -> None:
     upcycled runs' recipe (fresh AdamW, warm-up and cosine over M)."""
     import dataclasses
 
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
+    from moeify.train.config import read_train_config
     from moeify.train.trainer import start_run_from_model
 
     out = run_dir("dense+")
     if not (out / "checkpoints").is_dir():
         print(f"# start {out} from the weights of {run_dir('dense')} (fresh optimizer)")
         src = load_trained(run_dir("dense"))
-        cfg = dataclasses.replace(src.train_config, steps=M, model=src.model_config.to_dict(),
+        cfg = dataclasses.replace(read_train_config(src.run_dir), steps=M, model=src.model_config.to_dict(),
                                   model_overrides=(), eval_every=100, eval_tokens=16384)
         start_run_from_model(cfg, out, src.model, src.tokenizer)
     if not finished("dense+", M):

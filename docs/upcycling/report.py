@@ -85,7 +85,7 @@ def _valid_curve(run: Path, offset: int) -> list[tuple[int, float]]:
 
 
 def is_finished(run: Path) -> bool:
-    from moeify.train.rundir import read_train_config
+    from moeify.train.config import read_train_config
 
     latest = run / "checkpoints" / "latest"
     return latest.is_file() and latest.read_text().strip() == \
@@ -94,7 +94,7 @@ def is_finished(run: Path) -> bool:
 
 def report(runs: Path, names: dict[str, str], N: int, M: int, here: Path) -> None:
     from moeify.models.cost import format_count, model_cost
-    from moeify.train.rundir import read_model_config
+    from moeify.rundir import read_model_config
 
     peaks: dict[str, float] = {}
     rows = []

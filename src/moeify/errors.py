@@ -86,3 +86,13 @@ def os_error_of(e: Exception, path) -> OSError | None:
         return None
     code = int(m.group(1))
     return OSError(code, os.strerror(code), str(path))
+
+
+def error_line(e: BaseException) -> str:
+    """The one line the CLI prints for an error the user can act on (MOEIFY_DEBUG=1: traceback).
+    OS errors name the path and what to do; other messages are joined onto one line."""
+    if isinstance(e, OSError) and not isinstance(e, MoeifyError):
+        text = describe_os_error(e)
+    else:
+        text = str(e)
+    return " ".join(text.split()) or type(e).__name__

@@ -165,16 +165,16 @@ def test_auto_tokenizer_is_bytes_for_byte_presets_and_leftovers_are_cleared(
 
 
 def test_interrupted_compare_writes_what_finished(text_corpus, monkeypatch, capsys):
-    from moeify.cli import compare as compare_cli
+    from moeify.sweep.scheduler import Scheduler
     from moeify.errors import MoeifyError
 
-    reap = compare_cli._Scheduler._reap
+    reap = Scheduler._reap
 
     def reap_then_interrupt(self, pid, status, ru):
         reap(self, pid, status, ru)
         raise MoeifyError("interrupted")
 
-    monkeypatch.setattr(compare_cli._Scheduler, "_reap", reap_then_interrupt)
+    monkeypatch.setattr(Scheduler, "_reap", reap_then_interrupt)
     assert main(_small(text_corpus, "tiny-dense,tiny-switchhead", "--jobs", "1")) == 2
     data = json.loads((text_corpus / "out" / "results.json").read_text())
     assert [r["preset"] for r in data["results"]] == ["tiny-dense"]

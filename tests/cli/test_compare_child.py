@@ -12,8 +12,9 @@ import types
 
 import pytest
 
-from moeify.cli import compare
-from moeify.train.checkpoint import latest_checkpoint, step_of
+from moeify.sweep import child as sweep_child
+from moeify.sweep import protocol, scheduler
+from moeify.rundir.layout import latest_checkpoint, step_of
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import Trainer
 
@@ -37,9 +38,9 @@ def child(text_corpus):
 
 def _plan_and_write(run_dir, spec):
     """What the scheduler does before starting a child: plan the directory, write the spec."""
-    assert compare.plan_run(run_dir, spec, reuse=True) is None
+    assert scheduler.plan_run(run_dir, spec, reuse=True) is None
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / compare.SPEC_FILE
+    path = run_dir / protocol.SPEC_FILE
     path.write_text(json.dumps(spec))
     return str(path)
 
@@ -61,16 +62,16 @@ def test_a_signal_while_training_leaves_no_result_and_the_run_resumes(child, mon
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(Trainer, "_one_step", step_then_sigterm)
-    assert compare.child_main(_plan_and_write(run_dir, spec)) == 128 + signal.SIGTERM
-    assert not (run_dir / compare.CHILD_RESULT).exists()  # a half-trained model is no result
+    assert sweep_child.child_main(_plan_and_write(run_dir, spec)) == 128 + signal.SIGTERM
+    assert not (run_dir / protocol.CHILD_RESULT).exists()  # a half-trained model is no result
     assert step_of(latest_checkpoint(run_dir)) == 1
     monkeypatch.setattr(Trainer, "_one_step", one_step)
 
     path = _plan_and_write(run_dir, spec)
     assert spec["resume"] is True
-    assert compare.child_main(path) == 0
+    assert sweep_child.child_main(path) == 0
     assert _trained_steps(run_dir) == list(range(1, STEPS + 1))  # each step once
-    result = json.loads((run_dir / compare.CHILD_RESULT).read_text())
+    result = json.loads((run_dir / protocol.CHILD_RESULT).read_text())
     assert result["final_valid"]["tokens"] > 0
 
 
@@ -84,18 +85,18 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(adapters, "evaluate_stream", stopped)
         with pytest.raises(KeyboardInterrupt):
-            compare.child_main(_plan_and_write(run_dir, spec))
-    assert not (run_dir / compare.CHILD_RESULT).exists()
+            sweep_child.child_main(_plan_and_write(run_dir, spec))
+    assert not (run_dir / protocol.CHILD_RESULT).exists()
     assert step_of(latest_checkpoint(run_dir)) == STEPS
-    recorded = json.loads((run_dir / compare.CHILD_TRAINED).read_text())
+    recorded = json.loads((run_dir / protocol.CHILD_TRAINED).read_text())
     assert recorded["train_wall_s"] > 0 and recorded["trainer_tokens_per_s"] > 0
     assert recorded["max_rss_bytes"] > 50 * 2 ** 20  # the training process, torch loaded
 
     path = _plan_and_write(run_dir, spec)
     assert spec["resume"] is True
-    assert compare.child_main(path) == 0  # not "already trained 3 steps: nothing to do"
+    assert sweep_child.child_main(path) == 0  # not "already trained 3 steps: nothing to do"
     assert _trained_steps(run_dir) == list(range(1, STEPS + 1))  # not trained again
-    result = json.loads((run_dir / compare.CHILD_RESULT).read_text())
+    result = json.loads((run_dir / protocol.CHILD_RESULT).read_text())
     assert result["train_wall_s"] == recorded["train_wall_s"]
     assert result["trainer_tokens_per_s"] == recorded["trainer_tokens_per_s"]
     assert result["max_rss_bytes"] == recorded["max_rss_bytes"]  # the training's, not scoring's
@@ -106,9 +107,9 @@ def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / compare.CHILD_LOG).write_text("stopped by SIGTERM after step 1 of 3\n")
+    (run_dir / protocol.CHILD_LOG).write_text("stopped by SIGTERM after step 1 of 3\n")
     spec = {"name": "tiny-dense", "run_dir": str(run_dir)}
-    sched = compare._Scheduler([], jobs=1)
+    sched = scheduler.Scheduler([], jobs=1)
     for code, says in ((128 + signal.SIGTERM, "run the same command again to resume"),
                        (1, r"failed \(exit 1\)")):
         sched.running[4242] = (types.SimpleNamespace(), spec, 0.0)  # _reap sets returncode

@@ -115,7 +115,8 @@ def _spec(run_dir, **changes):
 
 def test_a_run_directory_locked_by_a_live_process_is_never_cleared(tmp_path):
     """An orphaned child of a killed compare still trains in it: the next compare refuses it."""
-    from moeify.cli.compare import SPEC_FILE, plan_run
+    from moeify.sweep.protocol import SPEC_FILE
+    from moeify.sweep.scheduler import plan_run
     from moeify.errors import MoeifyError
 
     run = tmp_path / "runs" / "tiny-dense"
@@ -136,7 +137,8 @@ def test_a_run_directory_locked_by_a_live_process_is_never_cleared(tmp_path):
 
 
 def test_reuse_under_other_settings_is_refused_naming_the_setting(tmp_path):
-    from moeify.cli.compare import CHILD_RESULT, SPEC_FILE, plan_run
+    from moeify.sweep.protocol import CHILD_RESULT, SPEC_FILE
+    from moeify.sweep.scheduler import plan_run
     from moeify.errors import MoeifyError
 
     run = tmp_path / "r"
@@ -223,6 +225,7 @@ def test_a_kill_while_pruning_leaves_no_hollow_checkpoint(tmp_path, monkeypatch)
     import torch
 
     from moeify.train import checkpoint as ck
+    from moeify.rundir import layout
 
     ck.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {}, keep=1)
     real_rmtree = shutil.rmtree
@@ -236,9 +239,9 @@ def test_a_kill_while_pruning_leaves_no_hollow_checkpoint(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {}, keep=1)
     monkeypatch.setattr(ck.shutil, "rmtree", real_rmtree)
-    root = tmp_path / ck.CHECKPOINTS
+    root = tmp_path / layout.CHECKPOINTS
     assert not (root / "step-00000001").exists()  # never a hollow step-N
-    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-00000002"]
+    assert [p.name for p in layout.checkpoint_dirs(tmp_path)] == ["step-00000002"]
     ck.sweep_stale(root)  # what the next trainer does (the owner is gone, or it is us)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
 
@@ -536,27 +539,27 @@ def test_a_dead_process_during_a_sharded_checkpoint_is_one_line(tmp_path):
 def test_a_failed_child_is_one_line_in_the_parents_message(text_corpus, capsys, monkeypatch):
     import types
 
-    from moeify.cli import compare
     from moeify.errors import MoeifyError
+    from moeify.sweep import child, protocol, scheduler
 
     # The child on a full disk says one error line (into its log), exit 2 ...
     run = text_corpus / "run"
     run.mkdir()
     spec = {**_spec(run), "train_config": {"preset": "tiny-dense", "steps": 3,
                                            "data": str(text_corpus / "corpus.txt")}}
-    (run / compare.SPEC_FILE).write_text(json.dumps(spec))
+    (run / protocol.SPEC_FILE).write_text(json.dumps(spec))
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run / "checkpoints"))
 
-    monkeypatch.setattr(compare, "_train_child", full)
-    assert compare.child_entry(str(run / compare.SPEC_FILE)) == 2
+    monkeypatch.setattr(child, "train_child", full)
+    assert child.child_entry(str(run / protocol.SPEC_FILE)) == 2
     said = capsys.readouterr().err.strip()
     assert said == f"error: {run / 'checkpoints'}: the disk is full: free some space (or " \
                    "write somewhere else) and try again"
     # ... which the parent quotes, in one line, with where the whole log is.
-    log = run / compare.CHILD_LOG
-    sched = compare._Scheduler([], jobs=1)
+    log = run / protocol.CHILD_LOG
+    sched = scheduler.Scheduler([], jobs=1)
     for text, quoted in ((f"[moeify] training ...\n{said}\n", said[len("error: "):]),
                          ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
                           "RuntimeError: boom\n", "RuntimeError: boom")):

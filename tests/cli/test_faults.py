@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from moeify.cli.main import error_line, main
+from moeify.rundir import layout
+from moeify.rundir import checkpoints as ckr
 from moeify.train import checkpoint as ck
 from moeify.train.lock import LOCK_FILE, RunLock
 
@@ -67,7 +69,7 @@ def one_line_error(capsys, command="train") -> str:
 
 
 def weights(run) -> dict[str, torch.Tensor]:
-    return ck.load_checkpoint(run).model_state
+    return ckr.load_checkpoint(run).model_state
 
 
 # ---------------------------------------------------------------------- 1: non-finite state
@@ -87,7 +89,7 @@ def test_diverged_weights_are_never_called_good(corpus, tmp_path, capsys):
     msg = one_line_error(capsys)
     assert "loss became nan" in msg and "set aside" in msg
     # No checkpoint a reader can reach holds weights that give a non-finite loss.
-    assert ck.checkpoint_dirs(run) == [] and not (run / "checkpoints" / "latest").exists()
+    assert layout.checkpoint_dirs(run) == [] and not (run / "checkpoints" / "latest").exists()
     assert (run / "checkpoints" / "diverged-step-00000001").is_dir()
     assert main(["generate", "--run", str(run), "--prompt", "The"]) == 2
     assert "no complete checkpoint" in one_line_error(capsys, "generate")
@@ -96,12 +98,12 @@ def test_diverged_weights_are_never_called_good(corpus, tmp_path, capsys):
 def test_non_finite_weights_or_optimizer_state_are_not_written_nor_loaded(tmp_path):
     good = {"w": torch.ones(3)}
     ck.save_checkpoint(tmp_path, 1, good, {"optimizer": {"state": {0: {"m": torch.zeros(3)}}}})
-    with pytest.raises(ck.NonFiniteState, match="not written.*w"):
+    with pytest.raises(ckr.NonFiniteState, match="not written.*w"):
         ck.save_checkpoint(tmp_path, 2, {"w": torch.tensor([1.0, float("inf")])}, {})
-    with pytest.raises(ck.NonFiniteState, match="optimizer state.0.m"):
+    with pytest.raises(ckr.NonFiniteState, match="optimizer state.0.m"):
         ck.save_checkpoint(tmp_path, 2, good,
                            {"optimizer": {"state": {0: {"m": torch.tensor([float("nan")])}}}})
-    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-00000001"]
+    assert [p.name for p in layout.checkpoint_dirs(tmp_path)] == ["step-00000001"]
     # A diverged checkpoint written by an older version is refused when loaded.
     orig = ck.check_finite
     try:
@@ -109,8 +111,8 @@ def test_non_finite_weights_or_optimizer_state_are_not_written_nor_loaded(tmp_pa
         ck.save_checkpoint(tmp_path, 3, {"w": torch.tensor([float("nan")] * 3)}, {})
     finally:
         ck.check_finite = orig
-    with pytest.raises(ck.NonFiniteState, match="cannot be used.*earlier checkpoint"):
-        ck.load_checkpoint(tmp_path)
+    with pytest.raises(ckr.NonFiniteState, match="cannot be used.*earlier checkpoint"):
+        ckr.load_checkpoint(tmp_path)
 
 
 # ---------------------------------------------------------------------- 2: full disk
@@ -127,7 +129,7 @@ class FullDisk:
         self.path, self.f = Path(path), builtins.open(path, mode, *a, **k)
 
     def write(self, data):
-        if FullDisk.full and self.path.name == ck.STATE_FILE:
+        if FullDisk.full and self.path.name == layout.STATE_FILE:
             self.f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return self.f.write(data)
@@ -158,10 +160,10 @@ def test_full_disk_is_one_line_and_leaves_no_partial_directory(corpus, tmp_path,
     assert "state.pt: the disk is full" in msg
     assert "step-00000002 is intact" in msg and f"moeify train --resume {run}" in msg
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002"]
-    assert ck.load_checkpoint(run).step == 2
+    assert ckr.load_checkpoint(run).step == 2
     monkeypatch.undo()
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
-    assert ck.latest_checkpoint(run).name == "step-00000004"
+    assert layout.latest_checkpoint(run).name == "step-00000004"
 
 
 @pytest.fixture
@@ -187,7 +189,7 @@ def test_a_really_full_disk(corpus, tmp_path, capsys, small_tmpfs):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002"]
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_tmpfs)], check=True)
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
-    assert ck.load_checkpoint(run).step == 4
+    assert ckr.load_checkpoint(run).step == 4
 
 
 def test_stale_temporaries_of_dead_processes_are_swept_and_live_ones_kept(corpus, tmp_path):
@@ -352,7 +354,7 @@ def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(corpus, tmp
     err = capsys.readouterr().err
     assert f"stopped by {signal.Signals(sig).name} after step 3 of 6" in err
     assert f"resume with: moeify train --resume {run}" in err
-    assert ck.latest_checkpoint(run).name == "step-00000003"
+    assert layout.latest_checkpoint(run).name == "step-00000003"
     assert not (run / LOCK_FILE).exists()
     monkeypatch.undo()
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
@@ -374,7 +376,7 @@ def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(corpus, tmp_p
     err = capsys.readouterr().err
     assert "stopped at once" in err and "step-00000002 is intact" in err and "interrupted" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000002"]
-    assert ck.load_checkpoint(run).step == 2
+    assert ckr.load_checkpoint(run).step == 2
     assert not (run / LOCK_FILE).exists()
 
 
@@ -415,7 +417,7 @@ def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(corpus,
     env = {**os.environ, "MOEIFY_NO_MALLOC_TUNING": "1", "PYTHONPATH": str(REPO / "src")}
     kills = 0
     for seed in range(3):
-        argv = ["--resume", "--quiet"] if ck.checkpoint_dirs(run) else args
+        argv = ["--resume", "--quiet"] if layout.checkpoint_dirs(run) else args
         p = subprocess.run([sys.executable, "-c", KILLER, str(seed), "train", "--out", str(run),
                             *argv], env=env, capture_output=True, text=True)
         assert p.returncode in (0, -signal.SIGKILL), p.stderr[-2000:]
@@ -423,11 +425,11 @@ def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(corpus,
         if p.returncode == 0:
             break
     assert kills >= 2
-    if ck.latest_checkpoint(run) is None or ck.load_checkpoint(run).step < steps:
-        argv = ["--resume", "--quiet"] if ck.checkpoint_dirs(run) else args
+    if layout.latest_checkpoint(run) is None or ckr.load_checkpoint(run).step < steps:
+        argv = ["--resume", "--quiet"] if layout.checkpoint_dirs(run) else args
         assert main(["train", "--out", str(run), *argv]) == 0
     a, b = weights(ref), weights(run)
-    assert ck.load_checkpoint(run).step == steps
+    assert ckr.load_checkpoint(run).step == steps
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     assert not (run / LOCK_FILE).exists()
@@ -470,7 +472,7 @@ def test_edited_config_json_is_refused_or_honoured_on_resume(corpus, tmp_path, c
     # A setting a resumed run can change is honoured, and the file says so afterwards.
     path.write_text(json.dumps({**saved, "steps": 6}))
     assert main(["train", "--resume", str(run), "--schedule", "stretch", "--quiet"]) == 0
-    assert ck.load_checkpoint(run).step == 6
+    assert ckr.load_checkpoint(run).step == 6
     assert json.loads(path.read_text())["steps"] == 6
 
 

@@ -5,18 +5,20 @@ routing diagnosis equals a hand computation from the logged counts."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moeify.analysis.sweep import baseline_for, mean_se
-from moeify.cli import compare as compare_cli
 from moeify.cli.main import main
-from moeify.cli.sweep import grid_specs, parse_ints, parse_variants
+from moeify.cli.sweep import parse_ints, parse_variants
+from moeify.sweep.grid import grid_specs
+from moeify.sweep.protocol import Scoring
+from moeify.sweep.scheduler import Scheduler
 from moeify.errors import MoeifyError
 
 PRESETS = ("tiny-dense", "tiny-switchhead")
@@ -49,7 +51,7 @@ def swept(tmp_path_factory):
                                                for _ in range(300)))
     # A kill after three finished runs: the scheduler stops the running child and the sweep
     # tabulates what finished before passing the interruption on.
-    reap = compare_cli._Scheduler._reap
+    reap = Scheduler._reap
     finished = []
 
     def reap_then_kill(self, pid, status, ru):
@@ -58,10 +60,10 @@ def swept(tmp_path_factory):
         if len(finished) == 3:
             raise MoeifyError("killed")
 
-    mp.setattr(compare_cli._Scheduler, "_reap", reap_then_kill)
+    mp.setattr(Scheduler, "_reap", reap_then_kill)
     try:
         assert main(_args(root)) == 2
-        mp.setattr(compare_cli._Scheduler, "_reap", reap)
+        mp.setattr(Scheduler, "_reap", reap)
         out = root / "out"
         partial = json.loads((out / "results.json").read_text())
         before = {k: (d / "compare_child.json").read_bytes() for k, d in _run_dirs(out).items()
@@ -220,9 +222,8 @@ def test_grid_order_variants_and_parsing():
         parse_variants(["lr3e-3"])
     variants = parse_variants(["hot:lr=3e-3", "hot:warmup_steps=5"])
     assert variants == {"base": [], "hot": ["lr=3e-3", "warmup_steps=5"]}
-    args = argparse.Namespace(data="wiki-excerpt", overrides=["lr=1e-3"], out="o",
-                              final_eval_tokens=0, blimp_per_paradigm=0, blimp_data=None)
-    specs = grid_specs(args, ["tiny-dense", "tiny-switchhead"], [5, 9], [0, 1], variants, 1)
+    specs = grid_specs(Path("o"), ["tiny-dense", "tiny-switchhead"], [5, 9], [0, 1], variants,
+                       1, data="wiki-excerpt", overrides=["lr=1e-3"], scoring=Scoring())
     assert len(specs) == 16 and len({s["run_dir"] for s in specs}) == 16
     assert [s["sweep"]["steps"] for s in specs[:8]] == [5] * 8  # cheapest budget first
     hot = [s for s in specs if s["sweep"]["variant"] == "hot"]
@@ -269,7 +270,10 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch, caps
 
     # A run killed after step 2: its directory holds the sweep's spec and a checkpoint.
     args = build_parser().parse_args(argv("killed"))
-    spec = grid_specs(args, ["tiny-switchhead"], [4], [0], {"base": []}, 1)[0]
+    scoring = Scoring(final_eval_tokens=args.final_eval_tokens,
+                      blimp_per_paradigm=args.blimp_per_paradigm, blimp_data=args.blimp_data)
+    spec = grid_specs(Path(args.out), ["tiny-switchhead"], [4], [0], {"base": []}, 1,
+                      data=args.data, overrides=args.overrides, scoring=scoring)[0]
     run_dir = tmp_path / "killed" / "runs" / "base" / "tiny-switchhead" / "steps-4" / "seed-0"
     run_dir.mkdir(parents=True)
     (run_dir / "compare_spec.json").write_text(json.dumps(spec))

@@ -66,7 +66,7 @@ def test_eval_blimp_matches_log_probabilities_summed_by_hand(trained, capsys):
     assert main(["eval", "--run", str(run), "--task", "blimp", "--data-dir", str(data),
                  "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
 
     tm = load_trained(run)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeify.cli.main import main
-from moeify.train import checkpoint as ck
+from moeify.rundir import checkpoints as ckr
 
 TINY = ["--set", "tokenizer=byte256", "--set", "model.d_model=16", "--set", "model.n_layers=1",
         "--set", "model.context_length=8", "--set", "model.feedforward.d_ff=32",
@@ -59,7 +59,7 @@ def test_resume_with_new_steps_is_refused_without_a_schedule_choice(corpus, tmp_
     assert "--schedule goes with --resume" in error(capsys)
     assert main(["train", "--resume", str(step2), "--steps", "6", "--schedule", "extend"]) == 0
     assert "extend, the decay continues from the current rate" in capsys.readouterr().err
-    assert ck.load_checkpoint(run).step == 6
+    assert ckr.load_checkpoint(run).step == 6
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights(corpus, tmp_path, capsys):
@@ -71,10 +71,10 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(corpus, tmp_path, 
     cfg = json.loads((new / "config.json").read_text())
     assert cfg["lr"] == 1e-3 and cfg["data"] == str(other) and cfg["steps"] == 2
     assert cfg["init_from"].endswith("step-00000003") and cfg["batch_size"] == 2  # RUN's own
-    start = ck.load_checkpoint(new / "checkpoints" / "step-00000000").model_state
-    trained = ck.load_checkpoint(src).model_state
+    start = ckr.load_checkpoint(new / "checkpoints" / "step-00000000").model_state
+    trained = ckr.load_checkpoint(src).model_state
     assert all(torch.equal(start[k], trained[k]) for k in trained)
-    assert ck.load_checkpoint(new).step == 2
+    assert ckr.load_checkpoint(new).step == 2
     # The model is RUN's: --preset is refused, and so is a change of a weight's shape.
     assert main(["train", "--init-from", str(src), "--preset", "tiny-dense"]) == 2
     assert "does not go with --resume or --preset" in error(capsys)

@@ -248,7 +248,7 @@ def test_a_users_local_tasks_through_harness_include(harness, run_dir, tmp_path,
                  str(tmp_path / "blimp"), "--json"]) == 0
     blimp = json.loads(capsys.readouterr().out)
     assert res["results"]["moeify_blimp_wh_island"]["acc,none"] == blimp["accuracy"]
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
 
     tm = load_trained(run_dir)
     enc = tm.tokenizer.encode
@@ -313,7 +313,7 @@ def test_harness_lambada_and_blimp_agree_with_moeify_eval(harness, run_dir, shar
     from moeify.eval.lambada import load_lambada, split_passage
     from moeify.eval.adapters import stateless_logits_fn
     from moeify.eval.scoring import score_continuations
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
 
     tm = load_trained(run_dir)
     items = [(tm.tokenizer.encode(c), tm.tokenizer.encode(t))

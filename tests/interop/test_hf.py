@@ -20,7 +20,7 @@ from moeify.cli.main import main  # noqa: E402
 from moeify.data.tokenizers import ByteTokenizer  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
 from moeify.models.cost import model_parameters  # noqa: E402
-from moeify.train.rundir import load_trained  # noqa: E402
+from moeify.rundir import load_trained  # noqa: E402
 from hf_checkpoints import padded_batch, random_run, save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
 from moeify.errors import MoeifyError  # noqa: E402
 from moeify.eval.generate import generate  # noqa: E402
 from moeify.interop import export_hf  # noqa: E402
-from moeify.train.rundir import load_trained  # noqa: E402
+from moeify.rundir import load_trained  # noqa: E402
 from hf_checkpoints import random_run  # noqa: E402
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from moeify.interop import export_hf  # noqa: E402
 from moeify.interop.hf_legacy import register_legacy_key_renames  # noqa: E402
-from moeify.train.rundir import load_trained  # noqa: E402
+from moeify.rundir.model import load_trained  # noqa: E402
 from hf_checkpoints import random_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
 from moeify.models.cost import model_parameters  # noqa: E402
-from moeify.train.rundir import load_trained  # noqa: E402
+from moeify.rundir import load_trained  # noqa: E402
 from hf_checkpoints import padded_batch, randomise, save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -316,7 +316,7 @@ def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
     from moeify.data.tokenizers import ByteTokenizer
     from moeify.train.checkpoint import save_checkpoint
     from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
-    from moeify.train.rundir import model_config_dict, write_run_files
+    from moeify.rundir.files import model_config_dict, write_run_files
 
     cfg = _native_moeify_model(kind)
     model = cfg.build()
@@ -342,7 +342,7 @@ def _preset_run(root: Path, preset: str, *overrides: str) -> Path:
     from moeify.data.tokenizers import ByteTokenizer
     from moeify.train.checkpoint import save_checkpoint
     from moeify.train.config import TrainConfig, resolve_model_config
-    from moeify.train.rundir import model_config_dict, write_run_files
+    from moeify.rundir.files import model_config_dict, write_run_files
 
     cfg = TrainConfig(preset=preset, tokenizer="byte256",
                       model_overrides=("model.n_layers=2", "model.context_length=32",
@@ -403,7 +403,7 @@ def test_native_export_names_what_a_changed_import_no_longer_matches(imported, t
     Mixtral: refused, naming the change; the default format still exports it."""
     import dataclasses
 
-    from moeify.train.rundir import model_config_dict
+    from moeify.rundir.files import model_config_dict
 
     run = tmp_path / "run"
     import shutil

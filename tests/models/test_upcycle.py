@@ -18,11 +18,11 @@ from moeify.cli.main import main
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.sigma_moe import SigmaMoE
 from moeify.layers.switchhead import SwitchHeadAttention
-from moeify.models.cost import count_module_parameters, model_cost, moa_cost, switchhead_cost
+from moeify.models.cost import count_module_parameters, model_cost
 from moeify.models.upcycle import Spec, parse_spec, upcycle
 from moeify.models.upcycle.feedforward import balanced_clusters
 from moeify.train.config import TrainConfig
-from moeify.train.rundir import load_trained
+from moeify.rundir import load_trained
 from moeify.train.trainer import train
 from references import english_corpus as write_corpus
 
@@ -172,17 +172,32 @@ def test_params_and_attention_macs_equal_the_cost_formulas(runs):
     up = upcycle(dense, attention="switchhead:E=2,k=1", feedforward="sigma-moe:E=4,k=2")
     cost = model_cost(up.config)
     assert cost.params == count_module_parameters(up)
-    # 2 kept heads of d_h 8, 2 experts, k 1, V and O experts, T 32, XL: C = 2 (spec §6).
-    want = switchhead_cost(d_model=32, n_heads=2, d_head=8, n_experts=2, k=1, T=32, C=2,
-                           experts=("v", "o"), xl=True)
-    assert [r["macs"] for r in cost.layers] == [want.macs] * 2
+    # SwitchHead MACs per layer (spec §6), written out for d = 32, 2 kept heads (H) of
+    # d_h = 8, E = 2 experts, k = 1, V and O as experts, T = 32, XL memory: C = 2.
+    d, H, dh, E, k, T, C = 32, 2, 8, 2, 1, 32, 2
+    scores_and_values = 2 * H * dh * C * T * T      # Q·Kᵀ and A·V over C·T keys: 65536
+    projections = (2 + 2 * k) * d * H * dh * T      # Q, K dense; V, O k experts each: 65536
+    expert_mixing = 2 * H * k * T * dh              # gate-weighted sums of V and O: 1024
+    selections = 2 * E * d * T * C                  # the V and the O selection: 8192
+    xl_positions = 2 * H * d * T * dh               # relative-position projection: 32768
+    want = scores_and_values + projections + expert_mixing + selections + xl_positions
+    assert want == 173056
+    assert [r["macs"] for r in cost.layers] == [want] * 2
     # sigma-MoE with biases: E·D·G keys + E·G·D values + E·D router + E·G + D biases.
     ff = cost.params_by_part["feedforward"]
     assert ff == 2 * (4 * 32 * 16 * 2 + 4 * 32 + 4 * 16 + 32)
     moa = upcycle(dense, attention="moa:k=2")
     assert model_cost(moa.config).params == count_module_parameters(moa)
-    assert model_cost(moa.config).layers[0]["macs"] == moa_cost(
-        d_model=32, n_heads=2, d_head=8, n_experts=4, T=32, C=2, xl=True).macs
+    # MoA MACs (spec §6): the dense model's 4 heads become E = 4 experts, H = k = 2 selected,
+    # one shared K and V projection; the paper's H·k·T·d_h term takes k = 2.
+    H, E = 2, 4
+    want = (2 * H * dh * C * T * T                  # scores and values: 65536
+            + (2 * H + 2) * d * dh * T              # per-head Q and O, shared K and V: 49152
+            + H * 2 * T * dh                        # 1024
+            + E * d * T                             # the selection over the T queries: 4096
+            + 2 * d * T * dh * C)                   # XL position projection: 32768
+    assert want == 152576
+    assert model_cost(moa.config).layers[0]["macs"] == want
     mod = upcycle(runs["rope"], depth="mod:capacity=0.5")
     assert model_cost(mod.config).params == count_module_parameters(mod)
     assert [r["tokens"] for r in model_cost(mod.config).layers] == [32, 16]
@@ -404,7 +419,7 @@ def test_train_resume_of_an_upcycled_run_learns_and_is_exact(runs, cli_run, caps
                      "--set", "eval_every=0", "--set", "log_every=1",
                      "--set", "checkpoint_every=5", *conv]) == 0
     assert main(["train", "--resume", str(tmp / "straight"), "--quiet"]) == 0
-    from moeify.train.rundir import read_train_config
+    from moeify.train.config import read_train_config
 
     # interrupted after step 5 (same schedule: steps stays 12), then resumed
     train(read_train_config(tmp / "split"), tmp / "split", resume=True, stop_after=5, quiet=True)
@@ -429,7 +444,7 @@ def test_the_first_step_of_an_upcycled_run_is_a_fresh_runs_first_step(runs, cli_
     """The step-0 checkpoint carries a fresh run's state: resuming it gives the losses of a run
     that trains the same model from the same weights without any checkpoint in between."""
     from moeify.train.config import TrainConfig as TC
-    from moeify.train.rundir import read_train_config
+    from moeify.train.config import read_train_config
     from moeify.train.trainer import Trainer
 
     tmp = runs["tmp"]

@@ -221,8 +221,8 @@ def test_compiled_training_matches_eager(tmp_path, corpus, preset, amp):
 
 
 def test_fsdp_on_one_gpu_matches_the_unsharded_run_and_its_checkpoint_loads(tmp_path, corpus):
-    from moeify.train.rundir import load_trained
-    from moeify.train.sharded import is_sharded_checkpoint
+    from moeify.rundir import load_trained
+    from moeify.rundir.checkpoints import is_sharded_checkpoint
 
     cfg = _cfg(corpus, "tiny-switchall", steps=10, amp="fp32", checkpoint_every=5)
     plain = train(cfg, tmp_path / "plain", quiet=True)

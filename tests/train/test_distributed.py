@@ -5,7 +5,7 @@ rows (and like one process accumulating two micro-batches)."""
 import torch
 import torch.multiprocessing as mp
 
-from moeify.train import checkpoint as ck
+from moeify.rundir import checkpoints as ckr
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import train
 
@@ -52,9 +52,9 @@ def test_two_processes_match_one_process_with_the_same_global_batch(setup):
     # (w_pos) has such entries: its gradient sums large sinusoid terms that cancel to ~1e-9, so
     # its weights are held to 1e-3 only (averaging wrong gradients moves weights by ~lr = 3e-3
     # per step); every other weight must agree to 1e-5.
-    w1 = ck.load_checkpoint(tmp / "one").model_state
+    w1 = ckr.load_checkpoint(tmp / "one").model_state
     for run in ("two", "accum"):
-        w = ck.load_checkpoint(tmp / run).model_state
+        w = ckr.load_checkpoint(tmp / run).model_state
         for k in w1:
             atol = 1e-3 if k.endswith("w_pos") else 1e-5
             torch.testing.assert_close(w[k], w1[k], rtol=0, atol=atol, msg=f"{run}: {k}")

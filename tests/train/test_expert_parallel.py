@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
-from moeify.train import checkpoint as ck
-from moeify.train import sharded
-from moeify.train.rundir import load_trained
+from moeify.rundir import checkpoints as ckr
+from moeify.rundir import layout
+from moeify.rundir.model import load_trained
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import Trainer, train
 
@@ -207,11 +207,11 @@ def test_twenty_steps_equal_one_process_and_the_checkpoint_resumes_in_one(setup)
             assert err <= bound, (s, k, err, g1[k].norm().item())
     # The checkpoint is sharded (DCP: each process wrote its experts) and loads into one plain
     # process (eval, generate, export read it so) like the single run's.
-    last = ck.latest_checkpoint(tmp / "ep")
-    assert sharded.is_sharded_checkpoint(last)
-    assert len(list((last / sharded.DCP_DIR).glob("*.distcp"))) == 2
-    assert not (last / ck.MODEL_FILE).exists()
-    w1 = ck.load_checkpoint(tmp / "one").model_state
+    last = layout.latest_checkpoint(tmp / "ep")
+    assert ckr.is_sharded_checkpoint(last)
+    assert len(list((last / layout.DCP_DIR).glob("*.distcp"))) == 2
+    assert not (last / layout.MODEL_FILE).exists()
+    w1 = ckr.load_checkpoint(tmp / "one").model_state
     w2 = load_trained(tmp / "ep").model.state_dict()
     assert w1.keys() == w2.keys()
     for k in w1:  # Adam's amplified round-off (above), as w_pos in test_distributed.py
@@ -309,7 +309,7 @@ def _resume_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
                             world_size=world)
     try:
         path = Path(run_dir)
-        ckpt = path if path.parent.name == ck.CHECKPOINTS else None
+        ckpt = path if path.parent.name == layout.CHECKPOINTS else None
         res = train(TrainConfig.from_dict(cfg_dict), path.parent.parent if ckpt else path,
                     resume=ckpt or True, quiet=True, schedule="extend")
         if rank == 0:
@@ -363,9 +363,9 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
         for k in g1:
             err = (g2[k] - g1[k]).norm().item()
             assert err <= (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7, (s, k, err)
-    step5 = tmp / "fsdp" / ck.CHECKPOINTS / ck.checkpoint_name(5)
-    assert sharded.is_sharded_checkpoint(step5)
-    assert ck.read_meta(step5)["expert_parallel"] == 2
+    step5 = tmp / "fsdp" / layout.CHECKPOINTS / layout.checkpoint_name(5)
+    assert ckr.is_sharded_checkpoint(step5)
+    assert ckr.read_meta(step5)["expert_parallel"] == 2
     out2 = tmp / "resumed.pt"
     gc.collect()
     mp.start_processes(_resume_worker, args=(2, str(tmp / "pg2"),
@@ -433,24 +433,24 @@ def test_a_process_killed_during_an_expert_parallel_checkpoint_leaves_the_previo
     victim = dies[0]
     assert codes[victim] == 9 and codes[1 - victim] == 0, codes
     said = out.read_text()
-    intact = run / ck.CHECKPOINTS / ck.checkpoint_name(2)
+    intact = run / layout.CHECKPOINTS / layout.checkpoint_name(2)
     assert said.startswith("MoeifyError: "), said
     assert (f"process {victim} of 2 stopped (killed or crashed) during the sharded checkpoint "
             f"of step 4") in said and f"checkpoint {intact} is intact" in said, said
-    assert [d.name for d in ck.checkpoint_dirs(run)] == [ck.checkpoint_name(2)]
-    assert ck.latest_checkpoint(run) == intact
-    assert sharded.verify(intact)["expert_parallel"] == 2  # every checksum still matches
+    assert [d.name for d in layout.checkpoint_dirs(run)] == [layout.checkpoint_name(2)]
+    assert layout.latest_checkpoint(run) == intact
+    assert ckr.verify_sharded(intact)["expert_parallel"] == 2  # every checksum still matches
     assert load_trained(run).checkpoint.step == 2
     if victim == 0:  # every shard was on disk: the half-written directory is left, ignored
-        assert list((run / ck.CHECKPOINTS).glob(".tmp-*/dcp/*.distcp"))
+        assert list((run / layout.CHECKPOINTS).glob(".tmp-*/dcp/*.distcp"))
     else:  # the survivor (process 0, which created it) removed it as it stopped
-        assert not list((run / ck.CHECKPOINTS).glob(".tmp-*"))
+        assert not list((run / layout.CHECKPOINTS).glob(".tmp-*"))
     # The run resumes from step 2 in one process (expert_parallel=1) and sweeps the leftover.
     res = train(TrainConfig.from_dict({**cfg.to_dict(), "expert_parallel": 1}), run,
                 resume=True, quiet=True)
     assert sorted(res.losses) == [3, 4]
-    assert not list((run / ck.CHECKPOINTS).glob(".tmp-*"))
-    assert ck.latest_checkpoint(run).name == ck.checkpoint_name(4)
+    assert not list((run / layout.CHECKPOINTS).glob(".tmp-*"))
+    assert layout.latest_checkpoint(run).name == layout.checkpoint_name(4)
 
 
 def test_a_single_file_checkpoint_of_one_process_resumes_expert_parallel(setup):
@@ -463,8 +463,8 @@ def test_a_single_file_checkpoint_of_one_process_resumes_expert_parallel(setup):
                       eval_every=0, eval_tokens=256, eval_batch_size=2, checkpoint_every=3,
                       model_overrides=TINY)
     train(cfg, tmp / "one", quiet=True)
-    step3 = ck.latest_checkpoint(tmp / "one")
-    assert not sharded.is_sharded_checkpoint(step3)
+    step3 = layout.latest_checkpoint(tmp / "one")
+    assert not ckr.is_sharded_checkpoint(step3)
     import shutil
 
     shutil.copytree(tmp / "one", tmp / "ep")
@@ -570,7 +570,7 @@ def _init_from_worker(rank, world, init_file, cfg_dict, run_dir, source, out_fil
 def _start_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
     import torch.distributed as dist
 
-    from moeify.train.rundir import load_trained as load
+    from moeify.rundir.model import load_trained as load
     from moeify.train.trainer import start_run_from_model
 
     torch.set_num_threads(1)
@@ -589,7 +589,7 @@ def test_a_run_started_from_a_model_validates_expert_parallel(setup):
     """start_run_from_model with validation at expert_parallel=2: the forward is collective,
     so both processes validate (process 0 alone would wait forever) and get the loss one
     process gets."""
-    from moeify.train.rundir import load_trained as load
+    from moeify.rundir.model import load_trained as load
     from moeify.train.trainer import init_config, start_run_from_model
 
     tmp, corpus = setup

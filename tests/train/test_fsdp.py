@@ -13,10 +13,11 @@ import torch
 import torch.multiprocessing as mp
 
 from moeify.errors import MoeifyError
-from moeify.train import checkpoint as ck
+from moeify.rundir import layout
+from moeify.rundir import checkpoints as ckr
+from moeify.rundir import load_trained
 from moeify.train import sharded
 from moeify.train.config import TrainConfig
-from moeify.train.rundir import load_trained
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream
 
@@ -89,10 +90,10 @@ def test_two_sharded_processes_match_one_process_and_resume_in_one(setup):
         assert torch.equal(ranks[0]["usage"][name] + ranks[1]["usage"][name], counts), name
 
     # The checkpoints are sharded: one DCP file per process, no single-file weights.
-    step10 = tmp / "two" / ck.CHECKPOINTS / ck.checkpoint_name(10)
-    assert sharded.is_sharded_checkpoint(step10)
-    assert len(list((step10 / sharded.DCP_DIR).glob("*.distcp"))) == 2
-    assert not (step10 / ck.MODEL_FILE).exists()
+    step10 = tmp / "two" / layout.CHECKPOINTS / layout.checkpoint_name(10)
+    assert ckr.is_sharded_checkpoint(step10)
+    assert len(list((step10 / layout.DCP_DIR).glob("*.distcp"))) == 2
+    assert not (step10 / layout.MODEL_FILE).exists()
 
     # eval / generate read the sharded checkpoint into a plain model.
     tm = load_trained(tmp / "two")
@@ -131,23 +132,23 @@ def test_a_process_killed_while_writing_a_sharded_checkpoint_leaves_the_previous
     p.start()
     p.join()
     assert p.exitcode == 3
-    root = tmp / "run" / ck.CHECKPOINTS
-    assert [d.name for d in ck.checkpoint_dirs(tmp / "run")] == [ck.checkpoint_name(2)]
-    assert ck.latest_checkpoint(tmp / "run").name == ck.checkpoint_name(2)
+    root = tmp / "run" / layout.CHECKPOINTS
+    assert [d.name for d in layout.checkpoint_dirs(tmp / "run")] == [layout.checkpoint_name(2)]
+    assert layout.latest_checkpoint(tmp / "run").name == layout.checkpoint_name(2)
     assert list(root.glob(".tmp-*/dcp/*.distcp"))  # the half-written one is there, ignored
     assert load_trained(tmp / "run").checkpoint.step == 2
     # The run resumes from step 2 (one sharded process) and cleans the leftover up.
     res = train(cfg, tmp / "run", resume=True, quiet=True)
     assert sorted(res.losses) == [3, 4]
     assert not list(root.glob(".tmp-*"))
-    assert ck.latest_checkpoint(tmp / "run").name == ck.checkpoint_name(4)
+    assert layout.latest_checkpoint(tmp / "run").name == layout.checkpoint_name(4)
 
 
 def test_a_corrupt_shard_is_refused_with_a_clear_error(setup):
     tmp, corpus = setup
     train(_cfg(corpus, parallel="fsdp", steps=2, checkpoint_every=2), tmp / "run", quiet=True)
-    ckpt = ck.latest_checkpoint(tmp / "run")
-    shard = next((ckpt / sharded.DCP_DIR).glob("*.distcp"))
+    ckpt = layout.latest_checkpoint(tmp / "run")
+    shard = next((ckpt / layout.DCP_DIR).glob("*.distcp"))
     shard.write_bytes(b"x" + shard.read_bytes()[1:])
     with pytest.raises(Exception, match="corrupt.*checksum"):
         load_trained(tmp / "run")
@@ -190,8 +191,8 @@ def test_a_non_finite_shard_on_one_process_is_refused_by_every_process(setup):
         assert r["error"] is not None
         assert "non-finite" in r["error"] and r["name"] in r["error"], r["error"]
         assert "was not written" in r["error"]
-    root = tmp / "run" / ck.CHECKPOINTS
-    assert ck.checkpoint_dirs(tmp / "run") == []
+    root = tmp / "run" / layout.CHECKPOINTS
+    assert layout.checkpoint_dirs(tmp / "run") == []
     assert not list(root.glob(".tmp-*"))
 
 
@@ -202,14 +203,14 @@ def test_a_failed_sharded_write_removes_its_temporary_directory(setup, monkeypat
                       quiet=True)
     try:
         trainer.fit(stop_after=2)
-        root = run / ck.CHECKPOINTS
+        root = run / layout.CHECKPOINTS
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        (root / f".tmp-step-00000003-{dead}" / sharded.DCP_DIR).mkdir(parents=True)
+        (root / f".tmp-step-00000003-{dead}" / layout.DCP_DIR).mkdir(parents=True)
 
         def full_disk(tmp_dir, *args, **kwargs):
-            assert list((tmp_dir / sharded.DCP_DIR).glob("*.distcp"))  # the shards were written
-            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_dir / ck.STATE_FILE))
+            assert list((tmp_dir / layout.DCP_DIR).glob("*.distcp"))  # the shards were written
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_dir / layout.STATE_FILE))
 
         monkeypatch.setattr(sharded, "_finish", full_disk)
         with pytest.raises(MoeifyError, match="step 4.*the disk is full"):
@@ -217,8 +218,8 @@ def test_a_failed_sharded_write_removes_its_temporary_directory(setup, monkeypat
     finally:
         trainer.close()
     assert not list(root.glob(".tmp-*"))  # neither this write's nor the dead writer's
-    assert [d.name for d in ck.checkpoint_dirs(run)] == [ck.checkpoint_name(2)]
-    assert ck.latest_checkpoint(run).name == ck.checkpoint_name(2)
+    assert [d.name for d in layout.checkpoint_dirs(run)] == [layout.checkpoint_name(2)]
+    assert layout.latest_checkpoint(run).name == layout.checkpoint_name(2)
     assert load_trained(run).checkpoint.step == 2
 
 
@@ -261,10 +262,10 @@ def test_a_signal_to_one_sharded_process_stops_all_with_a_checkpoint(setup):
     for r in range(2):
         got = torch.load(f"{out}.{r}")
         assert got["step"] == 3 and got["losses"] == [1, 2, 3], (r, got)
-    step3 = tmp / "run" / ck.CHECKPOINTS / ck.checkpoint_name(3)
-    assert [d.name for d in ck.checkpoint_dirs(tmp / "run")] == [step3.name]
-    assert sharded.is_sharded_checkpoint(step3)
-    assert len(list((step3 / sharded.DCP_DIR).glob("*.distcp"))) == 2
+    step3 = tmp / "run" / layout.CHECKPOINTS / layout.checkpoint_name(3)
+    assert [d.name for d in layout.checkpoint_dirs(tmp / "run")] == [step3.name]
+    assert ckr.is_sharded_checkpoint(step3)
+    assert len(list((step3 / layout.DCP_DIR).glob("*.distcp"))) == 2
 
 
 def test_a_sharded_checkpoint_of_the_weights_that_diverged_is_set_aside(setup):
@@ -274,9 +275,9 @@ def test_a_sharded_checkpoint_of_the_weights_that_diverged_is_set_aside(setup):
     with pytest.raises(NonFiniteLoss, match="loss became nan.*set aside"):
         train(cfg, run, quiet=True)
     # No checkpoint a reader can reach holds weights that give a non-finite loss.
-    assert ck.checkpoint_dirs(run) == [] and not (run / ck.CHECKPOINTS / "latest").exists()
-    aside = run / ck.CHECKPOINTS / f"diverged-{ck.checkpoint_name(1)}"
-    assert sharded.is_sharded_checkpoint(aside)
+    assert layout.checkpoint_dirs(run) == [] and not (run / layout.CHECKPOINTS / "latest").exists()
+    aside = run / layout.CHECKPOINTS / f"diverged-{layout.checkpoint_name(1)}"
+    assert ckr.is_sharded_checkpoint(aside)
 
 
 def _diverging_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
@@ -309,6 +310,6 @@ def test_two_sharded_processes_agree_to_set_a_diverged_checkpoint_aside(setup):
     assert "set aside" in ranks[0]["error"]
     assert all(r["error"] and "loss became nan" in r["error"] for r in ranks)
     assert all(r["last"] is None for r in ranks)  # both know no good checkpoint remains
-    assert ck.checkpoint_dirs(tmp / "run") == []
-    assert sharded.is_sharded_checkpoint(
-        tmp / "run" / ck.CHECKPOINTS / f"diverged-{ck.checkpoint_name(1)}")
+    assert layout.checkpoint_dirs(tmp / "run") == []
+    assert ckr.is_sharded_checkpoint(
+        tmp / "run" / layout.CHECKPOINTS / f"diverged-{layout.checkpoint_name(1)}")

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from moeify.errors import MoeifyError
+from moeify.rundir import layout
+from moeify.rundir import checkpoints as ckr
 from moeify.train import checkpoint as ck
 from moeify.train.config import TrainConfig
 from moeify.train.metrics import read_metrics
@@ -97,7 +99,7 @@ def test_one_update_equals_a_hand_written_adamw_step(env):
 
 
 def _final_weights(run_dir):
-    return ck.load_checkpoint(run_dir).model_state
+    return ckr.load_checkpoint(run_dir).model_state
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(env):
@@ -106,7 +108,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(env):
     full = train(cfg, tmp / "a", quiet=True)
     first = train(cfg, tmp / "b", quiet=True, stop_after=4)  # "preempted" after step 4
     assert sorted(first.losses) == [1, 2, 3, 4]
-    assert ck.latest_checkpoint(tmp / "b").name == "step-00000004"
+    assert layout.latest_checkpoint(tmp / "b").name == "step-00000004"
     resumed = train(cfg, tmp / "b", resume=True, quiet=True)
     assert sorted(resumed.losses) == [5, 6, 7, 8]
     for s in range(1, 9):
@@ -141,7 +143,7 @@ def test_nan_loss_stops_and_leaves_the_last_checkpoint_intact(env):
         tr.model.output.bias[3] = float("nan")
     with pytest.raises(NonFiniteLoss, match=r"nan.*step 3.*step-00000002 is intact"):
         tr.fit()
-    assert [p.name for p in ck.checkpoint_dirs(tmp / "run")] == ["step-00000002"]
+    assert [p.name for p in layout.checkpoint_dirs(tmp / "run")] == ["step-00000002"]
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
     assert tr.step == 2  # no update was applied
     for k, v in tr.model.state_dict().items():  # only the poisoned bias differs
@@ -168,10 +170,10 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
     with pytest.raises(MoeifyError, match="step 4.*last good checkpoint .*step-00000002 is intact"):
         train(cfg, tmp / "run", quiet=True)
     monkeypatch.undo()
-    assert ck.latest_checkpoint(tmp / "run").name == "step-00000002"
+    assert layout.latest_checkpoint(tmp / "run").name == "step-00000002"
     resumed = train(cfg, tmp / "run", resume=True, quiet=True)
     assert resumed.losses == {3: reference.losses[3], 4: reference.losses[4]}
-    assert ck.latest_checkpoint(tmp / "run").name == "step-00000004"
+    assert layout.latest_checkpoint(tmp / "run").name == "step-00000004"
     assert not any(p.name.startswith(".tmp") for p in (tmp / "run" / "checkpoints").iterdir())
 
 

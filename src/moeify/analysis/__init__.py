@@ -5,5 +5,7 @@ config.json, metrics.jsonl, checkpoints) and never imports moeify.train.
     experts          expert usage per layer for every kind of routing
     curves           training / validation curves against tokens and training time
     compare          results of several runs: cost, quality, ordering and its stability
-    rundir, plotting run-directory reading; lazy matplotlib and PNGs that list their panels
+    plotting         lazy matplotlib and PNGs that list their panels
+
+Run directories are read through moeify.rundir.
 """

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from moeify.analysis.curves import Curve, load_curve, plot_curves, training_clock
-from moeify.analysis.rundir import read_metrics, read_model_config, read_train_config
+from moeify.rundir.files import (check_run_dir, read_metrics, read_model_config,
+                                 read_train_config_dict)
 from moeify.data.cache import atomic_write
 from moeify.errors import MoeifyError
 from moeify.models.cost import format_count, model_cost
@@ -49,7 +50,7 @@ def run_record(preset: str, run_dir: str | Path, *, final_valid: dict[str, Any] 
     run's last validation record). ``blimp``: blimp_accuracy's result, or {"error": reason}.
     ``listops``: listops_accuracy's result for runs on ListOps (adds ``answer_accuracy``,
     ``majority_baseline`` and ``answer_examples``)."""
-    cfg = read_model_config(run_dir)
+    cfg = read_model_config(check_run_dir(run_dir))
     cost = model_cost(cfg)
     records = read_metrics(run_dir)
     if final_valid is None:
@@ -221,7 +222,8 @@ def write_results(out_dir: str | Path, rows: list[dict[str, Any]], settings: dic
             "ordering": ordering.to_dict(),
             "valid_curves": {n: {"step": c.valid_step, "tokens": c.valid_tokens,
                                  c.metric: c.valid_value} for n, c in curves.items()},
-            "train_configs": {r["preset"]: read_train_config(r["run_dir"]) for r in rows}}
+            "train_configs": {r["preset"]: read_train_config_dict(check_run_dir(r["run_dir"]))
+                              for r in rows}}
     md = results_markdown(rows, settings, ordering, curves_png)
     if errors:
         md += "\n" + "\n".join(errors) + "\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moeify.analysis.plotting import pyplot, save_figure
-from moeify.analysis.rundir import read_metrics
+from moeify.rundir.files import read_metrics
 from moeify.errors import MoeifyError
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moeify.data.cache import atomic_write
 from moeify.errors import MoeifyError, install_hint
 
 PANELS_KEY = "moeify:panels"
@@ -32,8 +33,6 @@ def pyplot():
 def save_figure(fig, out: str | Path, panels: list[str], *, dpi: int = 110) -> Path:
     """Write ``fig`` as a PNG with its panel titles in the metadata, then close it. The PNG is
     written under a temporary name and renamed: a failure (a full disk) leaves the old file."""
-    from moeify.data.cache import atomic_write
-
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ValueError(f"plots are written as PNG: give an output path ending in .png, "

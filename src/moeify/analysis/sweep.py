@@ -35,11 +35,8 @@ from typing import Any
 
 from moeify.analysis.curves import load_curve
 from moeify.analysis.plotting import pyplot, save_figure
-from moeify.analysis.rundir import read_metrics, read_model_config
-
-SWEEP_FIELDS = ("variant", "steps", "preset", "n", "seeds", "values", "mean", "se", "baseline",
-                "gap", "gap_se", "gap_n", "params", "attention_macs", "train_tokens",
-                "train_time_s")
+from moeify.data.cache import atomic_write
+from moeify.rundir.files import check_run_dir, read_metrics, read_model_config
 
 
 def mean_se(values: list[float]) -> tuple[float | None, float | None]:
@@ -187,7 +184,7 @@ _SEL = re.compile(r"^stats/layers\.(\d+)\.attn\.(?:sel_([qkvo])_|(src|dst)\.)(co
 def routing_series(run_dir: str | Path) -> dict[tuple[int, str], dict[str, list]]:
     """{(layer, projection): {"step", "entropy", "dead", "gate"}} over the logged steps of one
     run (module doc); empty for runs without SwitchHead statistics."""
-    cfg = read_model_config(run_dir)
+    cfg = read_model_config(check_run_dir(run_dir))
     out: dict[tuple[int, str], dict[str, list]] = {}
     for rec in read_metrics(run_dir):
         if rec.get("kind") != "train":
@@ -373,14 +370,10 @@ def plot_gaps(rows: list[dict[str, Any]], out: str | Path) -> Path | None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    from moeify.data.cache import atomic_write
-
     with atomic_write(path, "w") as f:
         f.write(json.dumps(data, indent=2) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:
-    from moeify.data.cache import atomic_write
-
     with atomic_write(path, "w") as f:
         f.write(text)

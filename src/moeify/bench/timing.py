@@ -13,6 +13,7 @@ import torch
 
 from moeify.ops.moe import TRACE_PREFIX
 
+
 def _sync(device: torch.device | str | None) -> None:
     if _is_cuda(device):
         torch.cuda.synchronize(device)
@@ -65,19 +66,6 @@ def _no_gc():
             gc.enable()
 
 
-def median_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
-                device: torch.device | str | None = None) -> float:
-    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    with _no_gc():
-        for _ in range(repeats):
-            times.append(_timed_call(fn, device))
-    return statistics.median(times)
-
-
 def interleaved_median_times(fns: dict[str, Callable[[], object]], *, warmup: int = 2,
                              repeats: int = 7, device=None,
                              cpu_times: dict | None = None) -> dict[str, float]:
@@ -125,8 +113,7 @@ def emit(result: dict, table: str, as_json: bool) -> None:
 def expert_impls_run(fn: Callable[[], object]) -> list[str]:
     """The expert-matmul implementations one call of ``fn`` really ran, sorted: read from the
     profiler ranges that ``moeify.ops.moe.expert_matmul`` names after the kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
+    from torch.profiler import ProfilerActivity, profile  # only benchmarks that trace need it
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

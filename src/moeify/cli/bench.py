@@ -13,7 +13,12 @@ def register(sub) -> None:
                        description="Benchmarks measured side by side in one run (warm-up, median "
                        "of repeats). Add --json for machine-readable output.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for add in (_add_expert_matmul, _add_attention, _add_step, _add_ff, _add_generate):
+        add(bsub)
 
+
+def _add_expert_matmul(bsub) -> None:
+    """``moeify bench expert-matmul``."""
     em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs an equal-MAC "
                          "dense matmul (forward+backward)",
                          description="Every expert-matmul implementation (ops/expert_matmul.py) "
@@ -34,6 +39,9 @@ def register(sub) -> None:
     em.add_argument("--json", action="store_true", help="print JSON instead of a table")
     em.set_defaults(func=run_expert_matmul)
 
+
+def _add_attention(bsub) -> None:
+    """``moeify bench attention``."""
     at = bsub.add_parser(
         "attention", help="one attention layer per preset: dense, SwitchHead, MoA side by side",
         description="One attention layer at each preset's shapes (batch, T, XL memory), forward "
@@ -54,6 +62,9 @@ def register(sub) -> None:
     _common(at)
     at.set_defaults(func=run_attention)
 
+
+def _add_step(bsub) -> None:
+    """``moeify bench step``."""
     st = bsub.add_parser(
         "step", help="a whole training step (fwd, bwd, clip, AdamW) of full models",
         description="A training step of each preset's full model side by side: time and peak "
@@ -66,6 +77,9 @@ def register(sub) -> None:
     _common(st, warmup=1)
     st.set_defaults(func=run_step)
 
+
+def _add_ff(bsub) -> None:
+    """``moeify bench ff``."""
     ff = bsub.add_parser(
         "ff", help="feedforward MoEs vs a dense MLP and Hugging Face's Mixtral MoE block",
         description="sigma-MoE, Switch (dropless and with capacity 1.25), a dense MLP with the "
@@ -89,6 +103,9 @@ def register(sub) -> None:
     _common(ff, memory=False, compile=False)
     ff.set_defaults(func=run_ff)
 
+
+def _add_generate(bsub) -> None:
+    """``moeify bench generate``."""
     ge = bsub.add_parser(
         "generate", help="prefill and per-token decode throughput and KV-cache size",
         description="Full models decoding through their KV cache, side by side: prefill "

@@ -28,7 +28,7 @@ def load_config(args):
     if args.preset is not None:
         return args.preset, get_preset(args.preset)
     if args.run is not None:
-        from moeify.rundir import read_model_config
+        from moeify.rundir.files import read_model_config
 
         return args.run, read_model_config(args.run)
     if Path(args.config).is_dir():

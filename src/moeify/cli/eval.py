@@ -44,7 +44,7 @@ def run(args) -> int:
     from moeify.eval.adapters import stateless_logits_fn
     from moeify.eval.scoring import zero_shot_context
     from moeify.train.distributed import DistEnv, pick_device
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
     from moeify.train.trainer import resolve_amp
 
     if args.limit is not None and args.limit < 1:
@@ -106,7 +106,7 @@ def _ppl(args, tm, logits_fn, data_path, max_len, device, amp_dtype, progress) -
     from moeify.data.stream import tokenize_split
     from moeify.eval.adapters import evaluate_stream
 
-    corpus_spec = data_path or (tm.train_config.data if tm.train_config else None)
+    corpus_spec = data_path or (tm.train_config or {}).get("data")
     if corpus_spec is None:
         raise ValueError("the run records no corpus: pass --data CORPUS")
     corpus = load_corpus(corpus_spec)

@@ -104,7 +104,7 @@ def _run_harness(args, tasks) -> int:
 
     from moeify.data.cache import write_bytes_atomic
     from moeify.train.distributed import DistEnv, configure_cpu_threads, pick_device
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
     from moeify.train.trainer import resolve_amp
 
     device = pick_device(args.device, DistEnv())

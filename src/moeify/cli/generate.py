@@ -36,7 +36,7 @@ def run(args) -> int:
 
     from moeify.eval.generate import check_sampling_args, iter_generate, start_ids
     from moeify.train.distributed import DistEnv, pick_device
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
 
     check_sampling_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompt = read_prompt(args.prompt, args.prompt_file)

@@ -35,7 +35,7 @@ def context_note(run_dir) -> str | None:
     from pathlib import Path
 
     from moeify.interop.hf_import import HF_CONFIG_COPY
-    from moeify.rundir import read_model_config
+    from moeify.rundir.files import read_model_config
 
     hf = json.loads((Path(run_dir) / HF_CONFIG_COPY).read_text())
     positions = hf.get("max_position_embeddings") or hf.get("n_positions")

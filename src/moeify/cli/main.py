@@ -8,16 +8,8 @@ import importlib
 import os
 import sys
 
-# glibc malloc settings the CLI runs under (CPU analogue of PyTorch's CUDA caching allocator):
-# keep freed memory instead of returning every large buffer to the OS. Without them each step
-# page-faults its fresh activation and gradient buffers, which on CPU costs as much as the
-# matmuls (moeify bench expert-matmul: dense 54-61 ms -> 44 ms at the default shapes).
-# Opt out with MOEIFY_NO_MALLOC_TUNING=1.
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 32),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
-    "MALLOC_TOP_PAD_": str(512 << 20),
-}
+from moeify.errors import error_line
+from moeify.runtime import MALLOC_ENV
 
 
 def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
@@ -78,18 +70,6 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
             continue
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         action.help += f" (default: {str(shown).replace('%', '%%')})"
-
-
-def error_line(e: BaseException) -> str:
-    """The one line the CLI prints for an error the user can act on (MOEIFY_DEBUG=1: traceback).
-    OS errors name the path and what to do; other messages are joined onto one line."""
-    from moeify.errors import MoeifyError, describe_os_error
-
-    if isinstance(e, OSError) and not isinstance(e, MoeifyError):
-        text = describe_os_error(e)
-    else:
-        text = str(e)
-    return " ".join(text.split()) or type(e).__name__
 
 
 def _closed_pipe() -> int:

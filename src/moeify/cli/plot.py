@@ -64,12 +64,12 @@ def _check_out(path: str) -> None:
 def run_attention(args) -> int:
     from moeify.analysis.attention_maps import compute_attention_maps, format_entropy, \
         plot_attention
-    from moeify.analysis.rundir import load_run_model
+    from moeify.rundir import load_trained
 
     _check_out(args.out)
-    run = load_run_model(args.run)
+    run = load_trained(args.run, single_file_only=True)
     ids = run.tokenizer.encode(args.text)
-    T = run.config.context_length
+    T = run.model_config.context_length
     if len(ids) > T:
         print(f"note: the text has {len(ids)} tokens; using the first {T} (the context length)",
               file=sys.stderr)
@@ -86,14 +86,14 @@ def run_attention(args) -> int:
 
 def run_experts(args) -> int:
     from moeify.analysis.experts import expert_usage, format_usage, plot_experts
-    from moeify.analysis.rundir import load_run_model, read_train_config
+    from moeify.rundir import load_trained
     from moeify.data import load_corpus, tokenize_split
 
     _check_out(args.out)
     if args.tokens < 1 or args.batch_size < 1:
         raise ValueError("--tokens and --batch-size must be positive")
-    run = load_run_model(args.run)
-    data = args.data or read_train_config(args.run).get("data")
+    run = load_trained(args.run, single_file_only=True)
+    data = args.data or (run.train_config or {}).get("data")
     if not data:
         raise ValueError(f"{args.run} does not record its training corpus; pass --data")
     tokens = tokenize_split(load_corpus(data), run.tokenizer, args.split)

@@ -1,25 +1,11 @@
-"""``moeify sweep``: a grid of presets x training budgets x seeds (x named setting variants),
-trained one run per child process as ``moeify compare`` does (the same scheduler, child and
-run-directory rules), then tabulated by moeify.analysis.sweep.
-
-Runs live in OUT/runs/VARIANT/PRESET/steps-N/seed-S. A run is finished when its directory holds
-the child's result with the same settings; a finished run is never trained again, an interrupted
-one resumes from its last checkpoint, so a killed sweep continues where it stopped. The table
-covers every finished run under OUT/runs (several invocations may fill one OUT, e.g. more seeds
-or presets later); ``--tabulate`` only rewrites it.
-"""
+"""``moeify sweep``: the arguments (presets, budgets, seeds, variants). The grid's runs, their
+training and the tables are moeify.sweep.grid's (``--tabulate`` only rewrites the tables)."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 
-from moeify.cli.compare import (CHILD_RESULT, SPEC_FILE, _spec, _write_json, lock_out,
-                                plan_run, report_written, run_settings, train_all)
-
-SWEEP_FILE = "sweep.json"
 BASE = "base"
 
 
@@ -95,66 +81,35 @@ def parse_variants(items: list[str]) -> dict[str, list[str]]:
     return variants
 
 
-def grid_specs(args, presets, budgets, seeds, variants, threads) -> list[dict]:
-    """One spec per run, ordered budget, seed, variant, preset: the cheapest complete
-    comparisons first, and a seed's presets side by side."""
-    from moeify.train.config import TrainConfig, resolve_model_config
-
-    specs, lengths = [], set()
-    for steps in budgets:
-        for seed in seeds:
-            for vname, vsets in variants.items():
-                for preset in presets:
-                    cfg = TrainConfig(preset=preset, data=args.data, steps=steps,
-                                      seed=seed).with_overrides(args.overrides + vsets)
-                    lengths.add(resolve_model_config(cfg).context_length)
-                    run_dir = Path(args.out) / "runs" / vname / preset / f"steps-{steps}" / \
-                        f"seed-{seed}"
-                    spec = _spec(preset, cfg, run_dir, threads, args,
-                                 name=f"{vname}/{preset}/{steps}/seed{seed}")
-                    spec["sweep"] = {"variant": vname, "steps": steps, "seed": seed,
-                                     "variant_settings": vsets}
-                    specs.append(spec)
-    if len(lengths) != 1:
-        raise ValueError("the presets have different context lengths, so their token order "
-                         "would differ; set model.context_length=N")
-    return specs
-
-
-def finished_runs(out: Path) -> tuple[list[dict], list[str]]:
-    """(specs with results, names of unfinished runs) for every run directory under OUT."""
-    done, pending = [], []
-    for spec_path in sorted((out / "runs").glob(f"*/*/*/*/{SPEC_FILE}")):
-        spec = json.loads(spec_path.read_text())
-        result = spec_path.parent / CHILD_RESULT
-        if result.is_file():
-            done.append({**spec, "result": json.loads(result.read_text())})
-        else:
-            pending.append(spec["name"])
-    return done, pending
-
-
+# moeify.sweep is imported inside the functions, as every cli module imports its work: `moeify`
+# imports every subcommand's module to build its parser, and torch must not load before the
+# command runs (moeify bench sets OpenMP's wait policy first).
 def run(args) -> int:
+    from moeify.sweep.grid import check_baselines, tabulate, train_grid
+    from moeify.sweep.scheduler import lock_out
+
     out = Path(args.out)
     error = None
     if not args.tabulate:
         presets, specs = _grid(args)
         lock = lock_out(out, "sweep")
         try:
-            error = _train(args, out, presets, specs)
-            data = tabulate(out, args)
+            error = train_grid(out, presets, specs, data=args.data, jobs=args.jobs,
+                               baseline=args.baseline)
+            data = tabulate(out, data=args.data, baseline=args.baseline)
         finally:
             lock.release()
         return _report(out, data, error)
     elif not (out / "runs").is_dir():
         raise ValueError(f"{out} holds no sweep runs (no {out / 'runs'}): run the sweep first")
     check_baselines(args.baseline, [], out)
-    return _report(out, tabulate(out, args), None)
+    return _report(out, tabulate(out, data=args.data, baseline=args.baseline), None)
 
 
 def _report(out: Path, data: dict | None, error: BaseException | None) -> int:
     if data is not None:
         from moeify.analysis.sweep import main_table
+        from moeify.sweep.scheduler import report_written
 
         print(main_table((out / "results.md").read_text()))
         report_written(out, data)
@@ -163,22 +118,11 @@ def _report(out: Path, data: dict | None, error: BaseException | None) -> int:
     return 0 if data is not None else 1
 
 
-def check_baselines(baseline: str | None, presets: list[str], out: Path) -> None:
-    """Every --baseline must be a preset of this grid or of runs already in OUT: the gaps are
-    computed against its runs, so a baseline that never trains gives no gaps at all."""
-    if baseline is None:
-        return
-    given = [b.strip() for b in baseline.split(",") if b.strip()]
-    known = set(presets) | {p.name for p in (out / "runs").glob("*/*") if p.is_dir()}
-    unknown = [b for b in given if b not in known]
-    if not given or unknown:
-        raise ValueError(f"--baseline {', '.join(unknown) or repr(baseline)} is not among the "
-                         f"presets of this sweep ({', '.join(sorted(known))}); name one of them "
-                         "(or add it to --presets)")
-
-
 def _grid(args) -> tuple[list[str], list[dict]]:
     """The presets and the run specs of the grid the arguments ask for (checked)."""
+    from moeify.sweep.grid import check_baselines, grid_specs
+    from moeify.sweep.protocol import Scoring
+
     if not args.presets:
         raise ValueError("--presets is required unless --tabulate")
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
@@ -193,107 +137,9 @@ def _grid(args) -> tuple[list[str], list[dict]]:
         raise ValueError("--budgets, --jobs and --threads must be positive integers")
     variants = parse_variants(args.variants)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    return presets, grid_specs(args, presets, budgets, seeds, variants, threads)
+    scoring = Scoring(final_eval_tokens=args.final_eval_tokens,
+                      blimp_per_paradigm=args.blimp_per_paradigm, blimp_data=args.blimp_data)
+    return presets, grid_specs(Path(args.out), presets, budgets, seeds, variants, threads,
+                               data=args.data, overrides=args.overrides, scoring=scoring)
 
 
-def _train(args, out: Path, presets: list[str], specs: list[dict]) -> BaseException | None:
-    from moeify.data import load_corpus
-
-    _remember(out, args, presets)
-    todo = []
-    for spec in specs:
-        if plan_run(Path(spec["run_dir"]), spec, reuse=True) is None:
-            todo.append(spec)
-    print(f"[sweep] {len(specs)} runs in the grid, {len(specs) - len(todo)} already finished, "
-          f"{len(todo)} to train", file=sys.stderr)
-    if todo:
-        load_corpus(args.data)
-    _, error = train_all(todo, args.jobs, "sweep", on_done=lambda *_: _tabulate_now(out, args))
-    return error
-
-
-def _tabulate_now(out: Path, args) -> None:
-    """Rewrite the tables after every finished run, so that each one is usable at once; a
-    failure here must not stop the training."""
-    from moeify.errors import MoeifyError
-
-    try:
-        tabulate(out, args)
-    except (MoeifyError, ValueError, OSError) as e:
-        print(f"[sweep] tables not updated: {e}", file=sys.stderr)
-
-
-def _remember(out: Path, args, presets: list[str]) -> None:
-    """OUT/sweep.json: the corpus and the baselines, so that --tabulate needs neither."""
-    path = out / SWEEP_FILE
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    if old.get("data", args.data) != args.data:
-        raise ValueError(f"{out} holds a sweep on {old['data']!r}, not {args.data!r}: one OUT "
-                         "per corpus")
-    given = [b.strip() for b in (args.baseline or presets[0]).split(",") if b.strip()]
-    baselines = list(dict.fromkeys(old.get("baselines", []) + given))
-    _write_json(path, {"data": args.data, "baselines": baselines})
-
-
-def tabulate(out: Path, args) -> dict | None:
-    from moeify.analysis.compare import run_record
-
-    done, pending = finished_runs(out)
-    if not done:
-        print(f"[sweep] no finished runs in {out} yet", file=sys.stderr)
-        return None
-    meta = json.loads((out / SWEEP_FILE).read_text()) if (out / SWEEP_FILE).is_file() else {}
-    baselines = ([b.strip() for b in args.baseline.split(",")] if args.baseline
-                 else meta.get("baselines") or [done[0]["preset"]])
-    records = []
-    for spec in done:
-        r = spec["result"]
-        rec = run_record(spec["preset"], spec["run_dir"], final_valid=r["final_valid"],
-                         peak_memory_bytes=r.get("max_rss_bytes"),
-                         peak_memory_kind="max resident set size (RSS)", blimp=r.get("blimp"))
-        rec.update({k: spec["sweep"][k] for k in ("variant", "steps", "seed")})
-        records.append(rec)
-    return write_sweep(out, records, done, pending, baselines, meta.get("data", args.data))
-
-
-def recipe(specs: list[dict]) -> dict:
-    """The training settings every run shares (lr, batch, schedule, ...) and those that vary."""
-    cfgs = [s["train_config"] for s in specs]
-    keys = [k for k in cfgs[0] if k not in ("preset", "steps", "seed", "data")]
-    same = {k: cfgs[0][k] for k in keys if all(c.get(k) == cfgs[0][k] for c in cfgs)}
-    varies = sorted(k for k in keys if k not in same)
-    return {"shared": same, "varies": varies,
-            "variants": {s["sweep"]["variant"]: s["sweep"]["variant_settings"] for s in specs}}
-
-
-def write_sweep(out: Path, records, specs, pending, baselines, data_name) -> dict:
-    from moeify.analysis.sweep import (plot_gaps, plot_routing, plot_sweep, routing_diagnosis,
-                                       sweep_markdown, sweep_table, write_json, write_text)
-    from moeify.errors import MoeifyError
-
-    rows = sweep_table(records, baselines)
-    diagnosis = routing_diagnosis(records)
-    plots, errors = [], []
-    for name, fn, what in (("valid_curves.png", plot_sweep, records),
-                           ("gaps.png", plot_gaps, rows), ("routing.png", plot_routing, records)):
-        try:
-            if fn(what, out / name) is not None:
-                plots.append(name)
-        except MoeifyError as e:  # matplotlib missing: the numbers still get written
-            errors.append(f"{name} not drawn: {e}")
-    rec = recipe(specs)
-    settings = {"data": data_name, "baselines": ",".join(baselines),
-                **{k: rec["shared"][k] for k in ("lr", "batch_size", "warmup_steps",
-                                                 "grad_clip", "betas", "weight_decay",
-                                                 "tokenizer") if k in rec["shared"]},
-                "varies": ",".join(rec["varies"]) or "none",
-                "threads_per_run": ",".join(sorted({str(s["threads"]) for s in specs})),
-                **run_settings([s["result"] for s in specs])}
-    data = {"settings": settings, "recipe": rec, "table": rows, "runs": records,
-            "routing": diagnosis, "pending": pending, "plots": plots, "plot_errors": errors}
-    md = sweep_markdown(rows, settings, diagnosis, plots, pending)
-    if errors:
-        md += "\n" + "\n".join(errors) + "\n"
-    write_json(out / "results.json", data)
-    write_text(out / "results.md", md)
-    return data

@@ -65,8 +65,8 @@ def run(args) -> int:
     from pathlib import Path
 
     from moeify.errors import MoeifyError
-    from moeify.train.config import TrainConfig, resolve_model_config
-    from moeify.train.rundir import default_run_dir, read_train_config
+    from moeify.rundir.layout import default_run_dir
+    from moeify.train.config import TrainConfig, read_train_config, resolve_model_config
     from moeify.train.trainer import train
 
     if args.list_settings:
@@ -97,7 +97,7 @@ def run(args) -> int:
                                   "give --resume runs/NAME (or --out runs/NAME --resume)")
             run_dir = Path(args.out)
         else:
-            from moeify.train.checkpoint import resolve_checkpoint, run_dir_of
+            from moeify.rundir.layout import resolve_checkpoint, run_dir_of
 
             run_dir = run_dir_of(resolve_checkpoint(resume))
             if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
@@ -128,7 +128,7 @@ def _init_from(args, explicit: dict) -> int:
     import dataclasses
     from pathlib import Path
 
-    from moeify.train.rundir import default_run_dir
+    from moeify.rundir.layout import default_run_dir
     from moeify.train.trainer import init_config, train_from
 
     cfg = dataclasses.replace(init_config(args.init_from), **explicit

@@ -60,10 +60,10 @@ def run(args) -> int:
     from moeify.data.cache import atomic_directory, sweep_stale_directories
     from moeify.models.cost import model_cost
     from moeify.models.upcycle import is_exact, upcycle
-    from moeify.train.checkpoint import resolve_checkpoint, run_dir_of
-    from moeify.train.config import TrainConfig
+    from moeify.rundir.layout import resolve_checkpoint, run_dir_of
+    from moeify.train.config import TrainConfig, read_train_config
     from moeify.train.distributed import configure_cpu_threads
-    from moeify.train.rundir import load_trained
+    from moeify.rundir import load_trained
     from moeify.train.trainer import start_run_from_model
 
     if args.steps is not None and args.steps < 1:
@@ -90,7 +90,7 @@ def run(args) -> int:
     if src.train_config is None and args.data is None:
         raise MoeifyError(f"{src_dir} has no training configuration; give --data for the new "
                           "run's corpus")
-    base = src.train_config or TrainConfig()
+    base = read_train_config(src_dir) if src.train_config is not None else TrainConfig()
     explicit = {k: v for k, v in (("steps", args.steps), ("data", args.data)) if v is not None}
     cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
                               model=model.config.to_dict(), **explicit

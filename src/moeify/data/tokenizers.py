@@ -26,6 +26,7 @@ import numpy as np
 
 from moeify.data import cache
 from moeify.data.gpt2_bpe import GPT2Tokenizer
+from moeify.data.hf_tokenizer import HFTokenizer
 from moeify.data.tokenizer_base import META as _META
 from moeify.data.tokenizer_base import Tokenizer
 from moeify.errors import MoeifyError, install_hint, read_utf8
@@ -202,7 +203,5 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if kind == "gpt2":
         return GPT2Tokenizer(directory / meta["encoder_file"], directory / meta["merges_file"])
     if kind == "hf":
-        from moeify.data.hf_tokenizer import HFTokenizer
-
         return HFTokenizer.from_file(directory / meta["hf_file"], int(meta["vocab_size"]))
     raise MoeifyError(f"{meta_path} names an unknown tokenizer kind {kind!r}")

@@ -36,10 +36,11 @@ from typing import Any, Sequence
 
 import torch
 
-from moeify.errors import MoeifyError, install_hint
+from moeify.errors import MoeifyError, install_hint, read_utf8
 from moeify.eval.generate import generate
 from moeify.eval.adapters import stateless_logits_fn
 from moeify.eval.scoring import score_continuations, zero_shot_context
+from moeify.rundir import load_trained
 
 try:
     import lm_eval.models  # noqa: F401  (registers lm-eval's own model names before ours)
@@ -92,8 +93,6 @@ class MoeifyLM(LM):
                  amp: str = "fp32", max_batch_size: Any = None) -> None:
         # max_batch_size: lm-eval passes it to every model type; batches here are batch_size
         super().__init__()
-        from moeify.rundir import load_run_model
-
         if run is None:
             raise ValueError("the moeify model type needs model_args run=RUN_DIR")
         if amp not in AMP_DTYPES:
@@ -103,7 +102,7 @@ class MoeifyLM(LM):
         except RuntimeError:
             raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)"
                              ) from None
-        loaded = load_run_model(run, dev)
+        loaded = load_trained(run, dev, single_file_only=True)
         self._setup(loaded.model, loaded.tokenizer, dev, AMP_DTYPES[amp],
                     _positive_int("batch_size", batch_size))
 
@@ -230,9 +229,7 @@ def task_dirs(include: Sequence[str | Path] = ()) -> list[str]:
 def check_task_yaml(directory: Path) -> None:
     """Every YAML file under a user's task directory parses: lm-eval skips a broken one with a
     log line, and its task is then reported as unknown, far from the cause."""
-    import yaml
-
-    from moeify.errors import read_utf8
+    import yaml  # lm-eval's dependency: present only with the harness extra
 
     class Loader(yaml.SafeLoader):
         pass

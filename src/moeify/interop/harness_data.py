@@ -9,9 +9,10 @@ these; a user's task directory can do the same with a one-line utils.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, read_utf8
 from moeify.eval.lambada import split_passage
 from moeify.eval.paths import DATA_DIR_ENV, data_dir
 
@@ -40,10 +41,6 @@ def resolve_data_files(data_files: str | dict[str, str]) -> dict[str, str]:
 def check_json_lines(path: Path) -> None:
     """Every non-empty line of a JSON-lines file is a JSON object: datasets' json builder
     would fail on a corrupt one with a traceback of its own, without naming the line."""
-    import json
-
-    from moeify.errors import read_utf8
-
     for lineno, line in enumerate(read_utf8(path).split("\n"), 1):
         if not line.strip():
             continue

@@ -33,7 +33,14 @@ import shutil
 from pathlib import Path
 
 from moeify.data.cache import atomic_directory, sweep_stale_directories
+from moeify.data.gpt2_bpe import bytes_to_unicode
+from moeify.data.hf_tokenizer import import_tokenizers
 from moeify.errors import MoeifyError, install_hint, os_error_of
+from moeify.interop.hf_import import HF_CONFIG_COPY, HF_TOKENIZER_CONFIG_COPY, offline
+from moeify.interop.hf_native import ARCHITECTURE, native_export
+from moeify.layers.mosa import MoSAConfig
+from moeify.rundir import load_trained
+from moeify.rundir.files import model_config_dict
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
@@ -42,9 +49,6 @@ REQUIRES = f"the modeling code imports moeify: {install_hint(here=False)} (trust
 
 def hf_config(model_cfg, hf_source: dict | None) -> dict:
     """config.json of the exported directory."""
-    from moeify.layers.mosa import MoSAConfig
-    from moeify.train.rundir import model_config_dict
-
     if any(isinstance(a, MoSAConfig) for a in model_cfg.attention):
         # Its decoding state (every token's router scores plus the hybrid's dense cache) is not
         # a KVCache, which the exported cache layer (hf_remote/modeling_moeify.py) wraps and
@@ -72,8 +76,6 @@ def hf_config(model_cfg, hf_source: dict | None) -> dict:
 def byte_level_tokenizer_json(values, unk: bool) -> bytes:
     """A ``tokenizers`` byte-level BPE without merges whose ids are moeify's byte ids:
     id i = byte ``values[i]`` (GPT-2's byte-to-character map), the last id the unknown byte."""
-    from moeify.data.gpt2_bpe import bytes_to_unicode
-    from moeify.data.hf_tokenizer import import_tokenizers
 
     tk = import_tokenizers()
     b2u = bytes_to_unicode()
@@ -93,8 +95,7 @@ def tokenizer_json(tokenizer) -> bytes | None:
     if tokenizer.name in ("byte", "byte256"):
         return byte_level_tokenizer_json(tokenizer.values, tokenizer.has_unk)
     if tokenizer.name == "gpt2":
-        from moeify.data.hf_tokenizer import import_tokenizers
-
+    
         tk = import_tokenizers()
         merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.get)
         tok = tk.Tokenizer(tk.models.BPE(dict(tokenizer.encoder), merges))
@@ -118,8 +119,6 @@ def _readme(run_dir: Path, model_cfg, has_tokenizer: bool) -> str:
 
 
 def _tokenizer_config(tm) -> dict:
-    from moeify.interop.hf_import import HF_TOKENIZER_CONFIG_COPY
-
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
            "model_max_length": tm.model_config.context_length}
     kept = tm.run_dir / HF_TOKENIZER_CONFIG_COPY  # an imported checkpoint's special tokens
@@ -129,8 +128,6 @@ def _tokenizer_config(tm) -> dict:
 
 
 def _native_readme(run_dir: Path, kind: str, model_cfg, has_tokenizer: bool) -> str:
-    from moeify.interop.hf_native import ARCHITECTURE
-
     tok = ("tokenizer.json (AutoTokenizer.from_pretrained(DIR)) is the run's tokenizer.\n"
            if has_tokenizer else "The run's tokenizer (SentencePiece) has no Hugging Face form "
            "here: its moeify files are in moeify_tokenizer/.\n")
@@ -155,6 +152,7 @@ def _write_tokenizer(tmp: Path, tm) -> bool:
 def _save_weights(state: dict, tmp: Path, out: Path | None) -> None:
     """model.safetensors in ``tmp``; a full disk (or another OS error, which safetensors reports
     as its own error type) as the OSError of the file the user asked for, under ``out``."""
+    # Looked up when called: tests replace safetensors.torch.save_file to fill the disk.
     from safetensors.torch import save_file
 
     try:
@@ -196,9 +194,6 @@ def export_hf(run: str | Path, out: str | Path, *, format: str = "moeify") -> Pa
     ``run``, in ``format`` "moeify" (remote code) or "native" (transformers' own model_type;
     module docstring). The directory appears complete or not at all (written beside it, then
     renamed); a model without a native form is refused before anything is written."""
-    from moeify.interop.hf_import import HF_CONFIG_COPY, offline
-    from moeify.train.rundir import load_trained
-
     offline()
     if format not in EXPORT_FORMATS:
         raise MoeifyError(f"unknown export format {format!r}; choose one of "
@@ -212,8 +207,6 @@ def export_hf(run: str | Path, out: str | Path, *, format: str = "moeify") -> Pa
     src = tm.run_dir / HF_CONFIG_COPY
     hf_source = json.loads(src.read_text()) if src.is_file() else None
     if format == "native":
-        from moeify.interop.hf_native import native_export
-
         native = native_export(tm.model_config, tm.model.state_dict(), hf_source)
         with atomic_directory(out, "export") as tmp:
             _write_native(tmp, tm, native, out=out)

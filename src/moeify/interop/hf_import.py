@@ -48,14 +48,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
-from moeify.data.cache import atomic_directory
+from moeify.data.cache import atomic_directory, sweep_stale_directories
+from moeify.data.hf_tokenizer import HFTokenizer
 from moeify.errors import MoeifyError
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.norm import NormConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.models.config import ModelConfig
+from moeify.rundir.files import model_config_dict, write_run_files
+from moeify.train import checkpoint as train_checkpoint
+from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                      "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
@@ -287,8 +292,6 @@ def _moe_layers(hf: dict, D: int, L: int, act: str) -> tuple:
 
 def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards model.safetensors.index.json names."""
-    from safetensors.torch import load_file
-
     single, index = src / "model.safetensors", src / "model.safetensors.index.json"
     if single.is_file():
         files = [single]
@@ -442,8 +445,6 @@ def state_from_hf(tensors: dict[str, torch.Tensor], hf: dict, cfg: ModelConfig,
 # ---------------------------------------------------------------------- the run directory
 
 def _read_tokenizer(src: Path, vocab_size: int):
-    from moeify.data.hf_tokenizer import HFTokenizer
-
     path = src / "tokenizer.json"
     if not path.is_file():
         raise MoeifyError(f"{src} has no tokenizer.json: save the tokenizer into the checkpoint "
@@ -463,8 +464,6 @@ def _special_tokens(src: Path) -> dict[str, Any]:
 
 
 def _check_out(out: Path) -> None:
-    from moeify.data.cache import sweep_stale_directories
-
     sweep_stale_directories(out)  # what killed imports into --out left beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"{out} already exists and is not an empty directory; choose a new "
@@ -486,10 +485,6 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     """Convert the checkpoint directory ``src`` into the moeify run directory ``out`` (new or
     empty). Everything is read and checked before anything is written, and the run directory
     appears complete or not at all (written beside ``out``, then renamed)."""
-    from moeify.train.checkpoint import save_checkpoint
-    from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
-    from moeify.train.rundir import model_config_dict, write_run_files
-
     offline()
     src, out = Path(src), Path(out)
     _check_out(out)
@@ -508,5 +503,6 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
                 "weights_only": True,
                 "imported_from": {"path": str(src.resolve()),
                                   "architecture": SUPPORTED_ARCHITECTURES[hf["model_type"]]}}
-        save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True}, meta=meta)
+        train_checkpoint.save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True},
+                                         meta=meta)
     return out

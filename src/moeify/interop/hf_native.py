@@ -38,6 +38,10 @@ from typing import Any
 import torch
 
 from moeify.errors import MoeifyError
+from moeify.interop.hf_import import offline
+from moeify.layers.gqa import GroupedQueryAttentionConfig
+from moeify.layers.mlp import GatedMLPConfig, MLPConfig
+from moeify.layers.switch_ff import SwitchFFConfig
 
 DENSE_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -74,10 +78,6 @@ class _Model:
 
 
 def _read(cfg) -> _Model:
-    from moeify.layers.gqa import GroupedQueryAttentionConfig
-    from moeify.layers.mlp import GatedMLPConfig, MLPConfig
-    from moeify.layers.switch_ff import SwitchFFConfig
-
     _need(not cfg.xl_memory, "it carries Transformer-XL memory (xl_memory=True)")
     _need(all(d is None for d in cfg.depth), "it routes depth (Mixture-of-Depths)")
     _need(cfg.dropout == 0, f"its residual dropout is {cfg.dropout} (needs 0)")
@@ -119,8 +119,6 @@ def _rms_llama(m: _Model, qk_norm: str = "none") -> None:
 
 
 def _dense_swiglu(m: _Model, bias_ok: bool) -> None:
-    from moeify.layers.mlp import GatedMLPConfig
-
     _need(m.moe is None, "it has MoE feedforwards")
     _need(isinstance(m.dense, GatedMLPConfig), f"its MLP is {type(m.dense).__name__}, not SwiGLU")
     _need(m.dense.activation in _HF_ACT, f"its MLP activation is {m.dense.activation}")
@@ -128,8 +126,6 @@ def _dense_swiglu(m: _Model, bias_ok: bool) -> None:
 
 
 def _experts(m: _Model, *, renormalize: bool | None, shared: bool, dense_ok: bool) -> None:
-    from moeify.layers.mlp import GatedMLPConfig
-
     f = m.moe
     _need(f is not None, "it has no MoE feedforward")
     _need(f.gated, "its experts are not gated (SwiGLU): act(W_in x) alone, as in Switch, has "
@@ -163,8 +159,6 @@ def _check(kind: str, m: _Model) -> None:
     """Raises Mismatch unless the model is exactly ``kind``."""
     a = m.attn
     if kind == "gpt2":
-        from moeify.layers.mlp import MLPConfig
-
         c = m.cfg
         _need(c.norm.kind == "layernorm" and c.norm.bias, "its norm is not LayerNorm with bias")
         _need(c.max_positions > 0 and a.pos == "absolute", "it has no learned absolute positions")
@@ -275,8 +269,6 @@ def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
     if kind == "qwen2_moe":
         out["qkv_bias"] = a.qkv_bias
     if kind in MOE_TYPES:
-        from moeify.layers.switch_ff import SwitchFFConfig
-
         f = m.moe
         is_moe = [isinstance(x, SwitchFFConfig) for x in m.ffs]
         out.update(num_experts_per_tok=f.k, router_jitter_noise=0.0,
@@ -327,8 +319,6 @@ class _Tracked(dict):
 
 
 def _native_tensors(kind: str, cfg, sd: _Tracked) -> dict[str, torch.Tensor]:
-    from moeify.layers.switch_ff import SwitchFFConfig
-
     out: dict[str, torch.Tensor] = {}
     if kind == "gpt2":
         out.update({"transformer.wte.weight": sd["embedding.weight"],
@@ -400,8 +390,6 @@ def native_export(cfg, state: dict[str, torch.Tensor], hf_source: dict | None = 
                   ) -> tuple[str, dict, dict[str, torch.Tensor]]:
     """(model_type, config.json as transformers' config class writes it, tensors) of the model,
     or a one-line MoeifyError when it has no native form."""
-    from moeify.interop.hf_import import offline
-
     offline()
     kind = native_type(cfg, hf_source)
     entries = native_config(kind, cfg, hf_source)

@@ -53,19 +53,20 @@ def mod(*, d: int, L: int, capacity: float = 0.125):
 
 # ---------------------------------------------------------------------------- paper geometry
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Size:
-    """The shape shared by a group of paper rows (switchhead.md §4)."""
+    """The shape shared by a group of paper rows (switchhead.md §4); keyword-only, so that a
+    row reads as what each number is."""
 
-    vocab: int
-    d: int
-    L: int
-    T: int
-    xl: bool
-    dropout: float  # §3: 0.1 small / enwik8, 0.2 big
-    dense_heads: int
-    dense_d_head: int
-    dense_d_ff: int
+    vocab: int         # vocabulary size
+    d: int             # d_model
+    L: int             # layers
+    T: int             # context length
+    xl: bool           # Transformer-XL memory and relative positions (else RoPE)
+    dropout: float     # §3: 0.1 small / enwik8, 0.2 big
+    dense_heads: int   # the dense baseline's attention heads
+    dense_d_head: int  # ... their head width
+    dense_d_ff: int    # the dense feedforward width
 
 
 VOCAB_BPE = 8000
@@ -73,11 +74,16 @@ VOCAB_BPE = 8000
 # corpus replaces vocab_size with the exact count.
 VOCAB_ENWIK8 = 205
 
-SMALL_XL = Size(VOCAB_BPE, 412, 16, 256, True, 0.1, 10, 41, 2053)
-BIG_XL = Size(VOCAB_BPE, 1024, 18, 512, True, 0.2, 16, 64, 4110)
-ENWIK8 = Size(VOCAB_ENWIK8, 512, 12, 512, True, 0.1, 8, 64, 2053)
-SMALL_ROPE = Size(VOCAB_BPE, 412, 16, 512, False, 0.1, 10, 41, 2053)
-BIG_ROPE = Size(VOCAB_BPE, 1024, 18, 1024, False, 0.2, 16, 64, 4110)
+SMALL_XL = Size(vocab=VOCAB_BPE, d=412, L=16, T=256,
+                xl=True, dropout=0.1, dense_heads=10, dense_d_head=41, dense_d_ff=2053)
+BIG_XL = Size(vocab=VOCAB_BPE, d=1024, L=18, T=512,
+              xl=True, dropout=0.2, dense_heads=16, dense_d_head=64, dense_d_ff=4110)
+ENWIK8 = Size(vocab=VOCAB_ENWIK8, d=512, L=12, T=512,
+              xl=True, dropout=0.1, dense_heads=8, dense_d_head=64, dense_d_ff=2053)
+SMALL_ROPE = Size(vocab=VOCAB_BPE, d=412, L=16, T=512,
+                  xl=False, dropout=0.1, dense_heads=10, dense_d_head=41, dense_d_ff=2053)
+BIG_ROPE = Size(vocab=VOCAB_BPE, d=1024, L=18, T=1024,
+                xl=False, dropout=0.2, dense_heads=16, dense_d_head=64, dense_d_ff=4110)
 
 
 def lm(size: Size, attention, feedforward, depth=None) -> ModelConfig:

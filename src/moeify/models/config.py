@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeify.layers.common import check_positive, check_probability
+from moeify.layers.feedforward import SigmaMoEConfig
 from moeify.layers.norm import NormConfig
+from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM
 
 # Modules whose dataclasses may appear in a ModelConfig; a type tag is looked up in these.
@@ -128,9 +130,6 @@ class ModelConfig:
         if self.block not in BLOCKS:
             raise ValueError(f"ModelConfig.block must be one of {BLOCKS}, got {self.block!r}")
         if self.block == "peri_ln":
-            from moeify.layers.feedforward import SigmaMoEConfig
-            from moeify.layers.switchhead import SwitchHeadConfig
-
             if not all(isinstance(a, SwitchHeadConfig) for a in self.attention) or not all(
                     isinstance(f, SigmaMoEConfig) for f in self.feedforward):
                 raise ValueError("block='peri_ln' (MoEUT) needs SwitchHeadConfig attention and "

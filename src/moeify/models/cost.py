@@ -17,6 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.gqa import GroupedQueryAttentionConfig
+from moeify.layers.moa import MoAConfig
+from moeify.layers.mosa import MoSAConfig
+from moeify.layers.switchhead import SwitchHeadConfig
+from moeify.models.lm import TransformerLM, build_block
+from moeify.ops.routing import expert_choice_count
+
 if TYPE_CHECKING:
     from moeify.models.config import ModelConfig
 
@@ -148,12 +156,6 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
     GroupedQueryAttentionConfig)."""
-    from moeify.layers.attention import DenseAttentionConfig
-    from moeify.layers.gqa import GroupedQueryAttentionConfig
-    from moeify.layers.moa import MoAConfig
-    from moeify.layers.mosa import MoSAConfig
-    from moeify.layers.switchhead import SwitchHeadConfig
-
     if isinstance(cfg, MoSAConfig):
         return mosa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
                          k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads)
@@ -212,8 +214,6 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     Built on the meta device; a layer that repeats (same attention, feedforward and depth
     config) is built once and counted as often as it occurs. With MoEUT's grouping
     (group_size G) only the G distinct blocks hold parameters."""
-    from moeify.models.lm import TransformerLM, build_block
-
     class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
         def _build_blocks(self, config):
             return nn.ModuleList()
@@ -279,8 +279,6 @@ def model_cost(config: "ModelConfig") -> ModelCost:
     A block under Mixture-of-Depths runs its attention only on the ceil(capacity · T) tokens it
     routes (they attend only to each other), so its row uses that token count; this extends the
     paper's formulas, which have no depth routing."""
-    from moeify.ops.routing import expert_choice_count
-
     T = config.context_length
     C = 2 if config.xl_memory else 1
     parts = model_parameters(config)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +29,37 @@ from torch import nn
 
 from moeify.layers.block import TransformerBlock
 from moeify.layers.common import Dropout, PooledEntropy, RoutingStats
+from moeify.layers.depth import MixtureOfDepths
+from moeify.layers.moeut import PeriNormBlock
+from moeify.layers.norm import NormConfig
 from moeify.ops.aux_losses import masked_mean
 from moeify.ops.cross_entropy import fused_applies, linear_cross_entropy
 
-if TYPE_CHECKING:  # annotations only: moeify.models.config builds this module's model
-    from moeify.models.config import ModelConfig
+
+class LMConfig(Protocol):
+    """What TransformerLM reads of its configuration: moeify.models.config.ModelConfig (which
+    builds this module's model, so this module does not import it) has all of it."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    xl_memory: bool
+    dropout: float
+    norm: NormConfig
+    max_positions: int
+    tie_embeddings: bool
+    output_bias: bool
+    group_size: int
+    block: str
+
+    @property
+    def n_blocks(self) -> int: ...
+
+    def attention_layers(self) -> list[Any]: ...
+
+    def feedforward_layers(self) -> list[Any]: ...
+
+    def depth_layers(self) -> list[Any]: ...
 
 
 @dataclass
@@ -77,7 +103,7 @@ class LMOutput:
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: LMConfig):
         super().__init__()
         self.config = config
         d, V = config.d_model, config.vocab_size
@@ -91,7 +117,7 @@ class TransformerLM(nn.Module):
         self.output = None if config.tie_embeddings else nn.Linear(d, V, bias=config.output_bias)
         self.reset_parameters()
 
-    def _build_blocks(self, config: ModelConfig) -> nn.ModuleList:
+    def _build_blocks(self, config: LMConfig) -> nn.ModuleList:
         """One block per layer, or with MoEUT's grouping (config.group_size = G) the first G,
         which ``layer_blocks`` repeats."""
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
@@ -245,16 +271,12 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor,
     return masked_mean(ce_BT, valid_BT)
 
 
-def build_block(config: ModelConfig, attn, ff, depth) -> nn.Module:
+def build_block(config: LMConfig, attn, ff, depth) -> nn.Module:
     """One layer: a pre-LN block of ``attn`` and ``ff``, wrapped by depth routing if ``depth``."""
-    cls = TransformerBlock
-    if config.block == "peri_ln":
-        from moeify.layers.moeut import PeriNormBlock as cls
+    cls = PeriNormBlock if config.block == "peri_ln" else TransformerBlock
     block = cls(config.d_model, attn.build(), ff.build(), config.dropout, norm=config.norm)
     if depth is None:
         return block
-    from moeify.layers.depth import MixtureOfDepths
-
     return MixtureOfDepths(depth, block)
 
 

@@ -36,6 +36,7 @@ from moeify.layers.feedforward import SigmaMoEConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.builders import Size, dense_lm
 from moeify.models.config import ModelConfig
+from moeify.models.match import match_attention
 from moeify.models.registry import PaperRecipe, Preset, paper
 
 VOCAB_C4 = 8000
@@ -110,7 +111,8 @@ def tiny_moeut() -> ModelConfig:
 
 # The CPU-study shape of models/repro_presets.py (byte vocabulary, d = 128, L = 4, T = 128)
 # without XL memory: MoEUT and MoSA are RoPE models, so their baseline is this dense RoPE model.
-REPRO_ROPE = Size(256, 128, 4, 128, False, 0.0, 8, 16, 512)
+REPRO_ROPE = Size(vocab=256, d=128, L=4, T=128,
+                  xl=False, dropout=0.0, dense_heads=8, dense_d_head=16, dense_d_ff=512)
 
 
 def repro_rope_dense() -> ModelConfig:
@@ -120,8 +122,6 @@ def repro_rope_dense() -> ModelConfig:
 def repro_rope_switchhead() -> ModelConfig:
     # SwitchHead H = 2, E = 4, k = 2 matched to repro-rope-dense (spec §5), so the follow-ups
     # are compared with both of their predecessors at the same positional encoding.
-    from moeify.models.match import match_attention
-
     return match_attention(repro_rope_dense(), n_heads=2, n_experts=4, k=2).config
 
 

@@ -23,8 +23,10 @@ from moeify.models.builders import Size, dense_ff, lm
 from moeify.models.config import ModelConfig
 from moeify.models.registry import Preset
 
-TINY_ROPE = Size(256, 128, 4, 128, False, 0.0, 4, 32, 512)
-REPRO_ROPE = Size(256, 128, 4, 128, False, 0.0, 8, 16, 512)
+TINY_ROPE = Size(vocab=256, d=128, L=4, T=128,
+                 xl=False, dropout=0.0, dense_heads=4, dense_d_head=32, dense_d_ff=512)
+REPRO_ROPE = Size(vocab=256, d=128, L=4, T=128,
+                  xl=False, dropout=0.0, dense_heads=8, dense_d_head=16, dense_d_ff=512)
 
 
 def mosa_attn(*, d: int, L: int, H: int, d_h: int, sparsity: int, dense_heads: int = 0,

@@ -63,8 +63,10 @@ from moeify.models.repro_presets import REPRO_PRESETS
 # Byte-level, d = 128, 4 layers, T = 128: a few hundred steps in minutes on 2 CPU cores.
 # No dropout: runs this short do not overfit.
 
-TINY_XL = Size(256, 128, 4, 128, True, 0.0, 4, 32, 512)
-TINY_ROPE = Size(256, 128, 4, 128, False, 0.0, 4, 32, 512)
+TINY_XL = Size(vocab=256, d=128, L=4, T=128,
+               xl=True, dropout=0.0, dense_heads=4, dense_d_head=32, dense_d_ff=512)
+TINY_ROPE = Size(vocab=256, d=128, L=4, T=128,
+                 xl=False, dropout=0.0, dense_heads=4, dense_d_head=32, dense_d_ff=512)
 
 
 def _tiny_dense_attn(size: Size):
@@ -449,10 +451,6 @@ def register(name: str, description: str, **facts: Any) -> Callable:
         PRESETS[name] = Preset(name, description, fn, **facts)
         return fn
     return deco
-
-
-def preset_names() -> list[str]:
-    return list(PRESETS)
 
 
 def find_preset(name: str) -> Preset:

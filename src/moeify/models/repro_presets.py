@@ -28,7 +28,8 @@ from moeify.models.match import match_attention
 from moeify.models.registry import Preset
 
 # vocab, d, L, T, xl, dropout, dense heads, dense d_head, dense d_ff
-REPRO = Size(256, 128, 4, 128, True, 0.0, 8, 16, 512)
+REPRO = Size(vocab=256, d=128, L=4, T=128,
+             xl=True, dropout=0.0, dense_heads=8, dense_d_head=16, dense_d_ff=512)
 # repro-switchhead-macmatched's d_head: the largest multiple of 4 whose attention MACs (spec §6)
 # do not exceed repro-dense's with H = 3 (tests check it).
 MACMATCHED_D_HEAD = 40
@@ -73,7 +74,8 @@ def repro_switchhead_sharedsel() -> ModelConfig:
 
 # A family 4x larger in parameters (d_model 256), matched the same way: the dense baseline has
 # 8 heads of d_h = 32 (H·d_h = d), the 2-head one 2 x 128, SwitchHead H = 2, E = 4, k = 2.
-REPRO256 = Size(256, 256, 4, 128, True, 0.0, 8, 32, 1024)
+REPRO256 = Size(vocab=256, d=256, L=4, T=128,
+                xl=True, dropout=0.0, dense_heads=8, dense_d_head=32, dense_d_ff=1024)
 
 
 def repro256_dense() -> ModelConfig:

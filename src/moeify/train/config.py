@@ -21,15 +21,18 @@ import json
 import math
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from moeify.models.config import known_fields
+from moeify.errors import MoeifyError
+from moeify.models.config import ModelConfig, known_fields
+from moeify.models.presets import find_preset
+from moeify.rundir.files import read_json
+from moeify.rundir.layout import CONFIG_FILE
 from moeify.train.overrides import (  # noqa: F401  (re-exported: the override API)
     RUN_MODEL_PRESET,
     apply_model_overrides,
-    base_config_of,
     base_model_config,
-    resolve_model_config,
 )
 from moeify.train.values import parse_value, split_override  # noqa: F401
 
@@ -245,6 +248,26 @@ class TrainConfig:
         return out
 
 
+# ---------------------------------------------------------------------- the run's model
+
+def base_config_of(cfg: TrainConfig, run_dir=None) -> ModelConfig:
+    """The run's model before overrides: ``cfg.model`` when given (a converted model written
+    whole into the training config), else the preset's (``run_dir`` for RUN_MODEL_PRESET)."""
+    if cfg.model is not None:
+        return ModelConfig.from_dict(cfg.model)
+    return base_model_config(cfg.preset, run_dir)
+
+
+def resolve_model_config(cfg: TrainConfig, vocab_size: int | None = None,
+                         run_dir=None) -> ModelConfig:
+    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary
+    (``run_dir``: the run being resumed, whose model.json the preset "run-model" names)."""
+    model = apply_model_overrides(base_config_of(cfg, run_dir), cfg.model_overrides)
+    if vocab_size is not None and vocab_size != model.vocab_size:
+        model = dataclasses.replace(model, vocab_size=vocab_size)
+    return model
+
+
 # Written to JSON only when they differ from their default, so that config.json, checkpoint
 # records and compare/sweep run specs of runs without them read exactly as before they existed
 # (a sweep refuses a run directory whose recorded settings differ from its own).
@@ -272,8 +295,6 @@ def check_finite_number(name: str, value: Any) -> None:
 def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
     """The published training recipe for a paper preset (switchhead.md §3): Adam lr 2.5e-4,
     100k steps of cosine decay, fp16; batch size, warm-up and clipping from the preset's row."""
-    from moeify.models.presets import find_preset
-
     row = find_preset(preset)
     if row.recipe is None:
         raise ValueError(f"preset {preset!r} is not a paper row (it has no published recipe); "
@@ -318,3 +339,14 @@ def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
                          + ", ".join(f"{b}={getattr(saved, b)!r}" for b in bad)
                          + "); only " + ", ".join(RESUMABLE_CHANGES) + " may change. Start a "
                          "new run with --out to train with different settings")
+
+
+def read_train_config(run_dir: str | Path) -> TrainConfig:
+    """A run directory's config.json as a TrainConfig, or a MoeifyError naming the file when it
+    is missing or not a valid training configuration."""
+    path = Path(run_dir) / CONFIG_FILE
+    data = read_json(path, "training configuration")
+    try:
+        return TrainConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise MoeifyError(f"{path} is not a valid training configuration ({e})") from None

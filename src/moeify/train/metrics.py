@@ -17,8 +17,9 @@ import torch
 
 from moeify.data.cache import read_jsonl
 from moeify.errors import MoeifyError, install_hint
+from moeify.rundir.atomic import write_bytes_atomic
+from moeify.rundir.layout import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 # Statistics with more entries than this are summarised (mean/min/max) instead of listed.
 MAX_LISTED = 64
 
@@ -107,8 +108,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 def truncate_metrics(run_dir: str | Path, after_step: int) -> None:
     """Drop records past ``after_step`` (written after the checkpoint a run resumes from), so
     the file describes one continuous run."""
-    from moeify.train.checkpoint import write_bytes_atomic
-
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return

@@ -1,19 +1,17 @@
 """Model overrides: "model.<field>=value" and "model.<attention|feedforward|depth>.<field>=value"
-applied to a preset's ModelConfig (moeify.train.config documents the keys)."""
+applied to a preset's ModelConfig (moeify.train.config documents the keys, and resolves a
+TrainConfig's model with these functions)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig, field_hints
 from moeify.models.presets import get_preset
-from moeify.rundir import read_model_config
+from moeify.rundir.files import read_model_config
 from moeify.train.values import parse_value, split_override
-
-if TYPE_CHECKING:  # annotations only: moeify.train.config builds on this module
-    from moeify.train.config import TrainConfig
 
 _PATTERNS = ("attention", "feedforward", "depth")
 _PROPAGATED = ("d_model", "n_layers")
@@ -43,14 +41,6 @@ def base_model_config(preset: str, run_dir=None) -> ModelConfig:
         except MoeifyError as e:
             raise ValueError(str(e)) from None
     return get_preset(preset)
-
-
-def base_config_of(cfg: "TrainConfig", run_dir=None) -> ModelConfig:
-    """The run's model before overrides: ``cfg.model`` when given (a converted model written
-    whole into the training config), else the preset's (``run_dir`` for RUN_MODEL_PRESET)."""
-    if cfg.model is not None:
-        return ModelConfig.from_dict(cfg.model)
-    return base_model_config(cfg.preset, run_dir)
 
 
 def _hint_from_value(value: Any) -> Any:
@@ -117,13 +107,3 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
     return config
-
-
-def resolve_model_config(cfg: "TrainConfig", vocab_size: int | None = None,
-                         run_dir=None) -> ModelConfig:
-    """The preset's ModelConfig with the overrides applied and the tokenizer's vocabulary
-    (``run_dir``: the run being resumed, whose model.json the preset "run-model" names)."""
-    model = apply_model_overrides(base_config_of(cfg, run_dir), cfg.model_overrides)
-    if vocab_size is not None and vocab_size != model.vocab_size:
-        model = dataclasses.replace(model, vocab_size=vocab_size)
-    return model

@@ -24,14 +24,15 @@ NaN or an infinity (NonFiniteState).
 
 DCP stores each tensor with its global shape and the offsets of every shard, so a checkpoint
 written by W processes loads into any number of processes, sharded or not: ``restore_sharded``
-resumes training, ``load_weights`` fills a plain one-device model (eval, generate, export), and
-``load_model_checkpoint`` does that for either kind of checkpoint. Expert-parallel runs
-(moeify.train.expert_parallel) write these too: their expert weights are Shard(0) DTensors over
-the "ep" mesh dimension, stored by global shape and offsets like FSDP's shards, so they load at
-another expert-parallel degree as well. With several nodes the run directory must be on a
-filesystem every node sees. A checkpoint written before a layer renamed a parameter
-(moeify.layers.common: the naming convention) holds it, and its AdamW state, under the earlier
-name: loading reads it under that name (``_load_dcp``).
+resumes training; moeify.rundir.checkpoints reads them for everything else
+(``load_sharded_weights`` fills a plain one-device model, ``load_model_checkpoint`` does that
+for either kind of checkpoint). Expert-parallel runs (moeify.train.expert_parallel) write these
+too: their expert weights are Shard(0) DTensors over the "ep" mesh dimension, stored by global
+shape and offsets like FSDP's shards, so they load at another expert-parallel degree as well.
+With several nodes the run directory must be on a filesystem every node sees. A checkpoint
+written before a layer renamed a parameter (moeify.layers.common: the naming convention) holds
+it, and its AdamW state, under the earlier name: loading reads it under that name
+(``moeify.rundir.checkpoints.load_dcp``).
 """
 
 from __future__ import annotations
@@ -44,18 +45,17 @@ from typing import Any
 import torch
 
 from moeify.errors import MoeifyError, describe_os_error
+from moeify.rundir.atomic import fsync_path, sha256_file, write_json_atomic
+from moeify.rundir.checkpoints import load_dcp, nonfinite_state, refuse_nonfinite, verify_sharded
+from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, SHARDED_KIND,
+                                  STATE_FILE, checkpoint_name)
 from moeify.train import checkpoint as ck
 from moeify.train.distributed import DistEnv
 
-DCP_DIR = "dcp"
-KIND = "sharded"
-
-
-def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
-    return ck.read_meta(ckpt_dir).get("kind") == KIND
-
 
 def _dcp():
+    # torch.distributed.checkpoint is imported only when a sharded run saves or resumes: it is
+    # slow to import and absent from torch builds without distributed support.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -64,7 +64,7 @@ def _dcp():
 
 def _files(ckpt: Path) -> list[str]:
     """The files a sharded checkpoint's checksums cover, relative to it (meta.json excluded)."""
-    found = [ck.STATE_FILE] + [f"{DCP_DIR}/{p.name}" for p in sorted((ckpt / DCP_DIR).iterdir())]
+    found = [STATE_FILE] + [f"{DCP_DIR}/{p.name}" for p in sorted((ckpt / DCP_DIR).iterdir())]
     return [f for f in found if (ckpt / f).is_file()]
 
 
@@ -86,8 +86,8 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
     if fresh:
         meta = {**meta, "optimizer_fresh": True}
     _check_finite_shards(env, model_sd, optim_sd, step)
-    root = Path(run_dir) / ck.CHECKPOINTS
-    name = ck.checkpoint_name(step)
+    root = Path(run_dir) / CHECKPOINTS
+    name = checkpoint_name(step)
     tmp, error = None, None
     if env.is_main:
         try:
@@ -127,9 +127,9 @@ def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[
                          step: int) -> None:
     """Collective: every process checks its own shards and all of them learn every bad name,
     so all raise NonFiniteState together (or none does)."""
-    bad = ck.nonfinite_state(_local(model_sd), {"optimizer": _local(optim_sd)})
+    bad = nonfinite_state(_local(model_sd), {"optimizer": _local(optim_sd)})
     everywhere = list(dict.fromkeys(n for names in env.all_gather_object(bad) for n in names))
-    ck.refuse_nonfinite(everywhere, f"sharded checkpoint step {step} was not written",
+    refuse_nonfinite(everywhere, f"sharded checkpoint step {step} was not written",
                         ck.DIVERGED_ADVICE)
 
 
@@ -151,20 +151,20 @@ def _write_and_publish(env: DistEnv, dcp, tmp: Path, name: str, step: int, model
             error = describe_os_error(e)
     error = env.broadcast_object(error)
     _raise_if(error, step, run_dir)
-    return final if final is not None else Path(run_dir) / ck.CHECKPOINTS / name
+    return final if final is not None else Path(run_dir) / CHECKPOINTS / name
 
 
 def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Path:
     """Process 0, every shard on disk: the unsharded state, checksums, meta.json, publish."""
-    torch.save(train_state, tmp / ck.STATE_FILE)
+    torch.save(train_state, tmp / STATE_FILE)
     files = _files(tmp)
     for f in files:
-        ck.fsync_path(tmp / f)
-    ck.fsync_path(tmp / DCP_DIR)
-    record = {"format": ck.FORMAT_VERSION, "kind": KIND, "step": step, **meta,
-              "sha256": {f: ck.sha256_file(tmp / f) for f in files}}
-    ck.write_json_atomic(tmp / ck.META_FILE, record)
-    ck.fsync_path(tmp)
+        fsync_path(tmp / f)
+    fsync_path(tmp / DCP_DIR)
+    record = {"format": FORMAT_VERSION, "kind": SHARDED_KIND, "step": step, **meta,
+              "sha256": {f: sha256_file(tmp / f) for f in files}}
+    write_json_atomic(tmp / META_FILE, record)
+    fsync_path(tmp)
     return ck.publish_checkpoint(tmp, name, keep=keep)
 
 
@@ -176,104 +176,23 @@ def _raise_if(error: str | None, step: int, run_dir: Path) -> None:
 
 # ---------------------------------------------------------------------- loading
 
-def verify(ckpt: Path, *, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The meta record of a sharded checkpoint, after checking its files against the checksums
-    (and its model config against ``model_config``, when given)."""
-    meta = ck.read_meta(ckpt)
-    if meta.get("kind") != KIND:
-        raise MoeifyError(f"{ckpt} is not a sharded checkpoint")
-    if meta.get("format") != ck.FORMAT_VERSION:
-        raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
-                          f"reads format {ck.FORMAT_VERSION}")
-    if model_config is not None and meta.get("model_config") != model_config:
-        raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
-                          f"{meta.get('preset')!r}); load it with its own run's configuration")
-    for f, want in meta["sha256"].items():
-        p = ckpt / f
-        if not p.is_file():
-            raise MoeifyError(f"checkpoint {ckpt} is incomplete: {f} is missing; use an earlier "
-                              "checkpoint")
-        if ck.sha256_file(p) != want:
-            raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
-                              "recorded when it was written; use an earlier checkpoint")
-    return meta
-
-
-def _load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module) -> None:
-    """Fill ``state`` ({"model": ..., "optim": ...} as ``get_state_dict`` gives them, keyed by
-    parameter name) from the checkpoint. A checkpoint written with earlier parameter names
-    (moeify.layers.common.rename_legacy_keys) is read under those names and handed back under
-    the current ones."""
-    dcp, _, _ = _dcp()
-    try:
-        renames = _legacy_names(dcp, ckpt, state, model)
-        _rename_state(state, renames)
-        try:
-            dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
-        finally:
-            _rename_state(state, {old: new for new, old in renames.items()})
-    except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
-        first = str(e).strip().splitlines()
-        raise MoeifyError(f"checkpoint {ckpt} does not fit this model or cannot be read: "
-                          f"{' '.join(first[:2]) or type(e).__name__}") from None
-
-
-def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
-                  ) -> dict[str, str]:
-    """{current name: the name the checkpoint holds it under} for the parameters the checkpoint
-    holds under an earlier name only (none for a checkpoint of the current names)."""
-    # (DCP loads in place, into tensors of the current shape: only plain renames apply.)
-    pairs = {(old, new) for m in model.modules()
-             for old, new in m.__dict__.get("_legacy_keys", {}).items() if isinstance(new, str)}
-    if not pairs:
-        return {}
-    saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
-    renames = {}
-    for key in state["model"]:
-        if "model." + key in saved:
-            continue
-        for old, new in pairs:
-            if key == new or key.endswith("." + new):
-                was = key[:len(key) - len(new)] + old
-                if "model." + was in saved:
-                    renames[key] = was
-    return renames
-
-
-def _rename_state(state: dict[str, Any], renames: dict[str, str]) -> None:
-    """Rename parameters in place in the model and optimizer state dicts of ``get_state_dict``
-    (the optimizer's: its per-parameter ``state`` and its param groups' ``params`` lists)."""
-    if not renames:
-        return
-    model_sd = state["model"]
-    for key in [k for k in model_sd if k in renames]:
-        model_sd[renames[key]] = model_sd.pop(key)
-    optim_sd = state.get("optim")
-    if optim_sd:
-        per_param = optim_sd.get("state", {})
-        for key in [k for k in per_param if k in renames]:
-            per_param[renames[key]] = per_param.pop(key)
-        for group in optim_sd.get("param_groups", []):
-            group["params"] = [renames.get(k, k) for k in group["params"]]
-
-
 def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                     model_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load weights and AdamW state into ``model`` / ``optimizer`` (sharded or not, any number
     of processes; collective when sharded) and return the unsharded training state."""
     _, get_state_dict, set_state_dict = _dcp()
-    meta = verify(ckpt, model_config=model_config)
+    meta = verify_sharded(ckpt, model_config=model_config)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    _load_dcp(ckpt, state, model)
+    load_dcp(ckpt, state, model)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     if meta.get("optimizer_fresh"):  # written before the first step (save_sharded)
         optimizer.state.clear()
     try:
-        return torch.load(ckpt / ck.STATE_FILE, map_location="cpu", weights_only=True)
+        return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types
-        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {ck.STATE_FILE} cannot be read ({e})") \
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {STATE_FILE} cannot be read ({e})") \
             from None
 
 
@@ -285,34 +204,8 @@ def holds_weights(env: DistEnv, ckpt: Path, model: torch.nn.Module) -> bool:
     now = get_model_state_dict(model)
     saved = {k: torch.empty_like(v) for k, v in now.items()}
     try:
-        _load_dcp(ckpt, {"model": saved}, model)
+        load_dcp(ckpt, {"model": saved}, model)
         same = all(torch.equal(_local(saved[k]), _local(v.detach())) for k, v in now.items())
     except MoeifyError:
         same = False
     return all(env.all_gather_object(same))
-
-
-def load_weights(ckpt: Path, model: torch.nn.Module, *,
-                 model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Fill a plain (unsharded) model from a sharded checkpoint in this one process; returns the
-    checkpoint's meta record. The optimizer state is not read."""
-    meta = verify(ckpt, model_config=model_config)
-    state = {"model": model.state_dict()}
-    _load_dcp(ckpt, state, model)
-    model.load_state_dict(state["model"], strict=True)
-    return meta
-
-
-def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
-                          model_config: dict[str, Any] | None = None) -> ck.Checkpoint:
-    """Load either kind of checkpoint (a checkpoint directory or a run directory's latest) into
-    the plain model ``model``. Returns the Checkpoint (for a sharded one ``model_state`` is the
-    model's own state dict and ``train_state`` is empty)."""
-    ckpt_dir = ck.resolve_checkpoint(path)
-    if is_sharded_checkpoint(ckpt_dir):
-        meta = load_weights(ckpt_dir, model, model_config=model_config)
-        return ck.Checkpoint(path=ckpt_dir, step=int(meta["step"]), model_state=model.state_dict(),
-                             train_state={}, meta=meta)
-    loaded = ck.load_checkpoint(ckpt_dir, model_config=model_config)
-    ck.load_model_state(model, loaded)
-    return loaded

@@ -31,22 +31,33 @@ from typing import Any, TextIO
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from moeify.errors import MoeifyError
+from moeify.data.corpora import load_corpus
+from moeify.data.stream import StreamBatcher, tokenize_split
+from moeify.data.tokenizers import build_tokenizer, load_tokenizer
+from moeify.errors import MoeifyError, describe_os_error
 from moeify.layers.common import upgrade_legacy_keys
 from moeify.ops.optim import adamw
+from moeify.rundir import checkpoints as ckpt_read
+from moeify.rundir import layout
+from moeify.rundir.atomic import write_json_atomic
+from moeify.rundir.files import model_config_dict, read_model_config, write_run_files
+from moeify.rundir.layout import CONFIG_FILE
+from moeify.rundir.model import load_trained
 from moeify.train import checkpoint as ckpt_io
-from moeify.train.config import TrainConfig, check_resume_compatible, resolve_model_config
+from moeify.train.config import (TrainConfig, check_resume_compatible, read_train_config,
+                                 resolve_model_config)
 from moeify.train import parallel
 from moeify.train.balancing import Balancing
 from moeify.train import sharded as sharded_io
-from moeify.train.distributed import DistEnv, pick_device, setup_distributed
+from moeify.train.distributed import (DistEnv, PeerLost, peer_lost_message, pick_device,
+                                      setup_distributed)
+from moeify.train.expert_parallel import ExpertParallel
 from moeify.train.lock import RunLock
 from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
 from moeify.train.overrides import BYTE_VOCAB, byte_level_preset
-from moeify.train.progress import Progress
-from moeify.train.rundir import (CONFIG_FILE, model_config_dict, read_model_config,
-                                 read_train_config, write_run_files)
+from moeify.train.progress import Progress, format_duration
 from moeify.train.schedule import make_scheduler, resume_schedule, schedule_factor
 from moeify.train.signals import StopRequests
 from moeify.train.validate import autocast_context, evaluate_stream
@@ -170,23 +181,47 @@ class Trainer:
             else:
                 try:
                     self.lock.acquire()
-                    if (self.run_dir / ckpt_io.CHECKPOINTS).is_dir():
-                        ckpt_io.sweep_stale(self.run_dir / ckpt_io.CHECKPOINTS)
+                    if (self.run_dir / layout.CHECKPOINTS).is_dir():
+                        ckpt_io.sweep_stale(self.run_dir / layout.CHECKPOINTS)
                 except MoeifyError as e:
                     error = str(e)
                 except OSError as e:  # e.g. a read-only file system
-                    from moeify.errors import describe_os_error
-
                     error = f"cannot use the run directory: {describe_os_error(e)}"
         error = self.env.broadcast_object(error)
         if error is not None:
             raise MoeifyError(error)
 
     def _setup(self, resume: bool | str | Path, quiet: bool) -> None:
-        cfg = self.cfg
+        """Everything before the first step, in an order that matters: the run directory is
+        checked (and a resume settles the schedule) before the data and the model are made;
+        the seeds are set around building the model; expert parallelism and DDP/FSDP wrap the
+        model before the optimizer sees its parameters; the run's files are written last."""
         self.quiet = quiet or not self.env.is_main
-        self.amp_dtype, use_scaler = resolve_amp(cfg.amp, self.device)
-        W = self.env.world_size
+        self.amp_dtype, use_scaler = resolve_amp(self.cfg.amp, self.device)
+        self._split_batch()
+        ckpt_dir = self._check_run_dir(resume)
+        cfg = self.cfg  # a resume may have settled the schedule (_check_run_dir)
+        self.corpus, self.tokenizer = self._data(resume=ckpt_dir is not None)
+        self._resolve_model(cfg, resumed=ckpt_dir is not None)
+        self._build_model(cfg)
+        self._build_optimizer(cfg, use_scaler)
+        self._load_tokens()
+        self.memory: list[torch.Tensor] | None = None
+        self.step = 0
+        self.tokens_seen = 0
+        self.last_checkpoint: Path | None = None
+        if ckpt_dir is not None:
+            self._restore(ckpt_dir)
+            if self.env.is_main:  # the file tells the settings this continuation runs with
+                write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
+        elif self.env.is_main:
+            write_run_files(self.run_dir, cfg, self.model_cfg, self.tokenizer)
+            truncate_metrics(self.run_dir, 0)  # records of an earlier attempt without checkpoints
+        self.env.barrier()
+
+    def _split_batch(self) -> None:
+        """Rows per process (``self.rows``) and per micro-batch (``self.micro``)."""
+        cfg, W = self.cfg, self.env.world_size
         if cfg.batch_size % (W * cfg.grad_accum):
             raise ValueError(f"batch_size={cfg.batch_size} must be divisible by processes x "
                              f"grad_accum = {W} x {cfg.grad_accum}; change batch_size or "
@@ -194,11 +229,11 @@ class Trainer:
         self.rows = cfg.batch_size // W
         self.micro = self.rows // cfg.grad_accum
 
-        ckpt_dir = self._check_run_dir(resume)
-        cfg = self.cfg  # a resume may have settled the schedule (_check_run_dir)
-        self.corpus, self.tokenizer = self._data(resume=ckpt_dir is not None)
+    def _resolve_model(self, cfg: TrainConfig, *, resumed: bool) -> None:
+        """``self.model_cfg`` (the tokenizer's vocabulary), checked against the run's
+        model.json when resuming."""
         self.model_cfg = resolve_model_config(cfg, self.tokenizer.vocab_size, self.run_dir)
-        if ckpt_dir is not None:
+        if resumed:
             saved_model = read_model_config(self.run_dir)
             if model_config_dict(saved_model) != model_config_dict(self.model_cfg):
                 raise MoeifyError(f"the checkpoint is from another model configuration than "
@@ -206,6 +241,9 @@ class Trainer:
                                   "run's own settings or start a new run with --out")
         self.T = self.model_cfg.context_length
 
+    def _build_model(self, cfg: TrainConfig) -> None:
+        """The model on the device (``self.model``) and the module the steps run
+        (``self.train_model``: compiled, sharded or DDP-wrapped)."""
         torch.manual_seed(cfg.seed)  # identical initial weights in every process
         self.model = self.model_cfg.build().to(self.device)
         torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
@@ -214,8 +252,6 @@ class Trainer:
         # optimizer, which must see the shards).
         self.ep = None
         if cfg.expert_parallel > 1:
-            from moeify.train.expert_parallel import ExpertParallel
-
             self.ep = ExpertParallel(self.model, cfg.expert_parallel, self.device)
         # Compiled and/or sharded in place, or wrapped by DDP; before the optimizer, which must
         # see the sharded parameters under FSDP.
@@ -226,6 +262,9 @@ class Trainer:
         # Sharded (DCP) checkpoints, and a forward that is collective: FSDP or EP.
         self.sharded = cfg.parallel == "fsdp" or self.ep is not None
         self.balancing = Balancing(self.model, self.env)
+
+    def _build_optimizer(self, cfg: TrainConfig, use_scaler: bool) -> None:
+        """AdamW (no weight decay on vectors), the learning-rate schedule, the grad scaler."""
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = adamw(  # fused where torch can (moeify.ops.optim)
@@ -237,26 +276,14 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
 
-        from moeify.data.stream import StreamBatcher, tokenize_split
-
+    def _load_tokens(self) -> None:
+        """The tokenised splits (process 0 fills the cache first) and the training batcher."""
         self.train_tokens = self._rank0_first(lambda: tokenize_split(self.corpus, self.tokenizer,
                                                                      "train"))
         self.valid_tokens = self._rank0_first(lambda: tokenize_split(self.corpus, self.tokenizer,
                                                                      "valid"))
         self.batcher = StreamBatcher(self.train_tokens, self.rows, self.T,
-                                     rank=self.env.rank, world_size=W)
-        self.memory: list[torch.Tensor] | None = None
-        self.step = 0
-        self.tokens_seen = 0
-        self.last_checkpoint: Path | None = None
-        if ckpt_dir is not None:
-            self._restore(ckpt_dir)
-            if self.env.is_main:  # the file tells the settings this continuation runs with
-                ckpt_io.write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
-        elif self.env.is_main:
-            write_run_files(self.run_dir, cfg, self.model_cfg, self.tokenizer)
-            truncate_metrics(self.run_dir, 0)  # records of an earlier attempt without checkpoints
-        self.env.barrier()
+                                     rank=self.env.rank, world_size=self.env.world_size)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -281,20 +308,20 @@ class Trainer:
     def _check_run_dir(self, resume: bool | str | Path) -> Path | None:
         self.weights_only = False
         if resume is False or resume is None:
-            if ckpt_io.checkpoint_dirs(self.run_dir):
+            if layout.checkpoint_dirs(self.run_dir):
                 raise MoeifyError(f"{self.run_dir} already holds a run with checkpoints; pass "
                                   "--resume to continue it, or --out to start a new run")
             return None
         target = self.run_dir if resume is True else Path(resume)
-        ckpt = ckpt_io.resolve_checkpoint(target)
-        if ckpt_io.run_dir_of(ckpt).resolve() != self.run_dir.resolve():
-            raise MoeifyError(f"checkpoint {ckpt} belongs to run {ckpt_io.run_dir_of(ckpt)}, not "
-                              f"{self.run_dir}; resume it with --out {ckpt_io.run_dir_of(ckpt)}")
-        self.weights_only = bool(ckpt_io.read_meta(ckpt).get("weights_only"))
+        ckpt = layout.resolve_checkpoint(target)
+        if layout.run_dir_of(ckpt).resolve() != self.run_dir.resolve():
+            raise MoeifyError(f"checkpoint {ckpt} belongs to run {layout.run_dir_of(ckpt)}, not "
+                              f"{self.run_dir}; resume it with --out {layout.run_dir_of(ckpt)}")
+        self.weights_only = bool(ckpt_read.read_meta(ckpt).get("weights_only"))
         trained = self._trained_config(ckpt)
         check_resume_compatible(trained, self.cfg,
                                 weights_only=self.weights_only)
-        step = int(ckpt_io.read_meta(ckpt)["step"])
+        step = int(ckpt_read.read_meta(ckpt)["step"])
         if step >= self.cfg.steps:
             raise MoeifyError(
                 f"{self.run_dir} has already trained {step} steps (checkpoint {ckpt.name}), so "
@@ -310,7 +337,7 @@ class Trainer:
         (an edit there is refused, not silently ignored: the optimizer state would override it);
         checkpoints that record no settings are compared with config.json alone."""
         on_disk = read_train_config(self.run_dir)
-        recorded = ckpt_io.read_meta(ckpt).get("train_config")
+        recorded = ckpt_read.read_meta(ckpt).get("train_config")
         if not isinstance(recorded, dict):
             return on_disk
         try:
@@ -326,9 +353,6 @@ class Trainer:
         return trained
 
     def _data(self, *, resume: bool):
-        from moeify.data.corpora import load_corpus
-        from moeify.data.tokenizers import build_tokenizer, load_tokenizer
-
         corpus = self._rank0_first(lambda: load_corpus(self.cfg.data))
         if resume:
             return corpus, load_tokenizer(self.run_dir)
@@ -346,14 +370,14 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _restore(self, ckpt_dir: Path) -> None:
-        if sharded_io.is_sharded_checkpoint(ckpt_dir):
+        if ckpt_read.is_sharded_checkpoint(ckpt_dir):
             st = sharded_io.restore_sharded(ckpt_dir, self.model, self.optimizer,
                                             model_config=model_config_dict(self.model_cfg))
         else:
             if self.cfg.parallel == "fsdp":
                 raise MoeifyError(f"{ckpt_dir} is a single-file checkpoint; resume it with "
                                   "parallel=ddp (sharded runs resume sharded checkpoints)")
-            ckpt = ckpt_io.load_checkpoint(ckpt_dir, map_location="cpu",
+            ckpt = ckpt_read.load_checkpoint(ckpt_dir, map_location="cpu",
                                            model_config=model_config_dict(self.model_cfg))
             st = ckpt.train_state
             if self.ep is not None:  # full experts on disk: keep this process's rows
@@ -362,14 +386,14 @@ class Trainer:
                 ckpt = dataclasses.replace(ckpt, model_state=model_state)
                 if opt_state is not None:
                     st = {**st, "optimizer": opt_state}
-            ckpt_io.load_model_state(self.model, ckpt)
+            ckpt_read.load_model_state(self.model, ckpt)
             if self.weights_only:
                 # Weights without a training state (moeify import): training starts at step 0
                 # with a fresh optimizer and data position, under the settings of this
                 # invocation.
                 self.last_checkpoint = ckpt.path
                 if self.env.is_main:
-                    ckpt_io.write_json_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_dict())
+                    write_json_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_dict())
                     truncate_metrics(self.run_dir, 0)
                 return
         try:
@@ -404,8 +428,6 @@ class Trainer:
         """Collective: every process contributes its RNG state and XL memory rows (and, in a
         sharded run, writes its shards). A process that dies meanwhile makes the others stop
         with one line (peer_lost_message); the previous checkpoint stays intact."""
-        from moeify.train.distributed import PeerLost, peer_lost_message
-
         previous = self.last_checkpoint
         try:
             return self._save_checkpoint()
@@ -438,7 +460,7 @@ class Trainer:
                     meta={**meta, "world_size": self.env.world_size,
                           "expert_parallel": self.cfg.expert_parallel},
                     keep=self.cfg.keep_checkpoints)
-            except ckpt_io.NonFiniteState as e:  # raised on every process
+            except ckpt_read.NonFiniteState as e:  # raised on every process
                 raise MoeifyError(f"{e}. {self._last_good()}") from None
             return self.last_checkpoint
         error = None
@@ -448,11 +470,9 @@ class Trainer:
             try:
                 path = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model.state_dict(),
                                                state, meta=meta, keep=self.cfg.keep_checkpoints)
-            except ckpt_io.NonFiniteState as e:
+            except ckpt_read.NonFiniteState as e:
                 error = f"{e}. {self._last_good()}"
             except OSError as e:
-                from moeify.errors import describe_os_error
-
                 error = (f"writing checkpoint step {self.step} failed: {describe_os_error(e)}. "
                          f"{self._last_good()}")
         error = self.env.broadcast_object(error)
@@ -473,7 +493,7 @@ class Trainer:
                 moved = ckpt_io.set_aside(last)
                 aside = (f" Checkpoint {last.name} holds these weights, so it was set aside as "
                          f"{moved}.")
-                self.last_checkpoint = ckpt_io.latest_checkpoint(self.run_dir)
+                self.last_checkpoint = layout.latest_checkpoint(self.run_dir)
             if self.sharded:
                 self.last_checkpoint = self.env.broadcast_object(self.last_checkpoint)
         raise NonFiniteLoss(f"{what}. Lower the learning rate (lr={self.cfg.lr}) or grad_clip, "
@@ -483,12 +503,12 @@ class Trainer:
     def _holds_current_weights(self, ckpt: Path) -> bool:
         """Whether checkpoint ``ckpt`` is of this step and holds exactly the model's weights
         (collective in a sharded run: each process compares its shards)."""
-        if ckpt_io.step_of(ckpt) != self.step:
+        if layout.step_of(ckpt) != self.step:
             return False
         if self.sharded:
             return sharded_io.holds_weights(self.env, ckpt, self.model)
         try:
-            saved = upgrade_legacy_keys(self.model, ckpt_io.load_checkpoint(ckpt).model_state)
+            saved = upgrade_legacy_keys(self.model, ckpt_read.load_checkpoint(ckpt).model_state)
         except MoeifyError:
             return False
         now = self.model.state_dict()
@@ -626,8 +646,6 @@ class Trainer:
         rec = self.train_step()
         if compiling:
             self._compiled = True
-            from moeify.train.progress import format_duration
-
             progress.message(f"compiled: the first step took "
                              f"{format_duration(time.perf_counter() - t0)}")
             progress.restart(self.step)
@@ -696,7 +714,7 @@ class Trainer:
         """Checkpoint the step just finished (unless it already is) and say how to resume.
         A second signal while writing stops at once; the write is atomic."""
         last = self.last_checkpoint
-        saved = last is not None and ckpt_io.step_of(last) == self.step
+        saved = last is not None and layout.step_of(last) == self.step
         if self.step > 0 and not saved:
             result.checkpoint = self.save_checkpoint()
         result.interrupted = stop.requested or "SIGINT"
@@ -759,8 +777,6 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = 
 def _is_peer_error(e: BaseException) -> bool:
     """An error of the process group's transport (a peer that is gone), raised by a collective
     inside torch (FSDP's get_state_dict) rather than by DistEnv's helpers."""
-    import torch.distributed as dist
-
     backend_error = getattr(dist, "DistBackendError", ())
     text = str(e)
     return (backend_error and isinstance(e, backend_error)) or any(
@@ -807,10 +823,8 @@ def init_config(source: str | Path) -> TrainConfig:
     the source run's own training settings, its model as a whole ModelConfig, a fresh schedule
     over ``steps``, and ``init_from`` naming the checkpoint. Change data, lr, steps, ... on the
     result (dataclasses.replace, with_overrides)."""
-    from moeify.rundir import read_model_config
-
-    ckpt = ckpt_io.resolve_checkpoint(source)
-    src_run = ckpt_io.run_dir_of(ckpt)
+    ckpt = layout.resolve_checkpoint(source)
+    src_run = layout.run_dir_of(ckpt)
     base = read_train_config(src_run) if (src_run / CONFIG_FILE).is_file() else TrainConfig()
     model = read_model_config(src_run)
     return dataclasses.replace(base, model=model.to_dict(), model_overrides=(),
@@ -824,8 +838,6 @@ def train_from(cfg: TrainConfig, run_dir: str | Path, source: str | Path, *, qui
     ``source``, with its tokenizer, under ``cfg`` (``init_config(source)`` with changes): a
     fresh optimizer, schedule and data position. ``cfg``'s model overrides may change what does
     not change a weight's shape (dropout, implementations)."""
-    from moeify.train.rundir import load_trained
-
     src = load_trained(source, "cpu")
     model_cfg = resolve_model_config(cfg, src.tokenizer.vocab_size)
     model = model_cfg.build()

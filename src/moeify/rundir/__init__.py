@@ -1,0 +1,28 @@
+"""Run directories: their layout, reading them, and loading a trained model from them.
+
+One package that training (which writes runs), evaluation, analysis and interop all read runs
+through; it sits above models and data and below train / eval / analysis / interop, so analysis
+reads checkpoints without importing train.
+
+    RUN/config.json                      the resolved TrainConfig (as a dict)
+    RUN/model.json                       the resolved ModelConfig (vocabulary = the tokenizer's)
+    RUN/tokenizer.json (+ model files)   moeify.data.tokenizers.load_tokenizer
+    RUN/metrics.jsonl                    {"kind": "train" | "valid", "step", "tokens", ...}
+    RUN/checkpoints/latest               name of the newest checkpoint
+    RUN/checkpoints/step-00000100/       one complete checkpoint, either kind:
+        model.safetensors, state.pt      single-file (moeify.train.checkpoint writes it)
+        dcp/, state.pt                   sharded, one file per process (moeify.train.sharded)
+        meta.json                        step, model config, sha256 of every file; written last
+
+Modules:
+    layout       file names, checkpoint names, finding checkpoints (``latest_checkpoint``)
+    atomic       durable writes (fsync, atomic replace) and checksums
+    files        the run's JSON files: reading, validating, writing them
+    checkpoints  reading and verifying a checkpoint of either kind
+    model        ``load_trained``: a run's model with its tokenizer, in eval mode
+"""
+
+from moeify.rundir.files import (check_run_dir, read_metrics, read_model_config,  # noqa: F401
+                                 read_train_config_dict)
+from moeify.rundir.layout import latest_checkpoint, resolve_checkpoint  # noqa: F401
+from moeify.rundir.model import TrainedModel, load_trained  # noqa: F401

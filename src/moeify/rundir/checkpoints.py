@@ -1,0 +1,277 @@
+"""Reading a checkpoint of either kind (layout: moeify.rundir), always verified: the format, the
+sha256 of every file recorded in meta.json, the model config it was written for, and that every
+number is finite, so nothing resumes, evaluates or samples from a damaged or diverged state.
+
+Writing is training's job (moeify.train.checkpoint: single-file; moeify.train.sharded: DCP);
+the reading lives here so that analysis and interop load checkpoints without importing train.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from moeify.errors import MoeifyError, read_utf8
+from moeify.rundir.atomic import sha256_file
+from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, MODEL_FILE,
+                                  SHARDED_KIND, STATE_FILE, resolve_checkpoint)
+
+
+class NonFiniteState(MoeifyError):
+    """Weights or optimizer state hold a NaN or an infinity."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    train_state: dict[str, Any]
+    meta: dict[str, Any]
+
+
+# ---------------------------------------------------------------------- finiteness
+
+def nonfinite_tensors(obj: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in a (nested) state that hold a NaN or infinity."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            return [] if bool(torch.isfinite(obj).all()) else [prefix or "tensor"]
+        return []
+    if isinstance(obj, float):
+        return [] if obj == obj and abs(obj) != float("inf") else [prefix or "value"]
+    items = (obj.items() if isinstance(obj, dict)
+             else enumerate(obj) if isinstance(obj, (list, tuple)) else ())
+    out: list[str] = []
+    for k, v in items:
+        out += nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def nonfinite_state(model_state: dict[str, torch.Tensor],
+                    train_state: dict[str, Any]) -> list[str]:
+    """Names of the non-finite weights and optimizer tensors ("optimizer ..." for the latter)."""
+    return nonfinite_tensors(model_state) + [
+        f"optimizer {n}" for n in nonfinite_tensors(train_state.get("optimizer", {}))]
+
+
+def check_finite(model_state: dict[str, torch.Tensor], train_state: dict[str, Any],
+                 where: str, advice: str) -> None:
+    """Raise NonFiniteState naming the first bad tensors of the weights or optimizer state."""
+    refuse_nonfinite(nonfinite_state(model_state, train_state), where, advice)
+
+
+def refuse_nonfinite(bad: list[str], where: str, advice: str) -> None:
+    """Raise NonFiniteState naming the first of the tensors ``bad`` (nothing when empty)."""
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise NonFiniteState(f"{where}: non-finite values (NaN or inf) in "
+                             f"{', '.join(bad[:3])}{more}; {advice}")
+
+
+# ---------------------------------------------------------------------- both kinds
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json, or a MoeifyError saying it is incomplete or corrupt."""
+    meta_path = ckpt / META_FILE
+    try:
+        meta = json.loads(read_utf8(meta_path))
+        if not isinstance(meta, dict) or "step" not in meta or "sha256" not in meta:
+            raise ValueError("step or sha256 missing")
+    except FileNotFoundError:
+        raise MoeifyError(f"checkpoint {ckpt} is incomplete: {META_FILE} is missing (a write was "
+                          "interrupted); use an earlier checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {META_FILE} cannot be read ({e}); use "
+                          "an earlier checkpoint") from None
+    return meta
+
+
+def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
+    return read_meta(ckpt_dir).get("kind") == SHARDED_KIND
+
+
+def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
+                          model_config: dict[str, Any] | None = None) -> Checkpoint:
+    """Load either kind of checkpoint (a checkpoint directory or a run directory's latest) into
+    the plain model ``model``. Returns the Checkpoint (for a sharded one ``model_state`` is the
+    model's own state dict and ``train_state`` is empty)."""
+    ckpt_dir = resolve_checkpoint(path)
+    if is_sharded_checkpoint(ckpt_dir):
+        meta = load_sharded_weights(ckpt_dir, model, model_config=model_config)
+        return Checkpoint(path=ckpt_dir, step=int(meta["step"]), model_state=model.state_dict(),
+                          train_state={}, meta=meta)
+    loaded = load_checkpoint(ckpt_dir, model_config=model_config)
+    load_model_state(model, loaded)
+    return loaded
+
+
+# ---------------------------------------------------------------------- single-file
+
+def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = None,
+                    map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load and verify a single-file checkpoint (directory or run directory).
+
+    ``model_config``: the ModelConfig dict of the model it is loaded into; a checkpoint written
+    for another model (another preset or other overrides) is refused with a clear message."""
+    ckpt = resolve_checkpoint(path)
+    meta = read_meta(ckpt)
+    if meta.get("format") != FORMAT_VERSION:
+        raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
+                          f"reads format {FORMAT_VERSION}")
+    if model_config is not None and meta.get("model_config") != model_config:
+        diff = _config_diff(meta.get("model_config"), model_config)
+        raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
+                          f"{meta.get('preset')!r}): {diff}. "
+                          "Load it with its own run's configuration, or start a new run")
+    for f in (MODEL_FILE, STATE_FILE):
+        p = ckpt / f
+        if not p.is_file():
+            raise MoeifyError(f"checkpoint {ckpt} is incomplete: {f} is missing; use an earlier "
+                              "checkpoint")
+        want = meta["sha256"].get(f)
+        if want is not None and sha256_file(p) != want:
+            raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
+                              f"recorded when it was written; use an earlier checkpoint "
+                              f"({CHECKPOINTS}/step-...) or retrain")
+    try:
+        model_state = load_file(str(ckpt / MODEL_FILE), device=str(map_location))
+    except Exception as e:  # safetensors raises its own error types on malformed files
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {MODEL_FILE} cannot be read ({e})") \
+            from None
+    try:
+        train_state = torch.load(ckpt / STATE_FILE, map_location=map_location, weights_only=True)
+    except Exception as e:  # unpickling errors come in many types
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {STATE_FILE} cannot be read ({e})") \
+            from None
+    if isinstance(train_state, dict):
+        check_finite(model_state, train_state, f"checkpoint {ckpt} cannot be used",
+                     "the run had diverged when it was written; use an earlier checkpoint")
+    return Checkpoint(path=ckpt, step=int(meta["step"]), model_state=model_state,
+                      train_state=train_state, meta=meta)
+
+
+def load_model_state(model: torch.nn.Module, ckpt: Checkpoint) -> None:
+    """Copy the checkpoint's weights into ``model``, with a clear error when they do not fit."""
+    try:
+        model.load_state_dict(ckpt.model_state, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise MoeifyError(f"checkpoint {ckpt.path} does not fit this model (it is from another "
+                          f"preset or configuration): {' '.join(first[:3])}") from None
+
+
+def _config_diff(saved: Any, wanted: Any) -> str:
+    if not isinstance(saved, dict) or not isinstance(wanted, dict):
+        return "the checkpoint records no model configuration"
+    keys = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    parts = []
+    for k in keys[:4]:
+        a, b = saved.get(k), wanted.get(k)
+        if isinstance(a, (dict, list)) or isinstance(b, (dict, list)):
+            parts.append(f"{k} differs")
+        else:
+            parts.append(f"{k} {a!r} in the checkpoint vs {b!r} here")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------- sharded (DCP)
+
+def verify_sharded(ckpt: Path, *, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The meta record of a sharded checkpoint, after checking its files against the checksums
+    (and its model config against ``model_config``, when given)."""
+    meta = read_meta(ckpt)
+    if meta.get("kind") != SHARDED_KIND:
+        raise MoeifyError(f"{ckpt} is not a sharded checkpoint")
+    if meta.get("format") != FORMAT_VERSION:
+        raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
+                          f"reads format {FORMAT_VERSION}")
+    if model_config is not None and meta.get("model_config") != model_config:
+        raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
+                          f"{meta.get('preset')!r}); load it with its own run's configuration")
+    for f, want in meta["sha256"].items():
+        p = ckpt / f
+        if not p.is_file():
+            raise MoeifyError(f"checkpoint {ckpt} is incomplete: {f} is missing; use an earlier "
+                              "checkpoint")
+        if sha256_file(p) != want:
+            raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
+                              "recorded when it was written; use an earlier checkpoint")
+    return meta
+
+
+def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = None) -> None:
+    """Fill ``state`` ({"model": ..., "optim": ...} as DCP's ``get_state_dict`` gives them,
+    keyed by parameter name, sharded or not) from ``ckpt/dcp``. With ``model``, a checkpoint
+    written with earlier parameter names (moeify.layers.common.rename_legacy_keys) is read under
+    those names and handed back under the current ones."""
+    # torch.distributed.checkpoint is imported only when a sharded checkpoint is read: it is
+    # slow to import and absent from torch builds without distributed support.
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        renames = _legacy_names(dcp, ckpt, state, model) if model is not None else {}
+        _rename_state(state, renames)
+        try:
+            dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+        finally:
+            _rename_state(state, {old: new for new, old in renames.items()})
+    except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
+        first = str(e).strip().splitlines()
+        raise MoeifyError(f"checkpoint {ckpt} does not fit this model or cannot be read: "
+                          f"{' '.join(first[:2]) or type(e).__name__}") from None
+
+
+def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
+                  ) -> dict[str, str]:
+    """{current name: the name the checkpoint holds it under} for the parameters the checkpoint
+    holds under an earlier name only (none for a checkpoint of the current names)."""
+    # (DCP loads in place, into tensors of the current shape: only plain renames apply.)
+    pairs = {(old, new) for m in model.modules()
+             for old, new in m.__dict__.get("_legacy_keys", {}).items() if isinstance(new, str)}
+    if not pairs:
+        return {}
+    saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+    renames = {}
+    for key in state["model"]:
+        if "model." + key in saved:
+            continue
+        for old, new in pairs:
+            if key == new or key.endswith("." + new):
+                was = key[:len(key) - len(new)] + old
+                if "model." + was in saved:
+                    renames[key] = was
+    return renames
+
+
+def _rename_state(state: dict[str, Any], renames: dict[str, str]) -> None:
+    """Rename parameters in place in the model and optimizer state dicts of ``get_state_dict``
+    (the optimizer's: its per-parameter ``state`` and its param groups' ``params`` lists)."""
+    if not renames:
+        return
+    model_sd = state["model"]
+    for key in [k for k in model_sd if k in renames]:
+        model_sd[renames[key]] = model_sd.pop(key)
+    optim_sd = state.get("optim")
+    if optim_sd:
+        per_param = optim_sd.get("state", {})
+        for key in [k for k in per_param if k in renames]:
+            per_param[renames[key]] = per_param.pop(key)
+        for group in optim_sd.get("param_groups", []):
+            group["params"] = [renames.get(k, k) for k in group["params"]]
+
+
+def load_sharded_weights(ckpt: Path, model: torch.nn.Module, *,
+                         model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill a plain (unsharded) model from a sharded checkpoint in this one process; returns the
+    checkpoint's meta record. The optimizer state is not read."""
+    meta = verify_sharded(ckpt, model_config=model_config)
+    state = {"model": model.state_dict()}
+    load_dcp(ckpt, state, model)
+    model.load_state_dict(state["model"], strict=True)
+    return meta
