@@ -101,7 +101,8 @@ MOEUT_BASELINE_ROWS: dict[str, tuple[str, tuple[int, int, int, int, int]]] = {
 
 
 def moeut_baseline(d: int, L: int, H: int, d_h: int, d_ff: int) -> ModelConfig:
-    return dense_lm(Size(VOCAB_C4, d, L, 1024, False, 0.0, H, d_h, d_ff), H=H)
+    return dense_lm(Size(vocab=VOCAB_C4, d=d, L=L, T=1024, xl=False, dropout=0.0, dense_heads=H,
+                         dense_d_head=d_h, dense_d_ff=d_ff), H=H)
 
 
 def tiny_moeut() -> ModelConfig:
