@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moeify.models.presets import get_preset
-from moeify.train import sharded
+from moeify.rundir.checkpoints import _legacy_names, load_dcp
+from moeify.rundir.layout import DCP_DIR
 from moeify.train.config import apply_model_overrides
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -48,12 +49,12 @@ def test_a_sharded_checkpoint_with_the_earlier_names_restores_weights_and_adamw_
                  "param_groups": [{**g, "params": [_earlier(k) for k in g["params"]]}
                                   for g in optim_sd["param_groups"]]}
     dcp.save({"model": old_model, "optim": old_optim},
-             checkpoint_id=str(tmp_path / sharded.DCP_DIR))
+             checkpoint_id=str(tmp_path / DCP_DIR))
 
     fresh, fresh_opt = _trained(1)
     state_model, state_optim = get_state_dict(fresh, fresh_opt)
     state = {"model": state_model, "optim": state_optim}
-    sharded._load_dcp(tmp_path, state, fresh)
+    load_dcp(tmp_path, state, fresh)
     assert state["model"].keys() == model_sd.keys()  # handed back under the current names
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
@@ -69,10 +70,10 @@ def test_a_sharded_checkpoint_with_the_current_names_needs_no_renaming(tmp_path)
     import torch.distributed.checkpoint as dcp
 
     model, _ = _trained(0)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / sharded.DCP_DIR))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / DCP_DIR))
     fresh, _ = _trained(1)
     state = {"model": fresh.state_dict()}
-    assert sharded._legacy_names(dcp, tmp_path, state, fresh) == {}
-    sharded._load_dcp(tmp_path, state, fresh)
+    assert _legacy_names(dcp, tmp_path, state, fresh) == {}
+    load_dcp(tmp_path, state, fresh)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state["model"][key], value, rtol=0, atol=0)
