@@ -587,6 +587,15 @@ def _start_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
         dist.destroy_process_group()
 
 
+def _source_run(tmp, corpus):
+    """A finished 2-step one-process sigma-MoE run in tmp/src, to start other runs from."""
+    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=2,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                      model_overrides=TINY)
+    train(cfg, tmp / "src", quiet=True)
+
+
 def test_a_run_started_from_a_model_validates_expert_parallel(setup):
     """start_run_from_model with validation at expert_parallel=2: the forward is collective,
     so both processes validate (process 0 alone would wait forever) and get the loss one
@@ -595,11 +604,7 @@ def test_a_run_started_from_a_model_validates_expert_parallel(setup):
     from moeify.train.trainer import init_config, start_run_from_model
 
     tmp, corpus = setup
-    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=2,
-                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
-                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
-                      model_overrides=TINY)
-    train(cfg, tmp / "src", quiet=True)
+    _source_run(tmp, corpus)
     new = init_config(tmp / "src")
     src = load(tmp / "src", "cpu")
     one = start_run_from_model(new, tmp / "one", src.model, src.tokenizer, validate=True)
@@ -620,11 +625,7 @@ def test_init_from_a_one_process_run_trains_expert_parallel(setup):
     from moeify.train.trainer import init_config, train_from
 
     tmp, corpus = setup
-    cfg = TrainConfig(preset="tiny-sigmamoe", data=str(corpus), tokenizer="byte256", steps=2,
-                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
-                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
-                      model_overrides=TINY)
-    train(cfg, tmp / "src", quiet=True)
+    _source_run(tmp, corpus)
     new = TrainConfig.from_dict({**init_config(tmp / "src").to_dict(), "steps": 3})
     a = train_from(new, tmp / "one", tmp / "src", quiet=True)
     out = tmp / "ep.pt"
