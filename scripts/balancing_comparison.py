@@ -50,9 +50,13 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--out", default="runs/balancing")
     p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--preset", action="append", choices=list(VARIANTS),
+                   help="only these models (repeatable; default both)")
     args = p.parse_args()
     rows = []
     for preset, variants in VARIANTS.items():
+        if args.preset and preset not in args.preset:
+            continue
         for name, sets in variants.items():
             run = Path(args.out) / f"{preset}-{len(rows)}"
             if not (run / "metrics.jsonl").is_file() or not any(
