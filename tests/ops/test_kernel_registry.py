@@ -17,6 +17,7 @@ from moeify.ops.moe import (
     implementations,
     register,
 )
+from moeify.ops.moe.layout import pair_layout
 from moeify.ops.moe.registry import KERNELS
 from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs
 
@@ -94,6 +95,36 @@ def test_a_registered_kernel_runs_inside_the_compiled_op(loop_kernel):
     want = ref_expert_rows(x, idx, w, gates)
     y = expert_matmul_op(x, idx, w, gates, 1, 1, None, "test-loop")
     torch.testing.assert_close(y, want)
+
+
+class PairOrderKernel(LoopKernel):
+    """The loop over the pairs in their own order (slot p = pair p), handed gathered rows."""
+
+    name = "test-pair-order"
+
+    def layout(self, plan):
+        return pair_layout(plan)
+
+
+def test_a_pair_order_kernel_leaves_the_output_gradient_alone():
+    """Gated with one expert per row and D > F, the backward scales the slots' output gradient
+    by the gates: never the caller's gradient tensor in place."""
+    kernel = register(PairOrderKernel())
+    try:
+        x, idx, w, gates = routed_inputs(6, 1, 3, 8, 4)
+        inputs = [t.clone().requires_grad_() for t in (x, w, gates)]
+        y = expert_matmul(*inputs[:1], idx, *inputs[1:], impl="test-pair-order")
+        gy = torch.ones_like(y)
+        got = torch.autograd.grad(y, inputs, gy)
+        assert torch.equal(gy, torch.ones_like(y))
+        xr, wr, gr = (t.clone().requires_grad_() for t in (x, w, gates))
+        want = ref_expert_rows(xr, idx, wr, gr)
+        torch.testing.assert_close(y, want)
+        ref = torch.autograd.grad(want, (xr, wr, gr), torch.ones_like(y))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b)
+    finally:
+        del KERNELS[kernel.name]
 
 
 def test_the_registry_refuses_what_it_cannot_run():

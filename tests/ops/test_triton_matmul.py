@@ -137,6 +137,23 @@ def test_no_rows():
     assert ws.grad.abs().max() == 0
 
 
+def test_no_rows_compiled_with_a_gate_gradient():
+    """A compiled graph with no rows (an expert-parallel rank that received no token) and gates
+    that need a gradient: the kept products are [0, F], still kept products."""
+    x, idx, w, gates = routed_inputs(0, 2, 4, 8, 8, dtype=f32)
+    xs, ws, gs = (t.to(DEVICE).requires_grad_() for t in (x, w, gates))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x, idx, w, gates):
+        return expert_matmul(x, idx, w, gates, impl="triton")
+
+    torch._dynamo.reset()
+    y = f(xs, idx.to(DEVICE), ws, gs)
+    assert y.shape == (0, 8)
+    gx, gw, gg = torch.autograd.grad(y.sum(), (xs, ws, gs))
+    assert gx.shape == (0, 8) and gg.shape == (0, 2) and gw.abs().max() == 0
+
+
 def test_partial_gradients_and_a_shared_plan():
     """Only some inputs require grad (the kernels skip the rest); one plan for two calls."""
     x, idx, w, gates, kw = contract_inputs("groups2", 20, 12, f32)

@@ -21,7 +21,7 @@ def _add_expert_matmul(bsub) -> None:
     """``moeify bench expert-matmul``."""
     em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs an equal-MAC "
                          "dense matmul (forward+backward)",
-                         description="Every expert-matmul implementation (ops/expert_matmul.py) "
+                         description="Every expert-matmul implementation (ops/moe/kernels/) "
                          "on M random rows routed to K of E experts with gates, [M, D] x [E, D, "
                          "F], forward+backward, against one dense matmul with the same "
                          "multiply-adds: median time of the repeats and the ratio to dense.")

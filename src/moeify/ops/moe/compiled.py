@@ -48,7 +48,8 @@ def expert_matmul_fwd(x: Tensor, idx: Tensor, w: Tensor, gates: Optional[Tensor]
                       sum_rows: int, impl: str, group_size: int,
                       keep_products: bool) -> tuple[Tensor, Tensor]:
     """(y, the per-pair products [N, F] when ``keep_products``, else empty): ``keep_products``
-    only for a kernel that reads rows itself and gates that need a gradient."""
+    only for a kernel that reads rows itself and gates that need a gradient (the backward op
+    is told the same flag: an empty [0, F] is kept products when there are no rows)."""
     kernel, lay = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
     if keep_products and not kernel.gathers_rows:
         raise ValueError(f"keep_products: kernel {kernel.name!r} does not read rows itself, so "
@@ -68,9 +69,10 @@ def _(x, idx, w, gates, groups, sum_rows, impl, group_size, keep_products):
 @torch.library.custom_op("moeify::expert_matmul_backward", mutates_args=())
 def expert_matmul_bwd(grad: Tensor, x: Tensor, idx: Tensor, w: Tensor, gates: Optional[Tensor],
                       ys: Tensor, groups: int, sum_rows: int, impl: str, group_size: int,
-                      need_x: bool, need_w: bool, need_g: bool) -> tuple[Tensor, Tensor, Tensor]:
+                      keep_products: bool, need_x: bool, need_w: bool,
+                      need_g: bool) -> tuple[Tensor, Tensor, Tensor]:
     kernel, lay = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
-    gx, gw, gg = matmul_backward(kernel, grad, x, w, gates, ys if ys.numel() else None, lay,
+    gx, gw, gg = matmul_backward(kernel, grad, x, w, gates, ys if keep_products else None, lay,
                                  idx.shape[1], groups, sum_rows, need_x, need_w, need_g)
     # Distinct empty tensors where not needed: a registered op's outputs must not alias.
     return (gx if gx is not None else x.new_empty(0), gw if gw is not None else w.new_empty(0),
@@ -78,15 +80,16 @@ def expert_matmul_bwd(grad: Tensor, x: Tensor, idx: Tensor, w: Tensor, gates: Op
 
 
 @expert_matmul_bwd.register_fake
-def _(grad, x, idx, w, gates, ys, groups, sum_rows, impl, group_size, need_x, need_w, need_g):
+def _(grad, x, idx, w, gates, ys, groups, sum_rows, impl, group_size, keep_products, need_x,
+      need_w, need_g):
     return (x.new_empty(x.shape if need_x else (0,)), w.new_empty(w.shape if need_w else (0,)),
             (gates.new_empty(gates.shape) if need_g and gates is not None else x.new_empty(0)))
 
 
 def _setup_context(ctx, inputs, output):
-    x, idx, w, gates, groups, sum_rows, impl, group_size, _ = inputs
+    x, idx, w, gates, groups, sum_rows, impl, group_size, keep_products = inputs
     ctx.save_for_backward(x, idx, w, gates, output[1])
-    ctx.meta = (groups, sum_rows, impl, group_size)
+    ctx.meta = (groups, sum_rows, impl, group_size, keep_products)
 
 
 def _backward(ctx, grad, _grad_ys):
@@ -106,6 +109,8 @@ def expert_matmul_op(x, idx, w, gates, groups: int, sum_rows: int, plan, impl: s
     [M, G, F]. ``plan`` only lends its expert grouping (the op rebuilds the sort)."""
     name = policy.compiled_impl(impl, x, w)
     group_size = plan.group_size or 0 if plan is not None else 0
+    # Products kept only where their shape is known when tracing: the pairs in their own order
+    # (a kernel that reads rows itself); the others take the gate gradient from the rows.
     keep = (gates is not None and gates.requires_grad and name != "auto"
             and get_kernel(name).gathers_rows)
     return expert_matmul_fwd(x, idx.to(torch.int64), w, gates, groups, sum_rows, name,

@@ -6,18 +6,18 @@ F output width, G groups, R rows summed per output.
 
 Forward: the rows gathered into the kernel's slots (unless it reads them itself), its GEMMs,
 the shared combine (moeify.ops.moe.combine). Backward: the output gradient taken to the slots
-(``spread``); d/dgate on the narrower side (ga · xs for D <= F, g · (xs W) otherwise; from the
-kept products for a kernel that reads rows itself); d/dx through the kernel's input-gradient
+(``spread``); d/dgate on the narrower side (g · ys from the kept [P, F] products for F < D or a
+kernel that reads rows itself, g · (xs W) for a kernel that keeps nothing, ga · xs for D <= F); d/dx through the kernel's input-gradient
 entry point, summed over a row's pairs with its gates; d/dW through its weight-gradient entry
-point with the gate multiplied into the narrower side. Only x, w and the gates are saved (plus
-the narrow products for a kernel that reads rows itself): the gathered rows are rebuilt.
+point with the gate multiplied into the narrower side. Saved: x, w, the gates and those narrow
+products; the gathered rows are rebuilt.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moeify.ops.amp import amp_backward, amp_forward
+from moeify.ops.amp import amp_backward, amp_forward, autocast_off
 from moeify.ops.moe.combine import combine, per_output, spread
 from moeify.ops.moe.layout import SlotLayout, gather_rows, row_dot, slot_sums
 from moeify.ops.moe.registry import ExpertKernel
@@ -28,8 +28,9 @@ from moeify.ops.moe.registry import ExpertKernel
 
 def matmul_forward(kernel: ExpertKernel, x_MD, w_EDF, gates_MK, lay: SlotLayout, k: int,
                    groups: int, sum_rows: int, keep_products: bool):
-    """(y, ys): the expert matmul's output, and the per-slot products when ``keep_products``
-    (a kernel that reads rows itself takes its gate gradient from them), else None."""
+    """(y, ys): the expert matmul's output, and the per-slot products [P, F] when
+    ``keep_products`` (the gate gradient is then a dot with them: ``keeps_products``), else
+    None."""
     if kernel.gathers_rows:
         ys_PF = kernel.forward(x_MD, w_EDF, lay, k)
     else:
@@ -38,15 +39,35 @@ def matmul_forward(kernel: ExpertKernel, x_MD, w_EDF, gates_MK, lay: SlotLayout,
     return y, (ys_PF if keep_products else None)
 
 
+def keeps_products(kernel: ExpertKernel, x_MD, w_EDF, gates_MK) -> bool:
+    """Whether the forward keeps the narrow products for the gate gradient: when the gates need
+    a gradient and either the kernel reads rows itself (no gathered rows to take it from) or
+    the products are the narrower side (F < D: a dot over F, where the rows would need the
+    gather and a second GEMM) and the kernel keeps them (``keeps_narrow_products``)."""
+    if gates_MK is None or not gates_MK.requires_grad:
+        return False
+    return kernel.gathers_rows or (kernel.keeps_narrow_products
+                                   and w_EDF.shape[-1] < x_MD.shape[1])
+
+
 def matmul_backward(kernel: ExpertKernel, grad_y, x_MD, w_EDF, gates_MK, ys_PF,
                     lay: SlotLayout, k: int, groups: int, sum_rows: int,
                     need_x: bool, need_w: bool, need_g: bool):
-    """(grad_x, grad_w, grad_gates), None where not needed."""
+    """(grad_x, grad_w, grad_gates), None where not needed. ``ys_PF``: the products the
+    forward kept, or None."""
+    with autocast_off(x_MD.device.type):  # a backward() called inside an autocast region
+        return _backward(kernel, grad_y, x_MD, w_EDF, gates_MK, ys_PF, lay, k, groups, sum_rows,
+                         need_x, need_w, need_g)
+
+
+def _backward(kernel, grad_y, x_MD, w_EDF, gates_MK, ys_PF, lay, k, groups, sum_rows,
+              need_x, need_w, need_g):
     M, D = x_MD.shape
     E, _, Fo = w_EDF.shape
     gated = gates_MK is not None
     need_g = need_g and gated
     grad_x = grad_w = grad_gates = None
+    # (spread may return grad_y itself: it is never modified in place below.)
     g_PF = spread(grad_y.to(x_MD.dtype), lay, per_output(k, groups, sum_rows, gated))
     gate_N = gates_MK.reshape(-1).to(x_MD.dtype) if gated else None
     gate_P = gather_rows(gate_N[:, None], lay, lay.pair_P) if gated else None  # 0 in padding
@@ -54,17 +75,17 @@ def matmul_backward(kernel: ExpertKernel, grad_y, x_MD, w_EDF, gates_MK, ys_PF,
     def pairs(v_P):  # per-slot values in pair order
         return (v_P if lay.identity else v_P.index_select(0, lay.slot_N)).view(M, k)
 
+    if need_g and ys_PF is not None:  # d/dgate = g · (x W), from the kept products
+        grad_gates = pairs(row_dot(g_PF, ys_PF))
     if kernel.gathers_rows:
-        # The kernel reads x through the layout: the gate gradient g · (x W) comes from the
-        # kept products, and the gates scale the output gradient before the kernel sees it.
-        if need_g:
-            grad_gates = pairs(row_dot(g_PF, ys_PF))
+        # The kernel reads x through the layout; the gates scale the output gradient first.
         gs_PF = g_PF * gate_P if gated else g_PF
         if need_x:
             grad_x = kernel.input_grad(gs_PF, w_EDF, lay, k, M)
         if need_w:
             grad_w = kernel.weight_grad(x_MD, gs_PF, lay, E, k)
     else:
+        need_g = need_g and grad_gates is None
         ga_PD = None
         if need_x or (need_g and D <= Fo):
             # ga = g Wᵀ, the slot's output gradient before gating taken back through its
@@ -73,17 +94,22 @@ def matmul_backward(kernel: ExpertKernel, grad_y, x_MD, w_EDF, gates_MK, ys_PF,
             if need_x:
                 grad_x = slot_sums(ga_PD, lay.slot_N, gate_N, k)
         if need_g or need_w:
-            # For D > F d/dgate is taken on the narrow side, g · (xs W), and ga is no longer
-            # needed: the rows are gathered into its buffer, so the two [P, D] tensors are
-            # never alive together.
-            reuse = ga_PD if ga_PD is not None and D > Fo else None
+            # Unless d/dgate = ga · xs, ga is no longer needed: the rows are gathered into its
+            # buffer, so the two [P, D] tensors are never alive together. (For D > F with
+            # nothing kept, d/dgate = g · (xs W): one more GEMM on the narrow side.)
+            reuse = ga_PD if ga_PD is not None and not (need_g and D <= Fo) else None
             xs_PD = gather_rows(x_MD, lay, lay.rows(k), out=reuse)
             if need_g:
                 grad_gates = pairs(row_dot(ga_PD, xs_PD) if D <= Fo else
                                    row_dot(kernel.forward(xs_PD, w_EDF, lay), g_PF))
             if need_w:
-                if gated:  # the gate multiplied into the narrower side, in place
-                    (xs_PD if D <= Fo else g_PF).mul_(gate_P)
+                if gated:  # the gate multiplied into the narrower side
+                    if D <= Fo:
+                        xs_PD.mul_(gate_P)  # our own gather
+                    elif lay.identity:  # g may be the caller's gradient itself
+                        g_PF = g_PF * gate_P
+                    else:
+                        g_PF.mul_(gate_P)
                 grad_w = kernel.weight_grad(xs_PD, g_PF, lay, E)
     if grad_gates is not None:
         grad_gates = grad_gates.to(gates_MK.dtype)
@@ -96,7 +122,7 @@ class ExpertMatmulFunction(torch.autograd.Function):
     @staticmethod
     @amp_forward
     def forward(ctx, x_MD, w_EDF, gates_MK, kernel, lay, k, groups, sum_rows):
-        keep = kernel.gathers_rows and gates_MK is not None and gates_MK.requires_grad
+        keep = keeps_products(kernel, x_MD, w_EDF, gates_MK)
         y, ys_PF = matmul_forward(kernel, x_MD, w_EDF, gates_MK, lay, k, groups, sum_rows, keep)
         ctx.save_for_backward(x_MD, w_EDF, gates_MK, ys_PF)
         ctx.meta = (kernel, lay, k, groups, sum_rows)
@@ -111,4 +137,4 @@ class ExpertMatmulFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-__all__ = ["ExpertMatmulFunction", "matmul_backward", "matmul_forward"]
+__all__ = ["ExpertMatmulFunction", "keeps_products", "matmul_backward", "matmul_forward"]

@@ -61,6 +61,8 @@ def validate(x, idx, w, gates, groups=1, sum_rows=1, batch=None):
     """Raise ValueError, saying what to change, unless the operands fit the contract."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, D], got shape {tuple(x.shape)}")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise ValueError(f"expert ids must be an integer tensor, got dtype {idx.dtype}")
     if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
         raise ValueError(f"idx must be [M, K] with M = {x.shape[0]} (rows of x), "
                          f"got shape {tuple(idx.shape)}")
@@ -111,7 +113,10 @@ def expert_matmul(
     ``batch=B`` (gated): rows are B sequences of S = M / B, and the result is laid out
     [B, G, S, F], group-major per sequence as attention takes it (contiguous from "sets", a
     view otherwise). ``plan`` (from ``make_plan(idx_MK, E)``) lets several calls share one sort.
-    ``impl``: a registered kernel or "auto" (``moeify.ops.moe.policy.choose_impl``).
+    ``impl``: a registered kernel or "auto" (``moeify.ops.moe.policy.choose_impl``). Under
+    torch.compile the call is the registered op, which runs a slot-layout kernel: one named
+    here, or else the policy's choice ("reference", "gather", "pairs", "all" and "sets" give
+    way to it: ``policy.compiled_impl``).
     """
     # Autocast's matmul policy applied to the operands, then every kernel runs in their dtype
     # with autocast off (moeify.ops.amp: the same result dtype on every device).

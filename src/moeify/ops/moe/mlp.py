@@ -119,13 +119,13 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
         check_plan(plan, idx_MK, E)
     elif not policy.planless(impl):
         plan = make_plan(idx_MK, E)
-    name = impl
-    if not torch.compiler.is_compiling():
-        name = policy.choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True)
-    kernel = get_kernel(name) if name != "auto" else None
+    compiling = torch.compiler.is_compiling()
+    # Under torch.compile: the composite, two registered expert-matmul ops whose kernel the
+    # policy picks inside them (moeify.ops.moe.compiled).
+    name = impl if compiling else policy.choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True)
+    kernel = get_kernel(name) if not compiling else None
     if (not isinstance(kernel, ExpertKernel) or kernel.gathers_rows or M == 0
             or (training and dropout > 0) or bias_EG is not None or activation is not None):
-        # Under torch.compile: two registered expert-matmul ops (moeify.ops.moe.compiled).
         with autocast_off(x_MD.device.type):
             return _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, name, plan, dropout,
                               training, bias_EG, activation)

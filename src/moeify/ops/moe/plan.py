@@ -115,7 +115,8 @@ def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = N
     """The routing of ``idx`` (any shape; flattened) as a RoutingPlan. ``group_size``: the
     experts form groups of that many consecutive ids. ``in_range``: the caller built the ids in
     [0, num_experts) itself (a top-k over that many scores, plus group offsets), so the range
-    check, which reads every id back to the host, is skipped."""
+    check is skipped (on CPU it reads the ids' range back to the host; on accelerators it is an
+    asynchronous device-side assertion)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     if group_size is not None and (group_size < 1 or num_experts % group_size):

@@ -14,9 +14,10 @@ pairs and "all" for a handful of rows (decoding, where reading the weights is th
 else "padded" where ``padding_pays`` (one parallel region instead of one per expert), else
 "segment".
 
-torch.compile: the call is the registered op ``moeify::expert_matmul``, and inside it the same
-policy picks among the slot-layout kernels at run time (``compiled_impl``), so the compiled
-graph keeps a sparse layout.
+torch.compile: the call is the registered op ``moeify::expert_matmul``; ``compiled_impl`` names
+its kernel when tracing (a slot-layout kernel named by the caller, CUDA's choice, or "auto"),
+and inside the op "auto" is ``choose_impl(..., layouts_only=True)`` at run time, so the
+compiled graph keeps a sparse layout.
 
 The thresholds and the measurements behind them: docs/benchmarks/expert-matmul-cpu-policy.md.
 """

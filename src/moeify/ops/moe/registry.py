@@ -51,9 +51,10 @@ class ExpertKernel:
     name: str = ""
     # Reads input rows through the layout itself (module docstring).
     gathers_rows: bool = False
-    # Reads the routing's counts back to the host (a sync on accelerators): under
-    # torch.compile such a kernel runs inside a registered op only.
-    host_sync: bool = True
+    # Keep the narrow [P, F] products between the passes for the gate gradient when F < D
+    # (a dot over F instead of a second gather and GEMM in the backward); False trades that
+    # time for the memory (the padded layout, whose P includes its padding).
+    keeps_narrow_products: bool = True
 
     def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
         """Why this kernel cannot run on these operands (what to do instead), or None."""

@@ -10,7 +10,7 @@ Shape legend
     L  blocks of a grid       b  units per block of a grid                P  slots, all grids
 
 SwitchHead routes every (token, head) unit to K of the head's E experts (Eq. 7-10). The padded
-layout (moeify.ops.padded_matmul) multiplies each of the U·K (unit, expert) pairs on its own:
+layout (moeify.ops.moe.kernels.padded) multiplies each of the U·K (unit, expert) pairs on its own:
 a narrow product per pair, and K copies of every wide row. With small E and K there are only
 Gs = C(E, K) sets per head (10 for E = 5, K = 2), so here units are sorted by (group, set)
 instead, and a block of units that share a set is multiplied by the set's K matrices side by
@@ -32,7 +32,7 @@ torch.bmm. A set's count fluctuates around the mean, so one block per set as tal
 largest set (the "capacity" layout) pads by 15-20% at the 47M shapes. ``set_layout`` picks the
 cheapest of: two grids, every set's first b1 units in one and the overflow of the sets larger
 than b1 in a second, lower one (b1 = max is the capacity layout); or, for badly unbalanced
-routing, the blocked layout of moeify.ops.padded_matmul (equal blocks, padding at most a
+routing, the blocked layout of moeify.ops.moe.kernels.padded (equal blocks, padding at most a
 quarter). The cost counted is padded slots plus, per block, the rows a weight copy costs
 (``BLOCK_COST``), plus ``GRID_COST`` for a second grid's extra matmul calls.
 

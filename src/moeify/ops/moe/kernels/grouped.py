@@ -23,7 +23,6 @@ def grouped_ok(*tensors: torch.Tensor) -> bool:
 
 class GroupedKernel(ExpertKernel):
     name = "grouped"
-    host_sync = False
 
     def unavailable(self, x, w):
         if not HAS_GROUPED_MM:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeify.ops.moe.layout import SlotLayout, sum_by_id
+from moeify.ops.moe.layout import SlotLayout, slot_sums, sum_by_id
 from moeify.ops.moe.registry import ExpertKernel, register
 
 # Largest padding (padded slots / routed pairs) for which one block per expert is used.
@@ -87,6 +87,7 @@ def block_weights(w_EAB: torch.Tensor, lay: PaddedLayout) -> torch.Tensor:
 
 class PaddedKernel(ExpertKernel):
     name = "padded"
+    keeps_narrow_products = False  # nothing [P, ·] kept between the passes
 
     def layout(self, plan):
         return padded_layout(plan)
@@ -96,6 +97,15 @@ class PaddedKernel(ExpertKernel):
         L, b = lay.n_blocks, lay.block
         B = w_EAB.shape[-1]
         return torch.bmm(a_PA.view(L, b, a_PA.shape[1]), block_weights(w_EAB, lay)).view(L * b, B)
+
+    def input_grad(self, g_PB, w_EAB, lay, k=None, n_rows=0):
+        # The block weights gathered as stored, then read transposed by the bmm (gathering the
+        # transposed view would copy it strided).
+        L, b = lay.n_blocks, lay.block
+        A = w_EAB.shape[1]
+        ga = torch.bmm(g_PB.reshape(L, b, g_PB.shape[1]),
+                       block_weights(w_EAB, lay).transpose(1, 2)).view(L * b, A)
+        return ga if k is None else slot_sums(ga, lay.slot_N, None, k)
 
     def weight_grad(self, a, g_PB, lay, n_experts, k=None):
         a_PA = self.slot_rows(a, lay, k)

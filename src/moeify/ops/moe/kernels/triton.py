@@ -11,7 +11,7 @@ straight from x, multiplies by w[e] with an fp32 accumulator and writes each res
 unsorted place: the layout is the pairs in their own order (``pair_layout``), and nothing
 [N, D] is ever materialised. The same idea as the SwitchHead authors' CVMM and ScatterMoE's
 scatter2scatter, written afresh here. The gates, group and row sums are the shared combine's
-(moeify.ops.moe.matmul), on the narrow [N, F] products.
+(moeify.ops.moe.combine), on the narrow [N, F] products.
 
 Kernels (moeify.ops.moe.kernels._triton_jit; one program = one tile of one expert's sorted
 pairs times one tile of the output columns; the tile's expert and start are found inside the
@@ -119,7 +119,6 @@ def _meta(x: torch.Tensor, E: int) -> dict:
 class TritonKernel(ExpertKernel):
     name = "triton"
     gathers_rows = True
-    host_sync = False
 
     def unavailable(self, x, w):
         return unavailable_reason(x)
