@@ -13,6 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 # The Triton kernels' fixed configuration on a GPU: tests check correctness at dozens of shapes,
 # and autotuning would compile and time every configuration for each (moeify.ops.moe.kernels._triton_jit).
 os.environ.setdefault("MOEIFY_TRITON_AUTOTUNE", "0")
+# Inductor's on-disk caches in a directory of this session's own: the FX graph cache keys a
+# compiled graph without the schemas of the custom ops it calls, so code cached before an op of
+# moeify.ops.moe.compiled changed its arguments would be run against the new op.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moeify-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
