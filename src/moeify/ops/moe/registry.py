@@ -4,8 +4,8 @@ Two kinds of kernel share the registry:
 
 ``ExpertKernel`` (segment, grouped, padded, triton): the GEMMs over a slot layout, three entry
 points and nothing else. The gathers, the gates, the group and row sums, the gate gradient and
-the autograd are written once, for all of them (moeify.ops.moe.matmul and
-moeify.ops.moe.mlp). A kernel is a module that defines a subclass and registers an instance:
+the autograd are written once, for all of them (moeify.ops.moe.combine, moeify.ops.moe.function
+and moeify.ops.moe.mlp). A kernel is a module that defines a subclass and registers an instance:
 
     class LoopKernel(ExpertKernel):
         name = "loop"
@@ -15,8 +15,10 @@ moeify.ops.moe.mlp). A kernel is a module that defines a subclass and registers 
             ...
     register(LoopKernel())
 
-after which ``expert_matmul(..., impl="loop")``, the expert MLP, torch.compile (through the
-registered op of moeify.ops.moe.compiled) and the CPU-GPU test matrix all run it.
+after which ``expert_matmul(..., impl="loop")``, the expert MLP, a layer's ``expert_impl`` and
+torch.compile (through the registered op of moeify.ops.moe.compiled) all run it
+(tests/ops/test_kernel_registry.py). The test matrices iterate over the built-in kernels
+(``IMPLEMENTATIONS``), not over kernels registered later.
 
 ``WholeKernel`` (reference, gather, pairs, all, sets): an implementation of the whole contract
 in one ``run`` (composites of differentiable torch ops, or with a layout of their own); they
