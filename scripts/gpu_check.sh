@@ -3,8 +3,9 @@
 # phase under its own time limit, then one JSON and one markdown table of every ratio beside the
 # paper's (SwitchHead Table 5: 47M 0.72x time, 0.65x memory; 262M 0.65x, 0.61x) and moeify's
 # targets (scripts/gpu_summary.py). The expert-matmul bench runs at the 47M SwitchHead value shape
-# (every implementation, the Triton kernels among them); the Triton kernel tests run on the
-# device when triton imports.
+# (every implementation, the Triton kernels among them), then one profiled call of the fastest
+# ones (their kernels, launches and time shares); the Triton kernel tests run on the device when
+# triton imports.
 #
 #   scripts/gpu_check.sh                        everything (about 6 minutes on one H100/H200)
 #   SKIP_SUITE=1 scripts/gpu_check.sh           benchmarks only
@@ -91,6 +92,13 @@ fi
 common=(--device "$DEVICE" --dtype bfloat16 --json)
 phase expert-matmul 90 "$OUT_DIR/expert-matmul.json" \
     "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --repeats "$REPEATS" "${common[@]}"
+# One profiled call of the fastest kernels at the same shape: their launches and where the time
+# goes, kernel by kernel (what to tune next).
+prof_impls=(--impl triton --impl grouped --impl padded)
+[ "$DEVICE" = cuda ] || prof_impls=(--impl segment --impl padded)
+phase expert-matmul-profile 90 "$OUT_DIR/expert-matmul-profile.json" \
+    "${MOEIFY[@]}" bench expert-matmul "${em[@]}" "${prof_impls[@]}" --repeats 1 --profile \
+    "${common[@]}"
 compile_flag=()
 [ -n "${COMPILE:-}" ] && compile_flag=(--compile)
 for size in "${sizes[@]}"; do

@@ -4,8 +4,9 @@ moeify's target, as one JSON file and one markdown table.
     python scripts/gpu_summary.py OUT_DIR        (scripts/gpu_check.sh runs it last)
 
 Reads what gpu_check.sh wrote in OUT_DIR (device.json, suite.txt, expert-matmul.json,
-attention-47m.json, attention-262m.json, step-47m.json, step-262m.json, ff.json; a missing or
-failed phase is reported as such) and writes OUT_DIR/summary.json and OUT_DIR/summary.md.
+expert-matmul-profile.json, attention-47m.json, attention-262m.json, step-47m.json,
+step-262m.json, ff.json; a missing or failed phase is reported as such) and writes
+OUT_DIR/summary.json and OUT_DIR/summary.md (the profile as a list below the table).
 
 Paper figures: SwitchHead (arXiv 2312.07987) Table 5, a whole training step against the dense
 baseline: 47M 0.72x time, 0.65x memory; 262M 0.65x time, 0.61x memory. Targets beyond the
@@ -116,7 +117,23 @@ def summarize(out: Path) -> dict:
         rows += _attention_rows(_load(out, f"attention-{size}.json"), size)
         rows += _step_rows(_load(out, f"step-{size}.json"), size)
     rows += _ff_rows(_load(out, "ff.json"))
-    return {"device": _load(out, "device.json"), "suite": _suite(out), "rows": rows}
+    prof = _load(out, "expert-matmul-profile.json")
+    return {"device": _load(out, "device.json"), "suite": _suite(out), "rows": rows,
+            "expert_matmul_profile": (prof or {}).get("profile")}
+
+
+def _profile_lines(profile: dict | None, top: int = 5) -> list[str]:
+    """Where one expert-matmul call spends its time, per implementation: its launches and its
+    ``top`` kernels with their shares."""
+    if not profile:
+        return []
+    lines = ["", "Expert matmul, one profiled fwd+bwd call (kernels by time):", ""]
+    for impl, p in profile.items():
+        kernels = "; ".join(f"{k['kernel']} x{k['calls']} {k['share']:.0%}"
+                            for k in p["top"][:top])
+        lines.append(f"- {impl}: {p['launches']} {p['counted']}, {p['total_us']:.0f} us: "
+                     f"{kernels}")
+    return lines
 
 
 def markdown(summary: dict) -> str:
@@ -133,6 +150,7 @@ def markdown(summary: dict) -> str:
         met = {True: "yes", False: "no", None: "-"}[r["met"]]
         lines.append(f"| {r['measure']} | {fmt(r['ratio'])} | {fmt(r['paper'])} | "
                      f"{fmt(r['target'])} | {met} | {r['detail']} |")
+    lines += _profile_lines(summary.get("expert_matmul_profile"))
     return "\n".join(lines) + "\n"
 
 

@@ -206,6 +206,26 @@ def test_cli_bench_attention_json(capsys):
     assert [r["case"] for r in res["groups"][0]["rows"]] == ["tiny-dense", "tiny-switchhead"]
 
 
+def test_bench_expert_matmul_profile_counts_the_kernels_of_each_case(capsys):
+    """``--profile``: one profiled call per case. The per-expert loop runs one matmul per expert
+    for each of its three products (forward, input and weight gradients), the dense case three
+    in all; the shares are of the whole call."""
+    E = 4
+    assert main(["bench", "expert-matmul", "-M", "256", "-D", "128", "-E", str(E), "-K", "2",
+                 "-F", "64", "--repeats", "1", "--impl", "segment", "--profile", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    prof = res["profile"]
+    assert set(prof) == {"dense (equal MACs)", "segment"}
+    mm = {name: {r["kernel"]: r["calls"] for r in p["top"]}.get("aten::mm")
+          for name, p in prof.items()}
+    assert mm == {"dense (equal MACs)": 3, "segment": 3 * E}
+    for p in prof.values():
+        assert p["counted"] == "operations"
+        assert p["launches"] >= sum(r["calls"] for r in p["top"])
+        assert 0 < sum(r["share"] for r in p["top"]) <= 1 + 1e-9
+        assert sum(r["us"] for r in p["top"]) <= p["total_us"] + 1e-6
+
+
 def test_cli_bench_rejects_bad_input(capsys):
     assert main(["bench", "attention", "--preset", "no-such-preset", "--no-memory"]) == 2
     assert "unknown preset" in capsys.readouterr().err

@@ -57,6 +57,7 @@ def test_summary_pairs_each_ratio_with_the_paper_and_the_target(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "NVIDIA H200" in md and "CUDA suite: 44 passed, 1 failed, 2 skipped" in md
     assert "| 47m training step time: wt103-47m-switchhead | 0.700 | 0.720 | 0.720 | yes |" in md
+    assert "profiled" not in md  # no profile phase ran
 
 
 def main_summary(out: Path) -> int:
@@ -72,7 +73,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_the_source_tree_on_pythonpath
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    for phase in ("expert-matmul", "attention-47m", "step-47m", "ff"):
+    for phase in ("expert-matmul", "expert-matmul-profile", "attention-47m", "step-47m", "ff"):
         assert f"== {phase}: done" in r.stdout, r.stdout
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["device"]["name"] == "cpu"
@@ -81,6 +82,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_the_source_tree_on_pythonpath
     assert any("expert matmul" in r["measure"] for r in measured)
     step = json.loads((tmp_path / "step-47m.json").read_text())
     assert step["device"] == "cpu" and step["dtype"] == "bfloat16"
+    assert set(s["expert_matmul_profile"]) == {"dense (equal MACs)", "segment", "padded"}
+    md = (tmp_path / "summary.md").read_text()
+    assert "- segment: " in md and "aten::mm x" in md
 
 
 @pytest.mark.parametrize("bench", ["ff", "generate", "step", "attention", "expert-matmul"])

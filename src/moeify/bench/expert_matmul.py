@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from moeify.bench.timing import format_table, interleaved_median_times
+from moeify.bench.timing import format_table, interleaved_median_times, kernel_profile
 from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
 from moeify.ops.moe.kernels.triton import unavailable_reason
 from moeify.ops.moe.policy import planless
 
 
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, device="cpu",
-                        impls=None, warmup=2, repeats=7, seed=0) -> dict:
+                        impls=None, warmup=2, repeats=7, seed=0, profile=False) -> dict:
     """Forward+backward time of each implementation and of the dense matmul with the same number
     of multiply-adds, [M*K, D] x [D, F], measured side by side (median of ``repeats``). The E
     experts form one group, so each row's K experts are a set ("sets" applies); every call sorts
-    the routing (``make_plan``) as a layer does."""
+    the routing (``make_plan``) as a layer does. ``profile``: after the timing, one profiled
+    call of each case (``kernel_profile``: how many kernels it launches and where its time
+    goes), under the result's "profile"."""
     if not 1 <= K <= E:
         raise ValueError(f"K (experts per row) must lie in [1, E={E}], got {K}")
     g = torch.Generator().manual_seed(seed)
@@ -53,6 +55,8 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
     rows = [{"implementation": name, "fwd+bwd ms": t * 1e3, "x dense": t / base}
             for name, t in times.items()]
     fastest = min(impls, key=lambda i: times[i])
+    profiles = ({name: kernel_profile(fn, device) for name, fn in fns.items()} if profile
+                else None)
     return {
         "shape": {"M": M, "K": K, "E": E, "D": D, "F": F},
         "dtype": str(dtype).removeprefix("torch."),
@@ -63,6 +67,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
         "rows": rows,
         "fastest_vs_dense": times[fastest] / base,
         "fastest_speedup_vs_gather": times["gather"] / times[fastest] if "gather" in times else None,
+        **({"profile": profiles} if profiles is not None else {}),
     }
 
 
@@ -71,4 +76,9 @@ def table(result: dict) -> str:
     head = (f"expert matmul fwd+bwd, M={s['M']} K={s['K']} E={s['E']} D={s['D']} F={s['F']}, "
             f"{result['dtype']} on {result['device']} ({result['threads']} threads); "
             f"auto -> {result['auto']}")
-    return head + "\n" + format_table(result["rows"], ["implementation", "fwd+bwd ms", "x dense"])
+    out = head + "\n" + format_table(result["rows"], ["implementation", "fwd+bwd ms", "x dense"])
+    for name, prof in result.get("profile", {}).items():
+        out += (f"\n\n{name}: {prof['launches']} {prof['counted']}"
+                f", {prof['total_us']:.0f} us ({prof['timer']})\n"
+                + format_table(prof["top"], ["kernel", "calls", "us", "share"]))
+    return out

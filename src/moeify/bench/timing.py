@@ -119,3 +119,43 @@ def expert_impls_run(fn: Callable[[], object]) -> list[str]:
         fn()
     return sorted({e.name[len(TRACE_PREFIX):] for e in prof.events()
                    if e.name.startswith(TRACE_PREFIX)})
+
+
+def kernel_profile(fn: Callable[[], object], device=None, *, top: int = 8) -> dict:
+    """Where one call of ``fn`` spends its time, by kernel, from ``torch.profiler`` (run it
+    warm: the call's first run compiles and autotunes). On CUDA the device kernels (Triton's
+    by their function name, cuBLAS's, the elementwise ones), timed on the GPU; elsewhere the
+    operations' self CPU time. Returns ``counted`` ("kernels" or "operations"), ``launches``
+    (how many ran),
+    ``total_us`` (their summed time) and the ``top`` entries by time: name, calls, µs, share."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = _is_cuda(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.time_range.elapsed_us()
+        else:
+            if e.name.startswith(TRACE_PREFIX) or e.self_cpu_time_total <= 0:
+                continue
+            us = e.self_cpu_time_total
+        by_name.setdefault(e.name, []).append(us)
+    total = sum(sum(v) for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "counted": "kernels" if cuda else "operations",
+        "timer": "GPU time of each kernel" if cuda else "CPU self time of each operation",
+        "launches": sum(len(v) for v in by_name.values()),
+        "total_us": total,
+        "top": [{"kernel": name if len(name) <= 72 else name[:69] + "...", "calls": len(v),
+                 "us": sum(v), "share": sum(v) / total if total else 0.0}
+                for name, v in ranked],
+    }

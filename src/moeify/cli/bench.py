@@ -36,6 +36,9 @@ def _add_expert_matmul(bsub) -> None:
                     help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
     em.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     em.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (median)")
+    em.add_argument("--profile", action="store_true",
+                    help="also profile one call of each case after the timing: the kernels it "
+                    "launches (on CUDA; operations on the CPU), their count and time shares")
     em.add_argument("--json", action="store_true", help="print JSON instead of a table")
     em.set_defaults(func=run_expert_matmul)
 
@@ -228,7 +231,7 @@ def run_expert_matmul(args) -> int:
 
     res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F,
                               dtype=getattr(torch, args.dtype), device=args.device,
-                              impls=args.impl, repeats=args.repeats)
+                              impls=args.impl, repeats=args.repeats, profile=args.profile)
     emit(res, table(res), args.json)
     return 0
 
