@@ -82,19 +82,26 @@ class GraphRecorder:
         return [n for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
 
 
-@pytest.mark.parametrize("preset", ("tiny-switchall", "tiny-moa", "tiny-mode"))
+@pytest.mark.parametrize("preset", ("tiny-switchall", "tiny-moa", "tiny-mode", "tiny-moeut"))
 def test_compiled_moe_blocks_keep_the_sparse_expert_op(preset):
     """Every MoE family's compiled graph calls the registered expert op, moeify::expert_matmul,
     for each of its expert matmuls (two or more per block), and no dense matmul over all
-    experts (the reference kernel's einsum "md,edf->mef")."""
+    experts (the reference kernel's einsum "md,edf->mef"). The traced graphs compute what the
+    eager model does (MoEUT: its shared blocks, applied G times each, trace once)."""
     torch._dynamo.reset()
+    torch.manual_seed(0)
     model = _small(preset).build().train()
+    eager = copy.deepcopy(model)
     rec = GraphRecorder()
     for block in model.blocks:
         block.compile(fullgraph=True, backend=rec)
     ids_BT = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
-    out = model(ids_BT[:, :-1], ids_BT[:, 1:])
-    (out.loss + out.aux_loss).backward()
+    out, grads, _ = _run(model, ids_BT)
+    out_e, grads_e, _ = _run(eager, ids_BT)
+    torch.testing.assert_close(out.loss + out.aux_loss, out_e.loss + out_e.aux_loss,
+                               rtol=0, atol=1e-6)
+    for name in grads_e:
+        torch.testing.assert_close(grads[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
     calls = rec.calls()
     n_ops = sum(n.target is torch.ops.moeify.expert_matmul.default for n in calls)
     assert n_ops >= 2 * len(rec.graphs)  # the blocks of one kind share a graph
