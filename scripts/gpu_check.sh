@@ -12,6 +12,8 @@
 #   BATCH=32 REPEATS=5 COMPILE=1 ...            step batch (default 64, the paper's), repeats
 #                                               (default 3), compiled step rows too
 #   DEVICE=cpu SMALL=1 SKIP_SUITE=1 ...         the script itself on a CPU, at tiny shapes
+#   CVMM=moeut/moeut/cvmm.py ...                the SwitchHead authors' kernel beside moeify's
+#                                               (their file, from github.com/RobertCsordas/moeut)
 #
 # Python: .venv/bin/python when there is one, else python3, with this checkout's src/ on
 # PYTHONPATH (a lent GPU machine has its own python3 with torch and no package index: nothing
@@ -90,8 +92,10 @@ else  # the 47M SwitchHead value experts: [memory ; x] rows, 2 heads x 5 experts
     em=(-M 32768 -D 412 -E 10 -K 4 -F 76) sizes=(47m 262m) ff=() batch=$BATCH
 fi
 common=(--device "$DEVICE" --dtype bfloat16 --json)
+peer=()  # CVMM=PATH: the SwitchHead authors' cvmm.py timed beside moeify's kernels
+[ -n "${CVMM:-}" ] && peer=(--peer "cvmm=$CVMM")
 phase expert-matmul 90 "$OUT_DIR/expert-matmul.json" \
-    "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --repeats "$REPEATS" "${common[@]}"
+    "${MOEIFY[@]}" bench expert-matmul "${em[@]}" "${peer[@]}" --repeats "$REPEATS" "${common[@]}"
 # One profiled call of the fastest kernels at the same shape: their launches and where the time
 # goes, kernel by kernel (what to tune next).
 prof_impls=(--impl triton --impl grouped --impl padded)

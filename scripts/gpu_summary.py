@@ -55,8 +55,15 @@ def _expert_matmul_rows(res: dict | None) -> list[dict]:
                      target=EXPERT_MATMUL_TARGET, detail="no result")]
     s = res["shape"]
     shape = f"M {s['M']}, D {s['D']}, E {s['E']}, K {s['K']}, F {s['F']}, {res['dtype']}"
+    errors = res.get("peer_errors", {})
+
+    def detail(r):
+        err = errors.get(r["implementation"])
+        return (f"{shape}; {r['fwd+bwd ms']:.3f} ms"
+                + ("" if err is None else f"; differs from the reference by {err:.1e}"))
+
     return [_row(f"expert matmul fwd+bwd [{r['implementation']}] x dense GEMM", r["x dense"],
-                 target=EXPERT_MATMUL_TARGET, detail=f"{shape}; {r['fwd+bwd ms']:.3f} ms")
+                 target=EXPERT_MATMUL_TARGET, detail=detail(r))
             for r in res["rows"] if not r["implementation"].startswith("dense")]
 
 

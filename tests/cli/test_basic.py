@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from moeify.cli.main import COMMANDS, main
 
 
@@ -37,3 +39,52 @@ def test_bad_input_is_an_error_message_not_a_traceback(capsys):
     code = main(["bench", "expert-matmul", "-M", "8", "-K", "3", "-E", "2", "--repeats", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "error" in err and "Traceback" not in err
+
+
+# A stand-in with the API of the SwitchHead authors' cvmm.py (cvmm_prepare_sel2, cvmm), in plain
+# torch: what the adapter in moeify.bench.peers calls, not their code.
+_CVMM_STANDIN = '''
+import torch
+from dataclasses import dataclass
+
+@dataclass
+class CVMMSel:
+    raw_sel: torch.Tensor
+    reduction_weight: torch.Tensor
+
+def cvmm_prepare_sel2(sel, w=None):
+    return CVMMSel(sel, w)
+
+def cvmm(x, sel, keys):
+    out = torch.einsum("md,mkdf->mkf", x, keys[sel.raw_sel.long()])
+    return (out * SCALE * sel.reduction_weight.unsqueeze(-1)).sum(1)
+'''
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_bench_expert_matmul_times_a_peer_checked_against_the_reference(tmp_path, capsys, scale):
+    peer = tmp_path / "cvmm.py"
+    peer.write_text(_CVMM_STANDIN.replace("SCALE", str(scale)))
+    assert main(["bench", "expert-matmul", "-M", "32", "-E", "4", "-D", "16", "-F", "8",
+                 "--impl", "segment", "--repeats", "1", "--peer", f"cvmm={peer}", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["implementation"] for r in res["rows"]] == [
+        "dense (equal MACs)", "segment", "cvmm (peer)"]
+    err = res["peer_errors"]["cvmm (peer)"]
+    assert err < 1e-6 if scale == 1.0 else abs(err - 0.5) < 1e-6
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("cvmm", "give KIND=PATH"),
+    ("nope=x.py", "unknown peer 'nope'"),
+    ("cvmm=/nonexistent/cvmm.py", "no such file"),
+    ("cvmm={empty}", "has no cvmm, cvmm_prepare_sel2"),
+    ("cvmm={broken}", "does not import: ZeroDivisionError"),
+])
+def test_bench_peer_bad_input_is_one_line(tmp_path, capsys, spec, message):
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    spec = spec.format(empty=tmp_path / "empty.py", broken=tmp_path / "broken.py")
+    assert main(["bench", "expert-matmul", "-M", "8", "--repeats", "1", "--peer", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

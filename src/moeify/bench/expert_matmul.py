@@ -11,13 +11,17 @@ from moeify.ops.moe.policy import planless
 
 
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, device="cpu",
-                        impls=None, warmup=2, repeats=7, seed=0, profile=False) -> dict:
+                        impls=None, warmup=2, repeats=7, seed=0, profile=False,
+                        peers=None) -> dict:
     """Forward+backward time of each implementation and of the dense matmul with the same number
     of multiply-adds, [M*K, D] x [D, F], measured side by side (median of ``repeats``). The E
     experts form one group, so each row's K experts are a set ("sets" applies); every call sorts
     the routing (``make_plan``) as a layer does. ``profile``: after the timing, one profiled
     call of each case (``kernel_profile``: how many kernels it launches and where its time
-    goes), under the result's "profile"."""
+    goes), under the result's "profile". ``peers``: {name: function (x, idx, w, gates) -> [M, F]}
+    (``moeify.bench.peers.load_peer``), other kernels timed beside these, each first checked
+    against the reference on the same inputs (``peer_errors``: its largest difference relative
+    to the reference's largest value)."""
     if not 1 <= K <= E:
         raise ValueError(f"K (experts per row) must lie in [1, E={E}], got {K}")
     g = torch.Generator().manual_seed(seed)
@@ -47,9 +51,23 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
     # "triton" by default only where it can run (CUDA; the CPU interpreter is for tests).
     skip = ("reference", "pairs", "all") + (("triton",) if unavailable_reason(x) else ())
     impls = list(impls or [i for i in IMPLEMENTATIONS if i not in skip])
+    def run_peer(peer):
+        def fn():
+            torch.autograd.backward(peer(x, idx, w, gates), grad_out)
+            x.grad = w.grad = gates.grad = None
+        return fn
+
     fns = {"dense (equal MACs)": dense}
     for impl in impls:
         fns[impl] = run_impl(impl)
+    peer_errors = {}
+    if peers:
+        with torch.no_grad():
+            ref = expert_matmul(x, idx, w, gates, impl="reference").float()
+            for name, peer in peers.items():
+                err = (peer(x, idx, w, gates).float() - ref).abs().max() / ref.abs().max()
+                peer_errors[f"{name} (peer)"] = err.item()
+                fns[f"{name} (peer)"] = run_peer(peer)
     times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
     base = times["dense (equal MACs)"]
     rows = [{"implementation": name, "fwd+bwd ms": t * 1e3, "x dense": t / base}
@@ -67,6 +85,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
         "rows": rows,
         "fastest_vs_dense": times[fastest] / base,
         "fastest_speedup_vs_gather": times["gather"] / times[fastest] if "gather" in times else None,
+        **({"peer_errors": peer_errors} if peer_errors else {}),
         **({"profile": profiles} if profiles is not None else {}),
     }
 
@@ -77,6 +96,8 @@ def table(result: dict) -> str:
             f"{result['dtype']} on {result['device']} ({result['threads']} threads); "
             f"auto -> {result['auto']}")
     out = head + "\n" + format_table(result["rows"], ["implementation", "fwd+bwd ms", "x dense"])
+    for name, err in result.get("peer_errors", {}).items():
+        out += f"\n{name}: output differs from the reference by {err:.2e} (relative to its largest)"
     for name, prof in result.get("profile", {}).items():
         out += (f"\n\n{name}: {prof['launches']} {prof['counted']}"
                 f", {prof['total_us']:.0f} us ({prof['timer']})\n"

@@ -36,6 +36,10 @@ def _add_expert_matmul(bsub) -> None:
                     help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
     em.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     em.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (median)")
+    em.add_argument("--peer", action="append", metavar="KIND=PATH",
+                    help="also time another project's kernel from its file, checked against the "
+                    "reference first (repeatable); KIND cvmm: the SwitchHead authors' cvmm.py "
+                    "(CUDA only), e.g. --peer cvmm=moeut/moeut/cvmm.py")
     em.add_argument("--profile", action="store_true",
                     help="also profile one call of each case after the timing: the kernels it "
                     "launches (on CUDA; operations on the CPU), their count and time shares")
@@ -225,13 +229,19 @@ def run_expert_matmul(args) -> int:
     import torch
 
     from moeify.bench.expert_matmul import bench_expert_matmul, table
+    from moeify.bench.peers import load_peer, parse_peer
     from moeify.bench.timing import emit
 
     _check_device(args.device)
 
+    peers = {}
+    for spec in args.peer or ():
+        kind, path = parse_peer(spec)
+        peers[kind] = load_peer(kind, path)
     res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F,
                               dtype=getattr(torch, args.dtype), device=args.device,
-                              impls=args.impl, repeats=args.repeats, profile=args.profile)
+                              impls=args.impl, repeats=args.repeats, profile=args.profile,
+                              peers=peers)
     emit(res, table(res), args.json)
     return 0
 
