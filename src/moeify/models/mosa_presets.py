@@ -22,11 +22,11 @@ heads whose forward FLOPs, App. A, do not exceed the dense baseline's), which re
 head count of Table 5 (tests/models/test_mosa_paper_rows.py, against the table's numbers).
 ``moeify count`` gives every row's parameter count as Table 5 prints it (whole millions below
 1B; "1.2B", "1.1B", "1B" in billions at the printed precision); read as 1.0B, the "1B" of
-Large pure rho = 4 would be off: the rule's 80 heads count 1,085.3M (1.1B).
+Large pure rho = 4 would be off: the rule's 80 heads count 1,085.2M (1.1B).
 
 The setting, from the paper: SentencePiece vocabulary 8000, T = 1024, batch 64, Adam at
-2.5e-4, clipping 0.25, 4k warm-up steps, 100k steps (Sec. 3; ``MOSA_C4``, the lr and step count
-being the trainer's); pre-layernorm blocks (App. C); RoPE on half of each head's channels in
+2.5e-4, clipping 0.25, 4k warm-up steps, 100k steps (Sec. 3; ``MOSA_C4`` holds the batch,
+warm-up and clipping, as every paper recipe here; learning rate and steps are training options); pre-layernorm blocks (App. C); RoPE on half of each head's channels in
 every model, the dense baselines included (Sec. 2.2, "Positional encodings"); the IsoFLOP
 rows always include the first token in every MoSA head (Sec. 3.2: k - 1 routed tokens and the
 first), ``include_first=True``. Not stated by the paper, moeify's defaults: no dropout, an
