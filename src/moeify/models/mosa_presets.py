@@ -24,21 +24,22 @@ head count of Table 5 (tests/models/test_mosa_paper_rows.py, against the table's
 1B; "1.2B", "1.1B", "1B" in billions at the printed precision); read as 1.0B, the "1B" of
 Large pure rho = 4 would be off: the rule's 80 heads count 1,085.2M (1.1B).
 
-The setting, from the paper: SentencePiece vocabulary 8000, T = 1024, batch 64, Adam at
-2.5e-4, clipping 0.25, 4k warm-up steps, 100k steps (Sec. 3; ``MOSA_C4`` holds the batch,
-warm-up and clipping, as every paper recipe here; learning rate and steps are training options); pre-layernorm blocks (App. C); RoPE on half of each head's channels in
-every model, the dense baselines included (Sec. 2.2, "Positional encodings"); the IsoFLOP
-rows always include the first token in every MoSA head (Sec. 3.2: k - 1 routed tokens and the
-first), ``include_first=True``. Not stated by the paper, moeify's defaults: no dropout, an
-untied output layer with a bias, LayerNorms with biases, ReLU MLPs with biases, bias-free
-attention and routers (as the authors' layer, piotrpiekos/MoSA mosa/). The counts confirm the
-untied output layer (tied, Tiny would count 23.8M, not 28M); the biases are below the printed
-precision. The Table 2 rows also include the first token: Sec. 3.3 does not say, and moeify
-assumes the IsoFLOP rows' setting, of which they are a head count. Two of the paper's printed
-figures disagree with its own formulas (tests/models/test_mosa_paper_rows.py): Table 4's
-Medium FLOPs (430.70G; the formula, and Table 5's Medium head counts, need 439.70G = twice
-Small's) and Table 2's MoSA KV totals (4.5K / 4.4K / 4.4K / 5.0K, where KV = T·H_dense +
-k·H_mosa gives 4.6K / 4.5K / 4.5K / 5.1K; 1000·H_dense + k·H_mosa gives the printed ones).
+The setting, from the paper: SentencePiece vocabulary 8000, T = 1024, batch 64, Adam at 2.5e-4,
+clipping 0.25, 4k warm-up steps, 100k steps (Sec. 3; ``MOSA_C4`` holds the batch, warm-up and
+clipping, as every paper recipe here; learning rate and steps are training options);
+pre-layernorm blocks (App. C); RoPE on half of each head's channels in every model, the dense
+baselines included (Sec. 2.2, "Positional encodings"); the IsoFLOP rows always include the first
+token in every MoSA head (Sec. 3.2: k - 1 routed tokens and the first), ``include_first=True``.
+Not stated by the paper, moeify's defaults: no dropout, an untied output layer with a bias,
+LayerNorms with biases, ReLU MLPs with biases, bias-free attention and routers (as the authors'
+layer, piotrpiekos/MoSA mosa/). The counts confirm the untied output layer (tied, Tiny would
+count 23.8M, not 28M); the biases are below the printed precision. The Table 2 rows also include
+the first token: Sec. 3.3 does not say, and moeify assumes the IsoFLOP rows' setting, of which
+they are a head count. Two of the paper's printed figures disagree with its own formulas
+(tests/models/test_mosa_paper_rows.py): Table 4's Medium FLOPs (430.70G; the formula, and Table
+5's Medium head counts, need 439.70G = twice Small's) and Table 2's MoSA KV totals (4.5K / 4.4K
+/ 4.4K / 5.0K, where KV = T·H_dense + k·H_mosa gives 4.6K / 4.5K / 4.5K / 5.1K; 1000·H_dense +
+k·H_mosa gives the printed ones).
 
 ``tiny-mosa`` and ``repro-mosa`` replace the 4-head (tiny) / 8-head (repro) dense RoPE attention
 by 32 MoSA heads of d_h = 32 with sparsity rho = 8 (k = 16 of T = 128 tokens) plus one dense head
