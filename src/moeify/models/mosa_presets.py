@@ -26,11 +26,12 @@ Large pure rho = 4 would be off: the rule's 80 heads count 1,085.2M (1.1B).
 
 The setting, from the paper: SentencePiece vocabulary 8000, T = 1024, batch 64, Adam at 2.5e-4,
 clipping 0.25, 4k warm-up steps, 100k steps (Sec. 3; ``MOSA_C4`` holds the batch, warm-up and
-clipping, as every paper recipe here; learning rate and steps are training options);
-pre-layernorm blocks (App. C); RoPE on half of each head's channels in every model, the dense
-baselines included (Sec. 2.2, "Positional encodings"); the IsoFLOP rows always include the first
-token in every MoSA head (Sec. 3.2: k - 1 routed tokens and the first), ``include_first=True``.
-Not stated by the paper, moeify's defaults: no dropout, an untied output layer with a bias,
+clipping, as every paper recipe here; moeify.train.config.paper_recipe adds Adam at 2.5e-4 and
+100k steps, and also cosine decay and fp16, which the paper does not state); pre-layernorm
+blocks (App. C); RoPE on half of each head's channels in every model, the dense baselines
+included (Sec. 2.2, "Positional encodings"); the IsoFLOP rows always include the first token in
+every MoSA head (Sec. 3.2: k - 1 routed tokens and the first), ``include_first=True``. Not
+stated by the paper, moeify's defaults: no dropout, an untied output layer with a bias,
 LayerNorms with biases, ReLU MLPs with biases, bias-free attention and routers (as the authors'
 layer, piotrpiekos/MoSA mosa/). The counts confirm the untied output layer (tied, Tiny would
 count 23.8M, not 28M); the biases are below the printed precision. The Table 2 rows also include
