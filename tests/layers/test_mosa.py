@@ -1,7 +1,9 @@
-"""MoSA (arXiv 2505.00315, method section) against an independent float64 transcription: one (sequence, head)
-at a time, r = σ(X W_r), I = the k highest scores (k = T // ρ clamped to [2, T]), attention among
-X[I] only with causality by original position, the output scaled by r[I], projected by W_O and
-put back at I; plus the dense heads of the hybrid written out as plain causal RoPE attention.
+"""MoSA (arXiv 2505.00315, Sec. 2.2 and Eqs. 1-3) against an independent float64
+transcription: one (sequence, head) at a time, r = σ(X W_r), I = the k highest scores (k = T // ρ
+clamped to [2, T]; with include_first the first token and the k - 1 best others, Sec. 3.2),
+attention among X[I] only with causality by original position (Eq. 1 with M_ij = 0 iff
+I_i ≥ I_j), the output scaled by r[I], projected by W_O and put back at I, summed over heads
+(Eq. 3); plus the dense heads of the hybrid written out as plain causal RoPE attention.
 
 Decoding is prefix routing (moeify.layers.mosa): the cached output at t equals the full forward of
 the prefix x_0..x_t at its last position.

@@ -8,7 +8,8 @@ def register(sub) -> None:
                        description="Count the parameters of a model (built on the meta device: "
                        "no weights are allocated) and, per attention layer, the MACs and memory "
                        "of one sequence with the formulas that printed the SwitchHead paper's "
-                       "tables. Add --json for the exact integers.")
+                       "tables; for a model with MoSA layers also the forward FLOPs of the "
+                       "MoSA paper's App. A. Add --json for the exact integers.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="preset name (see `moeify presets`)")
     src.add_argument("--config", help="a ModelConfig JSON file (e.g. a run directory's)")
@@ -52,6 +53,10 @@ def run(args) -> int:
         return 0
     print(f"{name}: {format_count(cost.params)} parameters ({cost.params:,})")
     print("  " + ", ".join(f"{part} {n:,}" for part, n in cost.params_by_part.items() if n))
+    if cost.mosa_paper_flops is not None:
+        print(f"forward pass: {cost.mosa_paper_flops / 1e9:,.2f} GFLOPs as MoSA's paper counts "
+              "them (arXiv 2505.00315 App. A: whole model, 2 per multiply-add; its IsoFLOP "
+              "rows stay within their dense baseline's)")
     print(f"per attention layer, one sequence of T={cost.T} (C={cost.C}); memory: values held "
           "and their float32 size:")
     width = max(len(r["attention"]) for r in cost.layers)

@@ -1,28 +1,34 @@
-"""Mixture of Sparse Attention (MoSA; Piękos, Csordás, Schmidhuber 2025, arXiv 2505.00315, the method section).
+"""Mixture of Sparse Attention (MoSA; Piękos, Csordás, Schmidhuber 2025, arXiv 2505.00315, §2.2).
 
 Every MoSA head h is an expert-choice router over the tokens of the sequence: it picks k of the T
 tokens and attends among those only, so a head costs O(k² + T) instead of O(T²). Per head, for a
-sequence X ∈ R^{T×d} (the paper's notation; equation numbers are not cited because the paper's text was
-read only in excerpts):
+sequence X ∈ R^{T×d} (the paper's notation; Sec. 2.2 numbers only Eqs. 1-3, the other steps
+are its unnumbered displays, cited by what they define):
 
-    r        = σ(X W_r)                      ∈ R^T     router scores (sigmoid in float32)
-    r_s, I   = TopK(r, k)                             k = T / ρ tokens (ρ: the sparsity)
-    X_s      = X[I]                          ∈ R^{k×d} the selected tokens
-    Q, K, V  = X_s W_Q, X_s W_K, X_s W_V     ∈ R^{k×h'}
-    M_ij     = 0 if I_i ≥ I_j else -∞                 causality by ORIGINAL position
-    A        = softmax(Q Kᵀ / sqrt(h') + M) V
-    Y_s      = diag(r_s) A W_O               ∈ R^{k×d} router score multiplies the output
+    r        = σ(X W_r)                      ∈ R^T     router scores, sigmoid (Sec. 2.2; float32)
+    r_s, I   = TopK(r, k)                             expert choice, k = T / ρ (Sec. 2.2, 3.2)
+    X_s      = X[I]                          ∈ R^{k×d} the selected tokens (Sec. 2.2)
+    Q, K, V  = X_s W_Q, X_s W_K, X_s W_V     ∈ R^{k×h'} as in MHA (Sec. 2.1)
+    M_ij     = 0 if I_i ≥ I_j else -∞                 causality by ORIGINAL position (Sec. 2.2)
+    A        = softmax((Q Kᵀ + M) / sqrt(h')) V       Eq. 1
+    Y_s      = diag(r_s) A W_O               ∈ R^{k×d} router score multiplies the output (X^o)
     Y        = scatter(Y_s, I) ∈ R^{T×d}              zero at the tokens the head did not pick
 
-and the layer's output is the sum of its heads' Y (plus the dense heads', below). The router
-score in the output is what trains W_r (``w_router`` [H, D]; the TopK itself has no gradient).
-RoPE rotates Q and K by the original positions I (the authors' code rotates half of each
-head's channels: moeify's ``rope_fraction`` 0.5 default). k = T // ρ clamped to [2, T], as
-the authors' code; with ``include_first`` the first token is always selected (the authors'
-option; off by default).
+and the layer's output is the sum of its heads' Y (Eq. 3, as MHA's Eq. 2 sums its heads), plus
+the dense heads' (below). The router score in the output is what trains W_r (``w_router``
+[H, D]; the TopK itself has no gradient; Sec. 2.2 gives the scaling this purpose). RoPE
+rotates Q and K by the original positions I, half of each head's channels (Sec. 2.2,
+"Positional encodings"; moeify's ``rope_fraction`` 0.5 default). k = T // ρ clamped
+to [2, T]: the paper's k = max(⌊T/ρ⌋, 2) (Sec. 3.5) and the authors' code. With
+``include_first`` the first token is always selected: the paper's IsoFLOP models (Sec. 3.2)
+select the first token and the k - 1 best-scored others, the first token's output scaled by its
+router score like the rest (off by default, as the authors' ``include_first=0``).
+tests/layers/test_mosa.py checks the layer in float64 against a transcription of these steps,
+head by head; the layer follows them with no deviation found.
 
-Hybrid: the paper's MoSA models keep a few dense heads beside the sparse ones (the
-authors' ``MoSA(num_mosa_heads, num_other_heads, hybrid_type="dense" | "local")``).
+Hybrid: the paper's MoSA models keep a few dense heads beside the sparse ones (Sec. 2.2,
+"Hybridization": 4 in its main experiments, App. B; the authors' ``MoSA(num_mosa_heads,
+num_other_heads, hybrid_type="dense" | "local")``).
 ``n_dense_heads`` adds that many ordinary RoPE heads (a DenseAttention of the same d_head) whose
 output is added; the "local" (sliding-window) hybrid is not implemented.
 
@@ -31,19 +37,20 @@ of valid tokens, so a right-padded sequence routes exactly as it would alone.
 
 Decoding. The TopK over the sequence looks at tokens that come later, so a full forward pass is
 not causal in its routing (as Mixture-of-Depths, layers/depth.py). moeify defines decoding with
-MoSA as *prefix routing*: the output at position t is the output the full forward pass would give
-at position t on the prefix x_0..x_t alone, i.e. each new token re-runs every head's TopK over
-the router scores of all tokens so far (with k = (t+1) // ρ) and the new token contributes
+MoSA as *prefix routing*: the output at position t is the output the full forward pass would
+give at position t on the prefix x_0..x_t alone, i.e. each new token re-runs every head's TopK
+over the router scores of all tokens so far (with k = (t+1) // ρ) and the new token contributes
 only if its head selected it; it then attends to the selected tokens of the prefix. The cache
 keeps every token's router score, its rotated key and its value (a token dropped now may be
-selected later, when k has grown), so this definition does not shrink the KV cache; the
-paper's smaller KV cache is a property of a fixed selection that this definition does not
-make. Decoding equals the full forward of each prefix (tests/layers/test_mosa.py), not the full
-forward of the whole sequence at earlier positions. In a model of several layers, the earlier
-positions' outputs a later layer reads were computed when those positions were last: decoding
-is then the causal model in which every MoSA layer routes each position on its own prefix,
-independent of how the tokens are chunked (tests/models/test_mosa_presets.py); it is not the
-teacher-forced full forward, whose routing sees later tokens (as with Mixture-of-Depths).
+selected later, when k has grown), so this definition does not shrink the KV cache; the paper's
+smaller KV cache (Sec. 3.3, KV = T·H_dense + k·H_mosa) is a property of a fixed selection that
+this definition does not make. Decoding equals the full forward of each prefix
+(tests/layers/test_mosa.py), not the full forward of the whole sequence at earlier positions. In
+a model of several layers, the earlier positions' outputs a later layer reads were computed when
+those positions were last: decoding is then the causal model in which every MoSA layer routes
+each position on its own prefix, independent of how the tokens are chunked
+(tests/models/test_mosa_presets.py); it is not the teacher-forced full forward, whose routing
+sees later tokens (as with Mixture-of-Depths).
 
 Initialisation (deviation): W_Q, W_K, W_V and the router N(0, s²/d), W_O N(0, s²/(H·h')) with
 s = sqrt(2/L), as SwitchHead's in this library; the authors' code draws uniform weights
@@ -109,7 +116,8 @@ class MoSAConfig:
                                     attn_impl=self.attn_impl)
 
     def tokens_kept(self, T: int) -> int:
-        """k = T // ρ, at least 2 and at most T (the authors' rule)."""
+        """k = T // ρ, at least 2 and at most T (the paper's max(⌊T/ρ⌋, 2), Sec. 3.5, and the
+        authors' code)."""
         return min(max(T // self.sparsity, 2), T)
 
     def param_count(self) -> int:
@@ -297,7 +305,7 @@ class MoSAAttention(nn.Module):
         key and value, re-run each head's TopK over the prefix, and attend if selected."""
         c = self.config
         B, T, D = x_BTD.shape
-        H, C = c.n_heads, c.d_head
+        H = c.n_heads
         x_BHTD = x_BTD[:, None].expand(B, H, T, D)
         q, k, v = (torch.einsum("bhtd,hdc->bhtc", x_BHTD, w)
                    for w in (self.w_q, self.w_k, self.w_v))

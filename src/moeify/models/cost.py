@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.moa import MoAConfig
 from moeify.layers.mosa import MoSAConfig
@@ -153,6 +154,77 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
     return AttentionCost(macs, mem)
 
 
+def mosa_paper_flops(*, n_layers: int, d_model: int, d_head: int, T: int, n_dense_heads: int,
+                     n_mosa_heads: int = 0, k: int = 1, d_ff: int | None = None) -> int:
+    """The forward-pass FLOPs of a model as MoSA's paper counts them (arXiv 2505.00315, Sec. 3.2
+    "FLOPs Calculation" and App. A), the count its IsoFLOP comparisons hold fixed:
+
+        l·H_dense·(8hh'T + 4h'T²) + l·H_mosa·(8hh'k + 4h'k² + 2hT + h'k) + 16·l·h²·T
+
+    per dense head the Q, K, V, O projections (8hh'T) and the attention (4h'T²); per MoSA head
+    the same over its k tokens plus the routing overhead (2hT scoring every token, h'k scaling
+    the outputs by the scores); the feedforward 16h²T per layer (d_ff = 4h; a given ``d_ff``
+    counts 4·h·d_ff·T, the same term). A matmul [i, j]·[j, k] counts 2ijk; layer norms,
+    residuals and embeddings are left out, as the paper does. l = ``n_layers``, h =
+    ``d_model``, h' = ``d_head``. These are FLOPs (2 per multiply-add), not the MACs of
+    ``mosa_cost``, and cover the whole model, not one attention layer."""
+    _positive(n_layers=n_layers, d_model=d_model, d_head=d_head, T=T, k=k)
+    for name, v in (("n_dense_heads", n_dense_heads), ("n_mosa_heads", n_mosa_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    h, hp = d_model, d_head
+    ff = 16 * h * h * T if d_ff is None else 4 * h * d_ff * T
+    return n_layers * (n_dense_heads * (8 * h * hp * T + 4 * hp * T * T)
+                       + n_mosa_heads * (8 * h * hp * k + 4 * hp * k * k + 2 * h * T + hp * k)
+                       + ff)
+
+
+def mosa_isoflop_heads(*, n_layers: int, d_model: int, d_head: int, T: int,
+                       baseline_heads: int, sparsity: int, n_dense_heads: int) -> int:
+    """The number of MoSA heads of an IsoFLOP row of MoSA's paper (Sec. 3.2; Table 5's caption,
+    App. A): the largest H_mosa whose model, with ``n_dense_heads`` dense heads kept (4 in the
+    hybrid, 0 in pure MoSA) and k = T / ρ tokens per head, does not exceed the FLOPs
+    (``mosa_paper_flops``) of the dense baseline of ``baseline_heads`` heads, all else equal.
+    k counts the always-included first token (the IsoFLOP rows select k - 1 tokens and the
+    first); T // ρ is T / ρ for the paper's T = 1024 and ρ a power of 2."""
+    _positive(baseline_heads=baseline_heads, sparsity=sparsity)
+    if n_dense_heads > baseline_heads:
+        raise ValueError(f"n_dense_heads={n_dense_heads} exceeds the baseline's "
+                         f"{baseline_heads} heads")
+    shape = dict(n_layers=n_layers, d_model=d_model, d_head=d_head, T=T)
+    k = T // sparsity
+    if k < 1:
+        raise ValueError(f"sparsity={sparsity} keeps no token of T={T}")
+    budget = mosa_paper_flops(**shape, n_dense_heads=baseline_heads)
+    fixed = mosa_paper_flops(**shape, n_dense_heads=n_dense_heads)
+    per_head = mosa_paper_flops(**shape, n_dense_heads=0, n_mosa_heads=1, k=k) \
+        - mosa_paper_flops(**shape, n_dense_heads=0)
+    return (budget - fixed) // per_head
+
+
+def model_paper_flops(config: "ModelConfig") -> int | None:
+    """``mosa_paper_flops`` of a ModelConfig whose every layer the paper's formula covers: MoSA
+    or dense attention without XL memory (all of the same head width), a dense feedforward, no
+    depth routing, no layer sharing; None for any other model. Layers are summed one by one,
+    k = T // ρ per MoSA layer (the paper's k)."""
+    if config.xl_memory or config.group_size or any(x is not None
+                                                    for x in config.depth_layers()):
+        return None
+    T, total = config.context_length, 0
+    for attn, ff in zip(config.attention_layers(), config.feedforward_layers()):
+        if not isinstance(ff, DenseFFConfig):
+            return None
+        one = dict(n_layers=1, d_model=config.d_model, T=T, d_ff=ff.d_ff)
+        if isinstance(attn, MoSAConfig):
+            total += mosa_paper_flops(**one, d_head=attn.d_head, n_dense_heads=attn.n_dense_heads,
+                                      n_mosa_heads=attn.n_heads, k=T // attn.sparsity)
+        elif isinstance(attn, DenseAttentionConfig) and attn.pos != "xl":
+            total += mosa_paper_flops(**one, d_head=attn.d_head, n_dense_heads=attn.n_heads)
+        else:
+            return None
+    return total
+
+
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
     GroupedQueryAttentionConfig)."""
@@ -200,11 +272,17 @@ class ModelCost:
     T: int
     C: int
     layers: list[dict[str, Any]] = field(default_factory=list)
+    # a model with MoSA layers: its forward-pass FLOPs as MoSA's paper counts them
+    # (``model_paper_flops``), the budget of the paper's IsoFLOP rows; None otherwise
+    mosa_paper_flops: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"params": self.params, "params_str": format_count(self.params),
-                "params_by_part": dict(self.params_by_part), "T": self.T, "C": self.C,
-                "layers": [dict(x) for x in self.layers]}
+        out = {"params": self.params, "params_str": format_count(self.params),
+               "params_by_part": dict(self.params_by_part), "T": self.T, "C": self.C,
+               "layers": [dict(x) for x in self.layers]}
+        if self.mosa_paper_flops is not None:
+            out["mosa_paper_flops"] = self.mosa_paper_flops
+        return out
 
 
 def model_parameters(config: "ModelConfig") -> dict[str, int]:
@@ -288,4 +366,8 @@ def model_cost(config: "ModelConfig") -> ModelCost:
         c = attention_cost(attn, T=tokens, C=C)
         layers.append({"layer": i, "attention": attention_summary(attn), "tokens": tokens,
                        **c.to_dict()})
-    return ModelCost(params=parts.pop("total"), params_by_part=parts, T=T, C=C, layers=layers)
+    flops = None
+    if any(isinstance(a, MoSAConfig) for a in config.attention_layers()):
+        flops = model_paper_flops(config)
+    return ModelCost(params=parts.pop("total"), params_by_part=parts, T=T, C=C, layers=layers,
+                     mosa_paper_flops=flops)

@@ -8,7 +8,9 @@ peS2o; the ~205 byte values of enwik8) and, for C4 / peS2o, the SwitchHead k of 
 size in the name is the size of the row the preset belongs to (a MAC-matched variant keeps its
 base row's size in the name although it has more parameters: 63M / 376M / 54M). Table 1's MoA
 d_ff (2060) comes from moeify.models.match against the 10-head dense 47M baseline with d_h = 88,
-E = 10 (tests/models/test_match.py recomputes it).
+E = 10 (tests/models/test_match.py recomputes it). The follow-ups' rows live beside them
+(moeify.models.moeut_presets, ``c4-{params}m-...``; moeify.models.mosa_presets,
+``c4-mosa-{tiny|small|medium|large}-...`` after the MoSA paper's size names).
 
 Small ``tiny-*`` presets (byte vocabulary 256, d_model 128, 4 layers, T = 128) exist for every
 family and train a few hundred steps in minutes on a CPU; the ``repro-*`` family
