@@ -16,8 +16,14 @@ train: setup
 demo: setup
 	$(VENV)/bin/moeify demo
 
+# The second run is the GPU suite's checks on the CPU (MOEIFY_SUITE_DEVICE=cpu), to keep the
+# suite itself working on machines without a GPU; its compiled and FSDP cases are left to the
+# main suite's CPU counterparts (tests/models/test_compile.py, tests/train/test_scale.py,
+# tests/train/test_fsdp.py): inductor's CPU code generation takes four minutes there.
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	MOEIFY_SUITE_DEVICE=cpu $(PY) -m pytest -m cuda tests/train/test_cuda.py \
+		-k "not compiled_training and not fsdp" -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/moeify bench expert-matmul
