@@ -15,15 +15,16 @@ from moeify.layers.moa import MoAConfig
 from moeify.layers.mosa import MoSAConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
-from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS
+from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_MOE_ROWS
 from moeify.models.mosa_presets import MOSA_PAPER_PRESETS
 from moeify.models.presets import PRESETS, get_preset
 
-# MoEUT's table rows (MoEUT and its dense baselines) have their own tests against the table's
-# #params labels, one per row pair (tests/models/test_moeut_presets.py); so have MoSA's
+# MoEUT's table rows (MoEUT, its dense baselines and the hyperparameter table's sigma-MoE runs)
+# have their own tests against the #params labels, one per size
+# (tests/models/test_moeut_presets.py); so have MoSA's
 # (tests/models/test_mosa_paper_rows.py).
 PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
-         and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS
+         and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS and n not in SIGMA_MOE_ROWS
          and n not in {p.name for p in MOSA_PAPER_PRESETS}]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 

@@ -86,6 +86,37 @@ MOEUT_ROWS: dict[str, tuple[str, dict]] = {
                                      ff_k=24)),
 }
 
+# name -> (the #params label of its size, the configuration): the third run per size of the
+# paper's hyperparameter table (paper/moe_universal/plot_hyperparams.py), G = n_layers, i.e. no
+# layer sharing, with one attention expert (V and O each a single gated projection per head,
+# k = 1). That script labels a run "sigma-MoE" when G == n_layers and moe.att.n_experts == 1,
+# which all five meet, hence the names. Each sweep equals its size's MoEUT sweep (same d_model,
+# L, H, d_head, k, expert size 128, regularisers, ``moe.nonorm: 1`` = peri-layernorm, recipe)
+# but for transformer.universal.group_size = L, moe.att.n_experts = 1, moe.att.k = 1 and fewer
+# sigma-MoE experts (L / G times more blocks to fill). The 'noln' / 'nonorm' / 'switchead' in
+# the sweep names are not options: every one of these sweeps, and every MoEUT sweep, sets
+# ``moe.nonorm: 1``. The authors' FullMoeRopeAttention keeps its selection gates with one
+# expert (a sigmoid-gated V and O per head, H x d gate rows each), as SwitchHeadConfig does.
+# The 1B size has no such run. The authors' sweeps:
+SIGMA_MOE_ROWS: dict[str, tuple[str, dict]] = {
+    # c4_moeut_small_matched_rope_noln_long_g16 (MoEUT row: G 2, 8 attention experts k 2, 155)
+    "c4-44m-sigma-moe-g16": ("44M", dict(d=412, L=16, G=16, H=4, d_h=82, att_E=1, att_k=1,
+                                         ff_E=17, ff_k=12)),
+    # c4_moeut_mid_matched_rope_noln_g18 (MoEUT row: G 2, 10 attention experts k 2, 254)
+    "c4-126m-sigma-moe-g18": ("126M", dict(d=768, L=18, G=18, H=4, d_h=96, att_E=1, att_k=1,
+                                           ff_E=26, ff_k=12)),
+    # c4_moeut_big_matched_rope_noln_g18 (MoEUT row: G 2, 10 attention experts k 2, 387)
+    "c4-244m-sigma-moe-g18": ("244M", dict(d=1024, L=18, G=18, H=4, d_h=128, att_E=1, att_k=1,
+                                           ff_E=40, ff_k=16)),
+    # c4_moeut_bigger_matched_rope_nonorm_g24 (MoEUT row: G 3, 10 attention experts k 2, 338)
+    "c4-319m-sigma-moe-g24": ("319M", dict(d=1024, L=24, G=24, H=4, d_h=128, att_E=1, att_k=1,
+                                           ff_E=40, ff_k=16)),
+    # c4_moeut_gigantic_switchead_g36 (MoEUT row: G 4, 13 attention experts k 2, 467); counts
+    # 731.2M, 3.2M over its label (still the nearest of the six).
+    "c4-728m-sigma-moe-g36": ("728M", dict(d=1280, L=36, G=36, H=5, d_h=128, att_E=1, att_k=1,
+                                           ff_E=50, ff_k=20)),
+}
+
 # name -> (label, (d, L, H, d_ff)) of the dense RoPE baselines of the same table rows
 # (sweeps c4_baseline_{small_rope_long,mid_rope,big_rope,bigger_rope,gigantic_rope,1b_rope}
 # _nodrop: pre-LN, RoPE on half of each head, bias-free attention, ReLU MLP with biases,
@@ -142,6 +173,14 @@ def _row(name: str, size: str, kw: dict) -> Preset:
     return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=MOEUT_C4, baseline=base)
 
 
+def _sigma_row(name: str, size: str, kw: dict) -> Preset:
+    desc = (f"C4 sigma-MoE {size} (hyperparameter table, G = n_layers, no sharing): "
+            f"L={kw['L']} G={kw['G']} d={kw['d']}, SwitchHead H={kw['H']} d_h={kw['d_h']} "
+            f"E=1 k=1, sigma-MoE {kw['ff_E']} x 128 k={kw['ff_k']}, peri-layernorm")
+    base = name.split("-sigma-moe")[0] + "-rope-dense"
+    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=MOEUT_C4, baseline=base)
+
+
 def _baseline_row(name: str, size: str, shape: tuple[int, int, int, int, int]) -> Preset:
     d, L, H, d_h, d_ff = shape
     desc = (f"C4 dense RoPE baseline {size} of MoEUT's main results table: L={L} d={d} H={H} "
@@ -151,7 +190,8 @@ def _baseline_row(name: str, size: str, shape: tuple[int, int, int, int, int]) -
 
 MOEUT_PRESETS: tuple[Preset, ...] = tuple(
     _baseline_row(n, s, shape) for n, (s, shape) in MOEUT_BASELINE_ROWS.items()) + tuple(
-    _row(n, s, kw) for n, (s, kw) in MOEUT_ROWS.items()) + (
+    _row(n, s, kw) for n, (s, kw) in MOEUT_ROWS.items()) + tuple(
+    _sigma_row(n, s, kw) for n, (s, kw) in SIGMA_MOE_ROWS.items()) + (
     Preset("tiny-moeut", "tiny RoPE: MoEUT, 4 layers in G=2 shared peri-layernorm blocks: "
            "SwitchHead H=2 d_h=32 E=4 k=2 + sigma-MoE 8 x 64 k=2", tiny_moeut),
     Preset("repro-rope-dense", "CPU-scale family without XL memory: dense RoPE H=8 d_h=16, "
