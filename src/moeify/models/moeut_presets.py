@@ -20,6 +20,20 @@ MoEUT's); tests/models/test_moeut_presets.py holds each row to it. The same conf
 the paper's hyperparameter table (rendered by paper/moe_universal/plot_hyperparams.py: #params,
 n_layers, G, d_model, d_ff, H, N_A, d_head, N_E, K, warm-up, clipping per run).
 
+That table has a third run per size (but 1040M), with G = n_layers, i.e. no layer sharing, and
+one attention expert; the script labels a run "sigma-MoE" when G == n_layers and
+moe.att.n_experts == 1, which all five meet, so their presets are ``c4-{size}-sigma-moe-g{G}``
+(SIGMA_MOE_ROWS; 44M g16, 126M g18, 244M g18, 319M g24, 728M g36), with the size's dense
+baseline and the same recipe. Each sweep is its size's MoEUT sweep but for G = L,
+moe.att.n_experts = 1 with moe.att.k = 1, and fewer sigma-MoE experts (17, 26, 40, 40, 50);
+their layer-norm scheme is the MoEUT rows' (``moe.nonorm: 1``, peri-layernorm, in every one of
+these sweeps, whatever 'noln' / 'nonorm' / 'preln' their names say). That table's printed
+#params could not be read here (it prints each run's count rounded to the million, not a
+label): ``moeify count`` puts four of them within 0.7M of their size's label (44.13M, 126.07M,
+243.84M, 319.66M) and the 728M one at 731.2M (its sweep, d_model 1280 and 36 layers of 50
+experts; 728 is still the nearest label); the tests hold them to these counts and labels, not to
+printed figures.
+
 The regularisers are the authors' (SigmaMoEConfig.entropy_pool = "sequence", SwitchHeadConfig
 .entropy_coef), pooled per sequence over the applications of a shared block. Deviation (README
 "The layers", MoEUT): the untied output layer is initialised N(0, 1/d) with a zero bias (the
