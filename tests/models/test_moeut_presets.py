@@ -148,3 +148,15 @@ def test_exact_counts(name):
         assert cfg.n_blocks == MOEUT_ROWS[name][1]["G"] < cfg.n_layers
     if name in SIGMA_MOE_ROWS:
         assert cfg.n_blocks == cfg.n_layers
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PRESETS if n.startswith("c4-") and (
+    n.endswith("-moeut") or "-sigma-moe-" in n or n.endswith("-rope-dense"))))
+def test_each_row_trains_with_its_sweeps_recipe(name):
+    """The authors' sweeps: batch 64 everywhere; the 44M sweeps (c4_*_small_*) clip at 0.1 with
+    no warm-up (their framework's default), every larger one clips at 0.25 after 4000 warm-up
+    steps (e.g. sweeps/c4_baseline_mid_rope_nodrop.yaml)."""
+    r = PRESETS[name].recipe
+    small = name.startswith("c4-44m-")
+    assert (r.batch_size, r.warmup_steps, r.grad_clip) == ((64, 0, 0.1) if small
+                                                          else (64, 4000, 0.25))

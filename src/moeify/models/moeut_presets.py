@@ -13,7 +13,8 @@ and its #params column, each run's parameter count mapped to the nearest of {44,
 are those sweeps' (sweeps/c4_moeut_*.yaml, c4_baseline_*_rope_nodrop.yaml; the MoEUT ones equal
 RobertCsordas/moeut profiles.py but for the 728M row's d_model, see MOEUT_ROWS) with their C4
 setting: context 1024, an 8000-token SentencePiece vocabulary, no dropout, batch 64, 4000
-warm-up steps, clipping 0.25, regularisers gamma = 0.01 (sigma-MoE) and delta = 0.001 (attention),
+warm-up steps and clipping 0.25 (the 44M rows: no warm-up, clipping 0.1), regularisers
+gamma = 0.01 (sigma-MoE) and delta = 0.001 (attention),
 both ``perplexity_reg_mode: layers_time``. ``moeify count`` puts every MoEUT row within 0.9M of
 its label and every baseline within 0.7M, but the 1040M baseline (1044.3M: the label is the
 MoEUT's); tests/models/test_moeut_presets.py holds each row to it. The same configurations are
@@ -54,8 +55,15 @@ from moeify.models.match import match_attention
 from moeify.models.registry import PaperRecipe, Preset, paper
 
 VOCAB_C4 = 8000
-# The authors' C4 recipe (sweeps/c4_moeut_*.yaml): batch 64, 4000 warm-up steps, clip 0.25.
+# The authors' C4 recipe (sweeps/c4_moeut_*.yaml, c4_baseline_*_rope_nodrop.yaml): batch 64,
+# 4000 warm-up steps, clip 0.25; the 44M sweeps (``small``, baseline, MoEUT and sigma-MoE alike)
+# clip at 0.1 and set no warm-up (their framework's default lr_warmup is 0).
 MOEUT_C4 = PaperRecipe(batch_size=64, warmup_steps=4000, grad_clip=0.25)
+MOEUT_C4_44M = PaperRecipe(batch_size=64, warmup_steps=0, grad_clip=0.1)
+
+
+def _recipe(name: str) -> PaperRecipe:
+    return MOEUT_C4_44M if name.startswith("c4-44m-") else MOEUT_C4
 
 
 def moeut_lm(*, vocab: int = VOCAB_C4, d: int, L: int, G: int, H: int, d_h: int, att_E: int,
@@ -184,7 +192,8 @@ def _row(name: str, size: str, kw: dict) -> Preset:
             f"SwitchHead H={kw['H']} d_h={kw['d_h']} E={kw['att_E']} k=2, sigma-MoE "
             f"{kw['ff_E']} x 128 k={kw['ff_k']}, peri-layernorm")
     base = name.replace("-moeut", "-rope-dense")
-    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=MOEUT_C4, baseline=base)
+    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=_recipe(name),
+                 baseline=base)
 
 
 def _sigma_row(name: str, size: str, kw: dict) -> Preset:
@@ -192,14 +201,15 @@ def _sigma_row(name: str, size: str, kw: dict) -> Preset:
             f"L={kw['L']} G={kw['G']} d={kw['d']}, SwitchHead H={kw['H']} d_h={kw['d_h']} "
             f"E=1 k=1, sigma-MoE {kw['ff_E']} x 128 k={kw['ff_k']}, peri-layernorm")
     base = name.split("-sigma-moe")[0] + "-rope-dense"
-    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=MOEUT_C4, baseline=base)
+    return paper(name, desc, lambda: moeut_lm(**kw), data="c4", recipe=_recipe(name),
+                 baseline=base)
 
 
 def _baseline_row(name: str, size: str, shape: tuple[int, int, int, int, int]) -> Preset:
     d, L, H, d_h, d_ff = shape
     desc = (f"C4 dense RoPE baseline {size} of MoEUT's main results table: L={L} d={d} H={H} "
             f"d_h={d_h} d_ff={d_ff}")
-    return paper(name, desc, lambda: moeut_baseline(*shape), data="c4", recipe=MOEUT_C4)
+    return paper(name, desc, lambda: moeut_baseline(*shape), data="c4", recipe=_recipe(name))
 
 
 MOEUT_PRESETS: tuple[Preset, ...] = tuple(
