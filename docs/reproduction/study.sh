@@ -73,9 +73,11 @@ stage h && sweep --data wiki-excerpt --out "$L" --presets repro-dense,repro-swit
 # the same recipe. Both are RoPE models without XL memory, so the baseline is the dense RoPE
 # model (repro-rope-dense) and SwitchHead appears at RoPE too (repro-rope-switchhead,
 # parameter-matched); repro-moeut is parameter-matched, repro-mosa attention-MAC-matched (the
-# papers' respective comparisons). repro-dense / repro-switchhead (XL) tie the table to stage a.
+# papers' respective comparisons), repro-mosa-paper the MoSA paper's own hybrid (4 dense heads,
+# MoSA heads by its FLOP rule, the first token always in). repro-dense / repro-switchhead (XL)
+# tie the table to stage a.
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
-    --out "$F" --presets repro-rope-dense,repro-rope-switchhead,repro-moeut,repro-mosa \
+    --out "$F" --presets repro-rope-dense,repro-rope-switchhead,repro-moeut,repro-mosa,repro-mosa-paper \
     --budgets 1000 --seeds 0-2
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2

@@ -15,6 +15,18 @@ def test_mosa_presets_match_the_dense_rope_attention_macs_exactly():
         assert mosa.layers[0]["attention"].startswith("MoSA H=32 d_h=32 rho=8 +1 dense")
 
 
+def test_repro_mosa_paper_is_the_papers_hybrid_flop_matched_by_its_rule():
+    """4 dense heads kept, MoSA heads of the same width filling the dense model's attention
+    FLOPs (App. A, per layer, h = 128, h' = 16, T = 128, k = 16): 8 dense heads cost
+    8 * (8*128*16*128 + 4*16*128**2) = 25,165,824; 4 keep 12,582,912; a MoSA head costs
+    8*128*16*16 + 4*16*16**2 + 2*128*128 + 16*16 = 311,552; 12,582,912 // 311,552 = 40."""
+    cfg = get_preset("repro-mosa-paper")
+    attn = cfg.attention_layers()[0]
+    assert (attn.n_heads, attn.n_dense_heads, attn.d_head, attn.sparsity, attn.include_first) \
+        == (40, 4, 16, 8, True)
+    assert 40 * 311_552 <= 12_582_912 < 41 * 311_552
+
+
 def test_mosa_cost_terms():
     # per sparse head: router d·T, projections 4·d·h'·k, attention 2·h'·k²
     c = mosa_cost(d_model=16, n_heads=3, d_head=4, k=5, T=20)

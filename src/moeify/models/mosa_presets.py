@@ -88,6 +88,26 @@ def repro_mosa() -> ModelConfig:
     return mosa_lm(REPRO_ROPE, H=32, d_h=32, sparsity=8, dense_heads=1, d_ff=512)
 
 
+# The paper's own recipe at the CPU scale: its hybrid keeps 4 of the baseline's dense heads
+# (Sec. 3.2, App. B: 4 was best of 0..9) and fills the rest of the dense model's FLOPs with MoSA
+# heads of the same width by its IsoFLOP rule (App. A), the first token always selected. rho = 8
+# keeps k = 16 tokens of T = 128, the k of Tiny's best row (rho = 64 of T = 1024).
+REPRO_PAPER_SPARSITY = 8
+
+
+def repro_mosa_paper_heads() -> int:
+    s = REPRO_ROPE
+    return mosa_isoflop_heads(n_layers=s.L, d_model=s.d, d_head=s.dense_d_head, T=s.T,
+                              baseline_heads=s.dense_heads, sparsity=REPRO_PAPER_SPARSITY,
+                              n_dense_heads=4)
+
+
+def repro_mosa_paper() -> ModelConfig:
+    return mosa_lm(REPRO_ROPE, H=repro_mosa_paper_heads(), d_h=REPRO_ROPE.dense_d_head,
+                   sparsity=REPRO_PAPER_SPARSITY, dense_heads=4, d_ff=REPRO_ROPE.dense_d_ff,
+                   include_first=True)
+
+
 # ---------------------------------------------------------------------------- the paper's rows
 
 VOCAB_C4 = 8000
@@ -225,5 +245,9 @@ MOSA_PRESETS: tuple[Preset, ...] = MOSA_PAPER_PRESETS + (
            "dense FFN d_ff=512 (attention MACs of 4 dense heads)", tiny_mosa),
     Preset("repro-mosa", "CPU-scale family (RoPE, no memory): MoSA 32 sparse heads d_h=32 "
            "rho=8 + 1 dense head, d_ff=512, MAC-matched to repro-rope-dense", repro_mosa,
+           baseline="repro-rope-dense"),
+    Preset("repro-mosa-paper", "CPU-scale family (RoPE, no memory): the MoSA paper's hybrid, "
+           "4 dense heads + 40 MoSA heads d_h=16 rho=8 (k=16, first token always in), d_ff=512, "
+           "FLOP-matched to repro-rope-dense by the paper's rule", repro_mosa_paper,
            baseline="repro-rope-dense"),
 )
