@@ -45,6 +45,18 @@ def test_model_overrides_reach_every_layer_config():
     assert cfg.model_overrides[-1] == "model.attention.experts=k,o"
 
 
+def test_unknown_setting_lists_only_what_set_accepts():
+    with pytest.raises(ValueError, match="unknown setting") as err:
+        TrainConfig().with_overrides(["nope=1"])
+    listed = str(err.value).split("train settings are ")[1].split(", model settings")[0]
+    names = listed.split(", ")
+    assert "lr" in names and "expert_parallel" in names
+    for refused in ("model", "model_overrides", "lr_extensions", "init_from"):
+        assert refused not in names  # --set refuses these: offering them misleads
+        with pytest.raises(ValueError):
+            TrainConfig().with_overrides([f"{refused}=x"])
+
+
 def test_json_round_trip():
     cfg = TrainConfig(preset="tiny-dense", betas=(0.8, 0.9), model_overrides=("model.d_model=8",),
                       cosine_steps=7)
