@@ -37,3 +37,15 @@ def test_bad_input_is_an_error_message_not_a_traceback(capsys):
     code = main(["bench", "expert-matmul", "-M", "8", "-K", "3", "-E", "2", "--repeats", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "error" in err and "Traceback" not in err
+
+
+def test_debug_and_malloc_switches_read_0_as_off(capsys, monkeypatch):
+    for off in ("0", "false", "No", "off"):  # MOEIFY_DEBUG=0 means no traceback
+        monkeypatch.setenv("MOEIFY_DEBUG", off)
+        assert main(["count", "--preset", "nope"]) == 2
+        assert "error: unknown preset" in capsys.readouterr().err
+    from moeify.errors import env_flag
+
+    for value, on in (("", False), ("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("MOEIFY_NO_MALLOC_TUNING", value)
+        assert env_flag("MOEIFY_NO_MALLOC_TUNING") is on
