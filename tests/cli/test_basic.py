@@ -49,3 +49,10 @@ def test_debug_and_malloc_switches_read_0_as_off(capsys, monkeypatch):
     for value, on in (("", False), ("0", False), ("off", False), ("1", True), ("yes", True)):
         monkeypatch.setenv("MOEIFY_NO_MALLOC_TUNING", value)
         assert env_flag("MOEIFY_NO_MALLOC_TUNING") is on
+    from moeify.runtime import MALLOC_ENV
+    from moeify.sweep.scheduler import child_env
+
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MOEIFY_NO_MALLOC_TUNING", "0")  # compare/sweep children keep the tuning
+    assert all(child_env(1).get(k) == v for k, v in MALLOC_ENV.items())
