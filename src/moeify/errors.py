@@ -88,6 +88,14 @@ def os_error_of(e: Exception, path) -> OSError | None:
     return OSError(code, os.strerror(code), str(path))
 
 
+def env_flag(name: str) -> bool:
+    """Whether an on/off environment variable (MOEIFY_DEBUG, MOEIFY_NO_MALLOC_TUNING) is on:
+    set to anything but "", "0", "false", "no" or "off" (so that =0 means off, as users expect)."""
+    import os
+
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def error_line(e: BaseException) -> str:
     """The one line the CLI prints for an error the user can act on (MOEIFY_DEBUG=1: traceback).
     OS errors name the path and what to do; other messages are joined onto one line."""

@@ -360,6 +360,9 @@ def test_bench_attention_splits_each_case_by_operation():
     assert rows["tiny-dense"]["GEMM x"] < 1
     text = table(res)
     assert "fwd+bwd by operation" in text and "slowest operations of tiny-switchhead" in text
+    calls = [line.split()[-1] for part in text.split("slowest operations of")[1:]
+             for line in part.splitlines()[3:] if line.strip()]
+    assert calls and all(c.isdigit() for c in calls), calls  # whole calls, not "4.000"
     assert "ops" not in bench_attention([tiny("tiny-dense")], batch=1, repeats=1, warmup=0,
                                         memory=False, textbook=False)["groups"][0]["rows"][0]
 

@@ -88,3 +88,22 @@ def test_bench_peer_bad_input_is_one_line(tmp_path, capsys, spec, message):
     assert main(["bench", "expert-matmul", "-M", "8", "--repeats", "1", "--peer", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_debug_and_malloc_switches_read_0_as_off(capsys, monkeypatch):
+    for off in ("0", "false", "No", "off"):  # MOEIFY_DEBUG=0 means no traceback
+        monkeypatch.setenv("MOEIFY_DEBUG", off)
+        assert main(["count", "--preset", "nope"]) == 2
+        assert "error: unknown preset" in capsys.readouterr().err
+    from moeify.errors import env_flag
+
+    for value, on in (("", False), ("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("MOEIFY_NO_MALLOC_TUNING", value)
+        assert env_flag("MOEIFY_NO_MALLOC_TUNING") is on
+    from moeify.runtime import MALLOC_ENV
+    from moeify.sweep.scheduler import child_env
+
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MOEIFY_NO_MALLOC_TUNING", "0")  # compare/sweep children keep the tuning
+    assert all(child_env(1).get(k) == v for k, v in MALLOC_ENV.items())

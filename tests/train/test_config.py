@@ -27,6 +27,7 @@ def test_overrides_are_parsed_to_the_field_types():
     ("betas=0.9,1.5", "betas must be"), ("model.d_model=big", "expected an integer"),
     ("model.attention.nope=1", "has no field 'nope'"), ("model.nope=1", "no settable field"),
     ("model.n_layers=0", "positive integer"),
+    ("model.norm=rmsnorm", "model.norm is a NormConfig"),
 ])
 def test_bad_overrides_name_the_problem(item, msg):
     with pytest.raises(ValueError, match=msg):
@@ -43,6 +44,24 @@ def test_model_overrides_reach_every_layer_config():
         assert layer.d_model == 48 and layer.n_layers == 3
     assert m.attention[0].n_experts == 6 and m.attention[0].experts == frozenset("ko")
     assert cfg.model_overrides[-1] == "model.attention.experts=k,o"
+
+
+def test_unknown_setting_lists_only_what_set_accepts():
+    with pytest.raises(ValueError, match="unknown setting") as err:
+        TrainConfig().with_overrides(["nope=1"])
+    listed = str(err.value).split("train settings are ")[1].split(", model settings")[0]
+    names = listed.split(", ")
+    assert "lr" in names and "expert_parallel" in names
+    for refused in ("model", "model_overrides", "lr_extensions", "init_from"):
+        assert refused not in names  # --set refuses these: offering them misleads
+        with pytest.raises(ValueError):
+            TrainConfig().with_overrides([f"{refused}=x"])
+
+
+def test_settable_model_fields_listed_exclude_norm():
+    with pytest.raises(ValueError, match="no settable field") as err:
+        TrainConfig().with_overrides(["model.nope=1"])
+    assert "norm" not in str(err.value).split("choose one of ")[1].split(" or model.")[0]
 
 
 def test_json_round_trip():

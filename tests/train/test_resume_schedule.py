@@ -133,3 +133,14 @@ def test_a_schedule_choice_with_nothing_to_decide_says_so():
     assert "has not trained a step yet" in resume_schedule(cfg, longer, 0, "keep")[1]
     with pytest.raises(ValueError, match="--schedule must be one of keep, extend, stretch"):
         resume_schedule(cfg, longer, 5, "restart")
+
+
+def test_the_choices_offered_for_a_finished_run_mark_those_that_would_be_refused():
+    from moeify.train.schedule import resume_schedule
+
+    done, longer = TrainConfig(steps=10, warmup_steps=2), TrainConfig(steps=20, warmup_steps=2)
+    with pytest.raises(ValueError) as err:
+        resume_schedule(done, longer, 10, None)
+    offered = {part.split()[0]: part for part in str(err.value).split("--schedule ")[1:]}
+    assert "refused" in offered["keep"] and "refused" in offered["extend"]
+    assert "refused" not in offered["stretch"]

@@ -293,6 +293,11 @@ def table(result: dict) -> str:
     return "\n\n".join(parts)
 
 
+def _count(calls: float) -> int | str:
+    """Calls per forward+backward: a whole number prints as one (not 4.000)."""
+    return int(calls) if float(calls).is_integer() else f"{calls:g}"
+
+
 def _ops_table(group: dict, repeats: int) -> str:
     rows = [r for r in group["rows"] if "ops" in r]
     split = [{"case": r["case"], "ops ms": r["ops"]["ops ms"], "GEMM ms": r["ops"]["gemm ms"],
@@ -304,7 +309,7 @@ def _ops_table(group: dict, repeats: int) -> str:
     for r in rows:
         top = [{"op": t["op"], "shapes": " ".join("x".join(map(str, s)) or "scalar"
                                                   for s in t["shapes"]),
-                "ms": t["ms"], "calls": t["calls"]} for t in r["ops"]["top"]]
+                "ms": t["ms"], "calls": _count(t["calls"])} for t in r["ops"]["top"]]
         out.append(f"slowest operations of {r['case']}:\n"
                    + format_table(top, ["op", "shapes", "ms", "calls"]))
     return "\n\n".join(out)

@@ -76,9 +76,11 @@ def _add_step(bsub) -> None:
         "step", help="a whole training step (fwd, bwd, clip, AdamW) of full models",
         description="A training step of each preset's full model side by side: time and peak "
         "memory (weights, gradients, optimizer state and activations), ratios to the first "
-        "preset, and the cost-accounting MAC ratios.")
+        "preset (or its dense baseline, added when the first has MoE attention), and the "
+        "cost-accounting MAC ratios.")
     st.add_argument("--preset", action="append", metavar="NAME",
-                    help="preset to include, the first is the baseline (repeatable; default: "
+                    help="preset to include, the first is the baseline (its paper row's dense "
+                    "preset is put first when it has no dense attention; repeatable; default: "
                     "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
     st.add_argument("--batch", type=int, default=4, help="sequences per training step")
     _common(st, warmup=1)

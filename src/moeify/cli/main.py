@@ -8,13 +8,13 @@ import importlib
 import os
 import sys
 
-from moeify.errors import error_line
+from moeify.errors import env_flag, error_line
 from moeify.runtime import MALLOC_ENV
 
 
 def _reexec_with_malloc_tuning(argv: list[str] | None) -> None:
     """Restart the process once with MALLOC_ENV set (glibc reads them only at start-up)."""
-    if argv is not None or os.environ.get("MOEIFY_NO_MALLOC_TUNING") or not sys.platform.startswith("linux"):
+    if argv is not None or env_flag("MOEIFY_NO_MALLOC_TUNING") or not sys.platform.startswith("linux"):
         return
     if all(os.environ.get(k) for k in MALLOC_ENV) or os.environ.get("_MOEIFY_REEXEC"):
         return
@@ -120,7 +120,7 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:
         return _closed_pipe()
     except (MoeifyError, ValueError, OSError) as e:
-        if os.environ.get("MOEIFY_DEBUG"):
+        if env_flag("MOEIFY_DEBUG"):
             raise
         print(f"moeify {args.command}: error: {error_line(e)}", file=sys.stderr)
         return 2

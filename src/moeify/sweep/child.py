@@ -17,7 +17,7 @@ import torch
 from moeify.data import load_corpus, tokenize_split
 from moeify.data.corpora import resolve_recipe
 from moeify.data.listops import ListOpsRecipe, listops_accuracy, load_examples
-from moeify.errors import MoeifyError, error_line
+from moeify.errors import MoeifyError, env_flag, error_line
 from moeify.eval import adapters
 from moeify.eval.blimp import blimp_accuracy, load_blimp
 from moeify.rundir import load_trained
@@ -103,7 +103,7 @@ def child_entry(spec_path: str) -> int:
     try:
         return child_main(spec_path)
     except (MoeifyError, ValueError, OSError) as e:
-        if os.environ.get("MOEIFY_DEBUG"):
+        if env_flag("MOEIFY_DEBUG"):
             raise
         print(f"{CHILD_ERROR} {error_line(e)}", file=sys.stderr, flush=True)
         return 2

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from moeify.analysis.compare import valid_text
-from moeify.errors import MoeifyError
+from moeify.errors import MoeifyError, env_flag
 from moeify.rundir.layout import latest_checkpoint
 from moeify.runtime import MALLOC_ENV
 from moeify.sweep.protocol import (CHILD_LOG, CHILD_RESULT, SPEC_FILE, failure_line,
@@ -37,7 +37,7 @@ def child_env(threads: int) -> dict:
     """The environment of a child: ``threads`` OpenMP/MKL threads and the CLI's malloc tuning."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
-    if not env.get("MOEIFY_NO_MALLOC_TUNING"):
+    if not env_flag("MOEIFY_NO_MALLOC_TUNING"):
         for k, v in MALLOC_ENV.items():
             env.setdefault(k, v)
     return env

@@ -232,8 +232,10 @@ class TrainConfig:
                 model_ovr.append(f"{key}={value}")
                 continue
             if key not in hints:
+                settable = [f.name for f in dataclasses.fields(TrainConfig)
+                            if f.name not in ("model", "model_overrides", *WRITTEN_BY_MOEIFY)]
                 raise ValueError(f"--set {item}: unknown setting {key!r}; train settings are "
-                                 f"{', '.join(f.name for f in dataclasses.fields(TrainConfig))}"
+                                 f"{', '.join(settable)}"
                                  ", model settings start with model. (e.g. model.d_model=64)")
             if key in ("model_overrides", "model"):
                 raise ValueError(f"set model fields with model.<field>=value, not {key}")

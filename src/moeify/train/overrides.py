@@ -88,7 +88,11 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             config = dataclasses.replace(config, **{pattern: new})
             continue
         name = parts[1]
-        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS) - {"norm"}
+        if name == "norm":
+            raise ValueError(f"{what}: model.norm is a NormConfig (kind, bias, eps) and cannot "
+                             "be set with --set; in Python, pass TrainConfig(model=cfg.to_dict())"
+                             " for a ModelConfig cfg with the norm you want")
         if name not in fields:
             raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
                              f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"

@@ -155,8 +155,10 @@ def resume_schedule(trained, requested, step: int, choice: str | None):
                 f"--steps {N} changes the length of this run's learning-rate schedule (it was "
                 f"planned over {trained.steps} steps; the run is at step {step}). Choose how to "
                 "continue: "
-                + "; ".join(f"--schedule {name} ({_describe(name, cfg, step)})"
-                            for name, cfg in options.items())
+                + "; ".join(f"--schedule {name} ({_describe(name, cfg, step)}"
+                            + ("" if any(_rates(cfg, step)) else
+                               ": refused, it would train every step at learning rate 0")
+                            + ")" for name, cfg in options.items())
                 + ". Or start a new run from its weights: moeify train --init-from RUN")
     chosen = options[choice]
     if not any(_rates(chosen, step)):

@@ -91,7 +91,13 @@ def _doc_fields(cls) -> dict[str, str]:
                 out[n] += " " + line.strip()
         else:
             current = None
-    return {k: v.split("; ")[0] if len(v) > 110 else v for k, v in out.items()}
+    return {k: _first_clause(v) if len(v) > 110 else v for k, v in out.items()}
+
+
+def _first_clause(text: str) -> str:
+    """A long meaning cut at its first "; ", closing any parenthesis the cut left open."""
+    head = text.split("; ")[0]
+    return head + ")" * max(0, head.count("(") - head.count(")"))
 
 
 def _value(v: Any) -> str:
