@@ -96,6 +96,13 @@ peer=()  # CVMM=PATH: the SwitchHead authors' cvmm.py timed beside moeify's kern
 [ -n "${CVMM:-}" ] && peer=(--peer "cvmm=$CVMM")
 phase expert-matmul 90 "$OUT_DIR/expert-matmul.json" \
     "${MOEIFY[@]}" bench expert-matmul "${em[@]}" "${peer[@]}" --repeats "$REPEATS" "${common[@]}"
+# The Triton kernels without their width padding (MOEIFY_TRITON_PAD=0), beside the same dense
+# GEMM: what the padding (16-byte aligned rows, vectorised loads) buys.
+if [ "$DEVICE" = cuda ]; then
+    MOEIFY_TRITON_PAD=0 phase expert-matmul-unpadded 60 "$OUT_DIR/expert-matmul-unpadded.json" \
+        "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --impl triton --repeats "$REPEATS" \
+        "${common[@]}"
+fi
 # One profiled call of the fastest kernels at the same shape: their launches and where the time
 # goes, kernel by kernel (what to tune next).
 prof_impls=(--impl triton --impl grouped --impl padded)

@@ -1,14 +1,20 @@
 """Compile every Triton expert-matmul kernel, in every autotune configuration, for Hopper
-(sm_90) without a GPU: catches compile errors and shared-memory overflow before a GPU run.
+(sm_90) without a GPU: catches compile errors and shared-memory overflow before a GPU run, and
+says whether each kernel's loads are vectorised.
 
-    python scripts/triton_compile_check.py [--arch 90] [--json] [--largest]
+    python scripts/triton_compile_check.py [--arch 90] [--json] [--largest] [--unpadded]
 
 bf16 operands (fp32 atomic buffers) at the 47M SwitchHead value shape (D 412, F 76, E 10,
-K 4): the runtime widths are not multiples of 16, so no divisibility
-hints, as at that shape; unit strides are specialised to constants as the launcher does. Exits
-non-zero when a kernel fails to compile or needs more shared memory than one block may have
-(227 KiB on sm_90, 99 KiB on sm_86/89, 163 KiB on sm_80). Runs the real compiler (ptxas is
-bundled with triton); TRITON_INTERPRET is cleared for this process.
+K 4), specialised as a launch specialises them: unit strides become constants, and the
+pointers (torch's allocations are 16-byte aligned) and every integer divisible by 16 are marked
+so. The kernel wrapper pads D and F to 416 and 80 (moeify.ops.moe.kernels.triton, "Aligned
+widths"), so the widths and row strides are marked too; ``--unpadded`` compiles them as 412 and
+76 instead, as a launch without the padding sees them. Each row reports the PTX's global
+memory traffic: ``vector`` when the tiles move by 16-byte asynchronous copies (``cp.async``)
+and no 2-byte scalar load is left, ``scalar`` otherwise. Exits non-zero when a kernel fails to
+compile or needs more shared memory than one block may have (227 KiB on sm_90, 99 KiB on
+sm_86/89, 163 KiB on sm_80), or, padded, when a kernel is not vectorised. Runs the real
+compiler (ptxas is bundled with triton); TRITON_INTERPRET is cleared for this process.
 """
 
 from __future__ import annotations
@@ -27,6 +33,21 @@ from moeify.ops.moe.kernels import _triton_jit as tk  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
 E, E_P2 = 10, 16
+D, F, D16, F16 = 412, 76, 416, 80
+# The integer arguments that are widths or row strides: divisible by 16 once padded.
+WIDTHS = {"D", "F", "sxm", "swe", "swd"}
+
+
+def attrs(fn, sig: dict, padded: bool) -> dict:
+    """The divisibility marks a launch gives: every pointer, and (padded) every width and row
+    stride (D16, F16 and their products are multiples of 16; 412 and 76 are not)."""
+    return {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+            if a in sig and (sig[a].startswith("*") or (padded and a in WIDTHS))}
+
+
+def traffic(ptx: str) -> str:
+    """``vector``: tiles copied by 16-byte cp.async and no 2-byte scalar global load left."""
+    return "vector" if "cp.async" in ptx and "ld.global.b16" not in ptx else "scalar"
 
 
 def signatures():
@@ -54,6 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--largest", action="store_true",
                     help="only each kernel's largest configuration (tiles x stages): the one "
                     "closest to the shared-memory limit; a few seconds (the test suite's check)")
+    ap.add_argument("--unpadded", action="store_true",
+                    help="compile for widths 412 and 76 as given (no divisibility marks on "
+                    "widths and strides), as a launch with MOEIFY_TRITON_PAD=0 sees them")
     args = ap.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     limit = SHARED_LIMIT.get(args.arch, 101376)
@@ -68,22 +92,28 @@ def main(argv=None) -> int:
             row = dict(kernel=name, config=cfg.kwargs, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages)
             try:
-                src = triton.compiler.ASTSource(fn, full_sig, constexprs=meta)
+                src = triton.compiler.ASTSource(fn, full_sig, constexprs=meta,
+                                                attrs=attrs(fn, sig, not args.unpadded))
                 k = triton.compile(src, target=target,
                                    options=dict(num_warps=cfg.num_warps,
                                                 num_stages=cfg.num_stages))
-                row.update(shared=k.metadata.shared, ok=k.metadata.shared <= limit)
+                row.update(shared=k.metadata.shared, traffic=traffic(k.asm["ptx"]),
+                           ok=k.metadata.shared <= limit)
                 if not row["ok"]:
                     row["error"] = f"shared memory {k.metadata.shared} > {limit}"
+                elif not args.unpadded and row["traffic"] != "vector":
+                    row.update(ok=False, error="scalar loads at padded widths")
             except Exception as exc:  # noqa: BLE001 - report every failure, then exit non-zero
                 row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             failed += not row["ok"]
             rows.append(row)
     if args.json:
-        print(json.dumps(dict(arch=args.arch, triton=triton.__version__, rows=rows), indent=1))
+        print(json.dumps(dict(arch=args.arch, triton=triton.__version__,
+                              widths=[D, F] if args.unpadded else [D16, F16], rows=rows),
+                         indent=1))
     else:
         for r in rows:
-            status = f"shared {r['shared']:>6} B" if "shared" in r else ""
+            status = f"shared {r['shared']:>6} B {r['traffic']}" if "shared" in r else ""
             print(f"{'ok  ' if r['ok'] else 'FAIL'} sm_{args.arch} {r['kernel']:<22} "
                   f"{r['config']} warps {r['num_warps']} stages {r['num_stages']} {status} "
                   f"{r.get('error', '')}")

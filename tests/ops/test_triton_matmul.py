@@ -97,6 +97,44 @@ def test_every_contract_fp32_odd_widths(contract):
     check(x, idx, w, gates, TOL[f32], **kw)
 
 
+@pytest.mark.parametrize("contract", ["rows", "sum", "k1", "sum_rows2"])
+def test_unpadded_widths_give_the_same_results(contract, monkeypatch):
+    """MOEIFY_TRITON_PAD=0: the kernels see D 41 and F 76 as they are (the masks alone keep the
+    tiles in bounds), and still agree with the definition."""
+    monkeypatch.setenv("MOEIFY_TRITON_PAD", "0")
+    x, idx, w, gates, kw = contract_inputs(contract, 41, 76, f32)
+    check(x, idx, w, gates, TOL[f32], **kw)
+
+
+@pytest.mark.parametrize("pad", ["1", "0"])
+def test_every_launch_sees_aligned_widths_and_rows(pad, monkeypatch):
+    """The widths and row strides handed to every kernel are multiples of 16 elements (what
+    Triton's divisibility marks need to vectorise the loads), and the tensors contiguous, at
+    widths that are not (D 41, F 76); with MOEIFY_TRITON_PAD=0 they are passed as they are."""
+    monkeypatch.setenv("MOEIFY_TRITON_PAD", pad)
+    seen = []
+    real = triton_matmul._launch
+
+    def spy(name, grid_fn, *args, **kwargs):
+        seen.append((name, args))
+        return real(name, grid_fn, *args, **kwargs)
+
+    monkeypatch.setattr(triton_matmul, "_launch", spy)
+    x, idx, w, gates, kw = contract_inputs("sum", 41, 76, f32)
+    check(x, idx, w, gates, TOL[f32], **kw)
+    assert sorted({name for name, _ in seen}) == ["bwd_w", "bwd_x", "fwd"]
+    for name, args in seen:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        D, F = args[len(tensors) + 1], args[len(tensors) + 2]  # after N
+        strides = [a for a in args[len(tensors) + 4:] if isinstance(a, int)]
+        assert all(t.is_contiguous() for t in tensors), name
+        if pad == "1":
+            assert (D, F) == (48, 80), name
+            assert all(s % 16 == 0 for s in strides if s != 1), (name, strides)
+        else:
+            assert (D, F) == (41, 76), name
+
+
 @pytest.mark.parametrize("contract", ["rows", "groups2", "sum_rows2"])
 def test_fp16(contract):
     x, idx, w, gates, kw = contract_inputs(contract, 24, 40, f16)
@@ -239,16 +277,30 @@ def test_every_kernel_compiles_for_hopper():
     """The real compiler (not the interpreter) for sm_90, bf16 at the 47M SwitchHead shape: each
     kernel's largest autotune configuration compiles and fits in shared memory
     (scripts/triton_compile_check.py; without --largest it checks every configuration)."""
+    import json
     import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(repo / "scripts" / "triton_compile_check.py"),
-                          "--largest"], env=env, capture_output=True, text=True, timeout=300)
+    script = str(repo / "scripts" / "triton_compile_check.py")
+    res = subprocess.run([sys.executable, script, "--largest"], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("ok   sm_90") == 4
+    # At the padded widths every kernel moves its tiles by 16-byte asynchronous copies; at 412
+    # and 76 as given, the compiler can prove no row aligned and loads 2 bytes at a time.
+    traffic = {}
+    for unpadded in (False, True):
+        res = subprocess.run([sys.executable, script, "--largest", "--json"]
+                             + ["--unpadded"] * unpadded, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        rows = json.loads(res.stdout)["rows"]
+        traffic[unpadded] = {r["kernel"]: r["traffic"] for r in rows}
+    assert set(traffic[False].values()) == {"vector"}
+    assert set(traffic[True].values()) == {"scalar"}
 
 
 def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():

@@ -36,6 +36,19 @@ the rows they share come from L2):
 Numerics: loads in the input dtype (fp32, fp16, bf16), products accumulated in fp32; fp32 dots
 use ``input_precision="ieee"`` (no TF32).
 
+Aligned widths. Triton compiles a kernel for the arguments it is launched with, and marks an
+integer argument divisible by 16 only when it is: a row stride or width of 412 or 76 (SwitchHead
+47M's D and F) gets no mark, so the compiler cannot prove any row aligned and falls back to one
+2-byte load per element, with no asynchronous copies into shared memory and scalar atomics
+(the PTX for sm_90 shows it: ``ld.global.b16`` where an aligned launch gets 16-byte
+``cp.async`` copies pipelined over ``num_stages`` and ``red.global...v4.f32`` atomics;
+tests/ops/test_triton_matmul.py and scripts/triton_compile_check.py check both). So each entry
+point pads every width the kernels see to a multiple of ``ALIGN`` = 16 elements with zeros:
+x's columns ([M, D] -> [M, D16], one copy of x, never an [N, D] one), w to [E, D16, F16], the
+pairs' output gradient to [N, F16]; the padded products are exact zeros, and results are
+sliced back to D and F (copied, so that every output stays contiguous). ``MOEIFY_TRITON_PAD=0``
+turns the padding off (to measure it).
+
 Triton is optional: it is imported on first use (``triton_available``). On CPU the kernels run
 only under Triton's interpreter (TRITON_INTERPRET=1 set before triton is first imported), which
 is how the tests run them; on CUDA "auto" takes this kernel.
@@ -110,6 +123,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Triton specialises an integer argument as divisible by 16 (elements) when it is; rows and
+# widths padded to this are 16-byte aligned in every dtype the kernels take.
+ALIGN = 16
+
+
+def _padding() -> bool:
+    return os.environ.get("MOEIFY_TRITON_PAD", "1").strip().lower() not in ("0", "false", "no",
+                                                                         "off")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN if _padding() else n
+
+
+def _pad(t: torch.Tensor, *widths: int) -> torch.Tensor:
+    """t, contiguous, with its trailing dimensions zero-padded to ``widths``."""
+    extra = [w - n for w, n in zip(widths, t.shape[t.dim() - len(widths):])]
+    if not any(extra):
+        return t.contiguous()
+    pads = []
+    for e in reversed(extra):  # F.pad takes the last dimension first
+        pads += [0, e]
+    return torch.nn.functional.pad(t, pads)
+
+
 def _meta(x: torch.Tensor, E: int) -> dict:
     # fp32: true fp32 products (no TF32); fp16 / bf16 dots ignore the setting.
     return dict(E=E, E_P2=max(2, 1 << (E - 1).bit_length()),
@@ -128,49 +166,54 @@ class TritonKernel(ExpertKernel):
 
     def forward(self, a, w_EAB, lay, k=None):
         """[N, B]: pair p = a[p // k] @ w[e] (k None: a[p])."""
-        a = a.contiguous()
         plan, K = lay.plan, k or 1
         E, A, B = w_EAB.shape
         N = plan.num_pairs
-        y = a.new_empty(N, B)
-        if N and B and A:
-            _launch("fwd", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(B, c["BLOCK_F"]),),
-                    a, w_EAB, y, plan.order_N, plan.offsets_E, N, A, B, K, a.stride(0),
-                    a.stride(1), *w_EAB.stride(), **_meta(a, E))
-        elif N:
-            y.zero_()
-        return y
+        if not (N and B and A):
+            return a.new_zeros(N, B)
+        Ap, Bp = _aligned(A), _aligned(B)
+        a, w = _pad(a, Ap), _pad(w_EAB, Ap, Bp)
+        y = a.new_empty(N, Bp)
+        _launch("fwd", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Bp, c["BLOCK_F"]),),
+                a, w, y, plan.order_N, plan.offsets_E, N, Ap, Bp, K, a.stride(0), a.stride(1),
+                *w.stride(), **_meta(a, E))
+        # Contiguous, as every kernel's output (and the compiled op's fake) is: one [N, F] copy.
+        return y if Bp == B else y[:, :B].contiguous()
 
     def input_grad(self, g_PB, w_EAB, lay, k=None, n_rows=0):
         """[M, A]: row m sums g[p] @ w[e]ᵀ over its k pairs (k None: one row per pair)."""
-        g = g_PB.contiguous()
         plan, K = lay.plan, k or 1
         E, A, B = w_EAB.shape
         N = plan.num_pairs
         M = n_rows if k else N
+        if not (N and B and A):
+            return g_PB.new_zeros(M, A)
         atomic = K > 1
-        # K = 1: every row's one pair stores its whole row (when there is any B to sum over).
-        gx = (g.new_empty(M, A) if not atomic and B else
-              torch.zeros(M, A, device=g.device, dtype=torch.float32 if atomic else g.dtype))
-        if N and B and A:
-            _launch("bwd_x", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(A, c["BLOCK_D"]),),
-                    g, w_EAB, gx, plan.order_N, plan.offsets_E, N, A, B, K, gx.stride(0),
-                    gx.stride(1), *w_EAB.stride(), ATOMIC=atomic, **_meta(g, E))
-        return gx.to(g.dtype)
+        Ap, Bp = _aligned(A), _aligned(B)
+        g, w = _pad(g_PB, Bp), _pad(w_EAB, Ap, Bp)
+        # K = 1: every row's one pair stores its whole row.
+        gx = (g.new_empty(M, Ap) if not atomic else
+              torch.zeros(M, Ap, device=g.device, dtype=torch.float32))
+        _launch("bwd_x", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Ap, c["BLOCK_D"]),),
+                g, w, gx, plan.order_N, plan.offsets_E, N, Ap, Bp, K, gx.stride(0),
+                gx.stride(1), *w.stride(), ATOMIC=atomic, **_meta(g, E))
+        return gx[:, :A].to(g.dtype).contiguous()
 
     def weight_grad(self, a, g_PB, lay, n_experts, k=None):
         """[E, A, B]: Σ over each expert's pairs of a[p // k]ᵀ g[p]."""
-        a, g = a.contiguous(), g_PB.contiguous()
         plan, K = lay.plan, k or 1
-        A, B = a.shape[1], g.shape[1]
+        A, B = a.shape[1], g_PB.shape[1]
         N, E = plan.num_pairs, n_experts
-        gw = torch.zeros(E, A, B, device=a.device, dtype=torch.float32)
-        if N and A and B:
-            _launch("bwd_w", lambda c: ((_cdiv(N, c["BLOCK_M"] * c["ITERS"]) + E)
-                                        * _cdiv(A, c["BLOCK_D"]) * _cdiv(B, c["BLOCK_F"]),),
-                    a, g, gw, plan.order_N, plan.offsets_E, N, A, B, K, a.stride(0),
-                    a.stride(1), **_meta(a, E))
-        return gw.to(a.dtype)
+        if not (N and A and B):
+            return a.new_zeros(E, A, B)
+        Ap, Bp = _aligned(A), _aligned(B)
+        a, g = _pad(a, Ap), _pad(g_PB, Bp)
+        gw = torch.zeros(E, Ap, Bp, device=a.device, dtype=torch.float32)
+        _launch("bwd_w", lambda c: ((_cdiv(N, c["BLOCK_M"] * c["ITERS"]) + E)
+                                    * _cdiv(Ap, c["BLOCK_D"]) * _cdiv(Bp, c["BLOCK_F"]),),
+                a, g, gw, plan.order_N, plan.offsets_E, N, Ap, Bp, K, a.stride(0), a.stride(1),
+                **_meta(a, E))
+        return gw[:, :A, :B].to(a.dtype).contiguous()
 
 
 register(TritonKernel())
