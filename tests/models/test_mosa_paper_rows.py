@@ -255,3 +255,17 @@ def test_count_cli_prints_the_paper_flops(capsys):
     assert got["mosa_paper_flops"] <= 54_760_833_024
     assert main(["count", "--preset", "c4-mosa-tiny-dense", "--json"]) == 0
     assert "mosa_paper_flops" not in json.loads(capsys.readouterr().out)
+
+
+def test_paper_flops_count_the_tokens_the_layer_keeps():
+    """Short contexts: k is the layer's (at least 2, at most T), not T // rho, so a context
+    shorter than rho counts (and does not break ``moeify count``). tiny-mosa at T = 4: rho 8
+    keeps k = 2 of 4 tokens; per layer 32 MoSA heads of d_h 32 (8·128·32·2 + 4·32·2² + 2·128·4
+    + 32·2 = 67,136 each), one dense head (8·128·32·4 + 4·32·4² = 133,120) and the feedforward
+    (4·128·512·4 = 1,048,576): 4 layers, 13,320,192 FLOPs."""
+    from moeify.models.cost import model_cost, model_paper_flops
+    from moeify.train.config import apply_model_overrides
+
+    cfg = apply_model_overrides(get_preset("tiny-mosa"), ["model.context_length=4"])
+    assert model_paper_flops(cfg) == 4 * (32 * 67_136 + 133_120 + 1_048_576)
+    assert model_cost(cfg).layers  # the count's own path, which once raised here

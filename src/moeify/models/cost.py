@@ -206,7 +206,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     """``mosa_paper_flops`` of a ModelConfig whose every layer the paper's formula covers: MoSA
     or dense attention without XL memory (all of the same head width), a dense feedforward, no
     depth routing, no layer sharing; None for any other model. Layers are summed one by one,
-    k = T // ρ per MoSA layer (the paper's k)."""
+    with the k each MoSA layer keeps (``tokens_kept``: T // ρ, the paper's k, at least 2 and at
+    most T, as Sec. 3.5 and the layer have it)."""
     if config.xl_memory or config.group_size or any(x is not None
                                                     for x in config.depth_layers()):
         return None
@@ -217,7 +218,7 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
         one = dict(n_layers=1, d_model=config.d_model, T=T, d_ff=ff.d_ff)
         if isinstance(attn, MoSAConfig):
             total += mosa_paper_flops(**one, d_head=attn.d_head, n_dense_heads=attn.n_dense_heads,
-                                      n_mosa_heads=attn.n_heads, k=T // attn.sparsity)
+                                      n_mosa_heads=attn.n_heads, k=attn.tokens_kept(T))
         elif isinstance(attn, DenseAttentionConfig) and attn.pos != "xl":
             total += mosa_paper_flops(**one, d_head=attn.d_head, n_dense_heads=attn.n_heads)
         else:
