@@ -20,10 +20,13 @@ demo: setup
 # suite itself working on machines without a GPU; its compiled and FSDP cases are left to the
 # main suite's CPU counterparts (tests/models/test_compile.py, tests/train/test_scale.py,
 # tests/train/test_fsdp.py): inductor's CPU code generation takes four minutes there.
+# PYTEST_ARGS (e.g. -k NAME, -x) apply to the main run only; the second runs when it is unset.
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+ifeq ($(strip $(PYTEST_ARGS)),)
 	MOEIFY_SUITE_DEVICE=cpu $(PY) -m pytest -m cuda tests/train/test_cuda.py \
-		-k "not compiled_training and not fsdp" -p no:cacheprovider $(PYTEST_ARGS)
+		-k "not compiled_training and not fsdp" -p no:cacheprovider
+endif
 
 bench: setup
 	$(VENV)/bin/moeify bench expert-matmul

@@ -92,10 +92,15 @@ else  # the 47M SwitchHead value experts: [memory ; x] rows, 2 heads x 5 experts
     em=(-M 32768 -D 412 -E 10 -K 4 -F 76) sizes=(47m 262m) ff=() batch=$BATCH
 fi
 common=(--device "$DEVICE" --dtype bfloat16 --json)
-peer=()  # CVMM=PATH: the SwitchHead authors' cvmm.py timed beside moeify's kernels
-[ -n "${CVMM:-}" ] && peer=(--peer "cvmm=$CVMM")
 phase expert-matmul 90 "$OUT_DIR/expert-matmul.json" \
-    "${MOEIFY[@]}" bench expert-matmul "${em[@]}" "${peer[@]}" --repeats "$REPEATS" "${common[@]}"
+    "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --repeats "$REPEATS" "${common[@]}"
+# CVMM=PATH: the SwitchHead authors' cvmm.py timed beside moeify's Triton kernels, in a phase of
+# its own (a peer that fails or overruns loses nothing else).
+if [ -n "${CVMM:-}" ]; then
+    phase expert-matmul-peer 90 "$OUT_DIR/expert-matmul-peer.json" \
+        "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --impl triton --peer "cvmm=$CVMM" \
+        --repeats "$REPEATS" "${common[@]}"
+fi
 # The Triton kernels without their width padding (MOEIFY_TRITON_PAD=0), beside the same dense
 # GEMM: what the padding (16-byte aligned rows, vectorised loads) buys.
 if [ "$DEVICE" = cuda ]; then

@@ -4,10 +4,10 @@ moeify's target, as one JSON file and one markdown table.
     python scripts/gpu_summary.py OUT_DIR        (scripts/gpu_check.sh runs it last)
 
 Reads what gpu_check.sh wrote in OUT_DIR (device.json, suite.txt, expert-matmul.json,
-expert-matmul-unpadded.json, expert-matmul-profile.json, attention-47m.json,
-attention-262m.json, step-47m.json, step-262m.json, ff.json; a missing or failed phase is
-reported as such) and writes OUT_DIR/summary.json and OUT_DIR/summary.md (the profile as a list
-below the table).
+expert-matmul-unpadded.json, expert-matmul-peer.json, expert-matmul-profile.json,
+attention-47m.json, attention-262m.json, step-47m.json, step-262m.json, ff.json; a missing or
+failed phase is reported as such) and writes OUT_DIR/summary.json and OUT_DIR/summary.md (the
+profile as a list below the table).
 
 Paper figures: SwitchHead (arXiv 2312.07987) Table 5, a whole training step against the dense
 baseline: 47M 0.72x time, 0.65x memory; 262M 0.65x time, 0.61x memory. Targets beyond the
@@ -129,9 +129,18 @@ def _unpadded_rows(res: dict | None) -> list[dict]:
     return _expert_matmul_rows(res)
 
 
+def _peer_rows(res: dict | None) -> list[dict]:
+    """Other projects' kernels (``--peer``), measured in their own phase beside moeify's."""
+    if res is None:
+        return []
+    peers = [r for r in res["rows"] if r["implementation"].endswith("(peer)")]
+    return _expert_matmul_rows(dict(res, rows=peers))
+
+
 def summarize(out: Path) -> dict:
     rows = _expert_matmul_rows(_load(out, "expert-matmul.json"))
     rows += _unpadded_rows(_load(out, "expert-matmul-unpadded.json"))
+    rows += _peer_rows(_load(out, "expert-matmul-peer.json"))
     for size in ("47m", "262m"):
         rows += _attention_rows(_load(out, f"attention-{size}.json"), size)
         rows += _step_rows(_load(out, f"step-{size}.json"), size)

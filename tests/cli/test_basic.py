@@ -80,11 +80,18 @@ def test_bench_expert_matmul_times_a_peer_checked_against_the_reference(tmp_path
     ("cvmm=/nonexistent/cvmm.py", "no such file"),
     ("cvmm={empty}", "has no cvmm, cvmm_prepare_sel2"),
     ("cvmm={broken}", "does not import: ZeroDivisionError"),
+    ("cvmm={cuda_only}", "the peer cvmm failed on these inputs (it runs on CUDA only: add "
+     "--device cuda): AssertionError: Torch not compiled with CUDA enabled"),
 ])
 def test_bench_peer_bad_input_is_one_line(tmp_path, capsys, spec, message):
     (tmp_path / "empty.py").write_text("x = 1\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
-    spec = spec.format(empty=tmp_path / "empty.py", broken=tmp_path / "broken.py")
+    (tmp_path / "cuda_only.py").write_text(  # as the authors' file fails on a CPU tensor
+        "def cvmm_prepare_sel2(sel, w=None):\n    return sel\n\n"
+        "def cvmm(x, sel, keys):\n"
+        "    raise AssertionError('Torch not compiled with CUDA enabled')\n")
+    spec = spec.format(empty=tmp_path / "empty.py", broken=tmp_path / "broken.py",
+                       cuda_only=tmp_path / "cuda_only.py")
     assert main(["bench", "expert-matmul", "-M", "8", "--repeats", "1", "--peer", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

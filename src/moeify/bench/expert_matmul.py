@@ -19,9 +19,9 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
     the routing (``make_plan``) as a layer does. ``profile``: after the timing, one profiled
     call of each case (``kernel_profile``: how many kernels it launches and where its time
     goes), under the result's "profile". ``peers``: {name: function (x, idx, w, gates) -> [M, F]}
-    (``moeify.bench.peers.load_peer``), other kernels timed beside these, each first checked
-    against the reference on the same inputs (``peer_errors``: its largest difference relative
-    to the reference's largest value)."""
+    (``moeify.bench.peers.load_peer``), other kernels timed beside these, each first run on the
+    same inputs as the reference and its difference reported (``peer_errors``: the largest
+    difference relative to the reference's largest value); a peer that raises is a ValueError."""
     if not 1 <= K <= E:
         raise ValueError(f"K (experts per row) must lie in [1, E={E}], got {K}")
     g = torch.Generator().manual_seed(seed)
@@ -65,7 +65,14 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
         with torch.no_grad():
             ref = expert_matmul(x, idx, w, gates, impl="reference").float()
             for name, peer in peers.items():
-                err = (peer(x, idx, w, gates).float() - ref).abs().max() / ref.abs().max()
+                try:
+                    out = peer(x, idx, w, gates)
+                except Exception as e:  # noqa: BLE001 - foreign code: any failure, one line
+                    hint = " (it runs on CUDA only: add --device cuda)" if x.device.type != \
+                        "cuda" else ""
+                    raise ValueError(f"the peer {name} failed on these inputs{hint}: "
+                                     f"{type(e).__name__}: {e}") from None
+                err = (out.float() - ref).abs().max() / ref.abs().max()
                 peer_errors[f"{name} (peer)"] = err.item()
                 fns[f"{name} (peer)"] = run_peer(peer)
     times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)

@@ -4,8 +4,9 @@ moeify ships none of their code: a peer is loaded from a file the user points to
 through an adapter that maps moeify's contract (rows ``x`` [M, D], expert ids [M, K], weights
 [E, D, F], gates [M, K] -> the gated sum [M, F]) onto the peer's API.
 
-``cvmm``: the SwitchHead authors' CVMM (``cvmm.py`` of github.com/RobertCsordas/moeut, the copy
-with bf16 support; SwitchHead's own repository holds the same file). Its API as that file
+``cvmm``: the SwitchHead authors' CVMM (``cvmm.py`` of github.com/RobertCsordas/moeut, the later
+copy, which takes bf16 inputs and multiplies them in fp16; SwitchHead's own repository holds the
+same file). Its API as that file
 defines it: ``cvmm_prepare_sel2(sel, w)`` sorts the [M, K] selection and keeps the gates as the
 "reduction weight"; ``cvmm(x, sel, keys)`` with keys [E, D, F] returns the gated sum. It needs
 CUDA (it places index tensors with ``.cuda()``).
