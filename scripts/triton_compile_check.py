@@ -10,8 +10,8 @@ pointers (torch's allocations are 16-byte aligned) and every integer divisible b
 so. The kernel wrapper pads D and F to 416 and 80 (moeify.ops.moe.kernels.triton, "Aligned
 widths"), so the widths and row strides are marked too; ``--unpadded`` compiles them as 412 and
 76 instead, as a launch without the padding sees them. Each row reports the PTX's global
-memory traffic: ``vector`` when the tiles move by 16-byte asynchronous copies (``cp.async``)
-and no 2-byte scalar load is left, ``scalar`` otherwise. Exits non-zero when a kernel fails to
+memory traffic: ``vector`` when the tiles move by asynchronous copies (``cp.async``) and no
+2-byte load or store and no one-at-a-time fp32 atomic is left, ``scalar`` otherwise. Exits non-zero when a kernel fails to
 compile or needs more shared memory than one block may have (227 KiB on sm_90, 99 KiB on
 sm_86/89, 163 KiB on sm_80), or, padded, when a kernel is not vectorised. Runs the real
 compiler (ptxas is bundled with triton); TRITON_INTERPRET is cleared for this process.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -45,9 +46,14 @@ def attrs(fn, sig: dict, padded: bool) -> dict:
             if a in sig and (sig[a].startswith("*") or (padded and a in WIDTHS))}
 
 
+# Element-by-element global traffic: 2-byte loads and stores, fp32 atomics one at a time.
+SCALAR = re.compile(r"\b(ld\.global\.b16|st\.global\.b16|red\.global(\.\w+)*\.add\.f32)\b")
+
+
 def traffic(ptx: str) -> str:
-    """``vector``: tiles copied by 16-byte cp.async and no 2-byte scalar global load left."""
-    return "vector" if "cp.async" in ptx and "ld.global.b16" not in ptx else "scalar"
+    """``vector``: tiles copied into shared memory by cp.async, and no 2-byte global load or
+    store and no one-at-a-time fp32 atomic left (stores and atomics move 4-wide)."""
+    return "vector" if "cp.async" in ptx and not SCALAR.search(ptx) else "scalar"
 
 
 def signatures():

@@ -223,7 +223,7 @@ def test_bench_expert_matmul_profile_counts_the_kernels_of_each_case(capsys):
         assert p["counted"] == "operations"
         assert p["launches"] >= sum(r["calls"] for r in p["top"])
         assert 0 < sum(r["share"] for r in p["top"]) <= 1 + 1e-9
-        assert sum(r["us"] for r in p["top"]) <= p["total_us"] + 1e-6
+        assert sum(r["us"] for r in p["top"]) <= p["total_us"] + len(p["top"])  # rounded
 
 
 def test_cli_bench_rejects_bad_input(capsys):

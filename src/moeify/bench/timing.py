@@ -156,6 +156,6 @@ def kernel_profile(fn: Callable[[], object], device=None, *, top: int = 8) -> di
         "launches": sum(len(v) for v in by_name.values()),
         "total_us": total,
         "top": [{"kernel": name if len(name) <= 72 else name[:69] + "...", "calls": len(v),
-                 "us": sum(v), "share": sum(v) / total if total else 0.0}
+                 "us": round(sum(v)), "share": sum(v) / total if total else 0.0}
                 for name, v in ranked],
     }
