@@ -113,6 +113,7 @@ def test_list_settings_lists_model_keys_with_values_and_meanings(capsys):
     assert "auto|fp32|bf16|fp16" in lines["amp"]
     assert "model.d_model" in lines and "residual width" in lines["model.d_model"]
     assert "model.attention.n_experts" in lines and "lr_extensions" not in lines
+    assert "model.norm" not in lines and "'layernorm'" in lines["model.norm.kind"]
     for key, line in lines.items():  # a meaning cut short keeps its parentheses balanced
         assert line.count("(") == line.count(")"), line
     assert main(["train", "--list-settings", "--preset", "tiny-dense"]) == 0

@@ -27,11 +27,20 @@ def test_overrides_are_parsed_to_the_field_types():
     ("betas=0.9,1.5", "betas must be"), ("model.d_model=big", "expected an integer"),
     ("model.attention.nope=1", "has no field 'nope'"), ("model.nope=1", "no settable field"),
     ("model.n_layers=0", "positive integer"),
-    ("model.norm=rmsnorm", "model.norm is a NormConfig"),
+    ("model.norm=rmsnorm", "model.norm is a NormConfig: set its fields"),
+    ("model.norm.kind=rmsnorm", "RMSNorm has no bias; set bias=False"),
+    ("model.norm.nope=1", "NormConfig has no field 'nope'"),
 ])
 def test_bad_overrides_name_the_problem(item, msg):
     with pytest.raises(ValueError, match=msg):
         TrainConfig().with_overrides([item])
+
+
+def test_model_norm_fields_are_settable():
+    cfg = TrainConfig().with_overrides(["model.norm.bias=false", "model.norm.kind=rmsnorm",
+                                        "model.norm.eps=1e-6"])
+    norm = resolve_model_config(cfg, vocab_size=100).norm
+    assert (norm.kind, norm.bias, norm.eps) == ("rmsnorm", False, 1e-6)
 
 
 def test_model_overrides_reach_every_layer_config():

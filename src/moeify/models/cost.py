@@ -192,9 +192,7 @@ def mosa_isoflop_heads(*, n_layers: int, d_model: int, d_head: int, T: int,
         raise ValueError(f"n_dense_heads={n_dense_heads} exceeds the baseline's "
                          f"{baseline_heads} heads")
     shape = dict(n_layers=n_layers, d_model=d_model, d_head=d_head, T=T)
-    k = T // sparsity
-    if k < 1:
-        raise ValueError(f"sparsity={sparsity} keeps no token of T={T}")
+    k = min(max(T // sparsity, 2), T)  # as the layer keeps (MoSAConfig.tokens_kept)
     budget = mosa_paper_flops(**shape, n_dense_heads=baseline_heads)
     fixed = mosa_paper_flops(**shape, n_dense_heads=n_dense_heads)
     per_head = mosa_paper_flops(**shape, n_dense_heads=0, n_mosa_heads=1, k=k) \

@@ -75,7 +75,14 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
         parts = key.split(".")
         if parts[0] != "model" or len(parts) not in (2, 3):
             raise ValueError(f"{what}: model settings are model.<field> or "
-                             f"model.<attention|feedforward|depth>.<field>")
+                             f"model.<attention|feedforward|depth|norm>.<field>")
+        if len(parts) == 3 and parts[1] == "norm":  # model.norm.<kind|eps|bias>
+            try:
+                config = dataclasses.replace(
+                    config, norm=_replace_layer(config.norm, parts[2], text, what))
+            except ValueError as e:
+                raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
+            continue
         if len(parts) == 3:
             pattern, name = parts[1], parts[2]
             if pattern not in _PATTERNS:
@@ -90,9 +97,9 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
         name = parts[1]
         fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS) - {"norm"}
         if name == "norm":
-            raise ValueError(f"{what}: model.norm is a NormConfig (kind, bias, eps) and cannot "
-                             "be set with --set; in Python, pass TrainConfig(model=cfg.to_dict())"
-                             " for a ModelConfig cfg with the norm you want")
+            raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
+                             "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
+                             "--set model.norm.bias=false --set model.norm.kind=rmsnorm)")
         if name not in fields:
             raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
                              f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"

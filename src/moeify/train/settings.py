@@ -127,6 +127,13 @@ def settings_rows(preset: str = "tiny-switchhead") -> list[tuple[str, str, str, 
             continue
         rows.append((f"model.{f.name}", _value(getattr(model, f.name)),
                      _type_name(mhints[f.name]), mdoc.get(f.name, "")))
+    norm_doc = {"kind": "layernorm or rmsnorm (RMSNorm needs model.norm.bias=false first)",
+                "eps": "added to the variance (mean square)",
+                "bias": "LayerNorm's additive bias (RMSNorm has none)"}
+    nhints = typing.get_type_hints(type(model.norm))
+    for f in dataclasses.fields(model.norm):
+        rows.append((f"model.norm.{f.name}", _value(getattr(model.norm, f.name)),
+                     _type_name(nhints[f.name]), norm_doc.get(f.name, "")))
     for pattern in _PATTERNS:
         entries = [e for e in getattr(model, pattern) if e is not None]
         if not entries:
