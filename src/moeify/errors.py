@@ -88,12 +88,15 @@ def os_error_of(e: Exception, path) -> OSError | None:
     return OSError(code, os.strerror(code), str(path))
 
 
-def env_flag(name: str) -> bool:
-    """Whether an on/off environment variable (MOEIFY_DEBUG, MOEIFY_NO_MALLOC_TUNING) is on:
-    set to anything but "", "0", "false", "no" or "off" (so that =0 means off, as users expect)."""
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether an on/off environment variable (MOEIFY_DEBUG, MOEIFY_NO_MALLOC_TUNING,
+    MOEIFY_TRITON_PAD, ...) is on: ``default`` when unset, else on unless set to "", "0",
+    "false", "no" or "off" (so that =0 means off, as users expect)."""
     import os
 
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    if name not in os.environ:
+        return default
+    return os.environ[name].strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def error_line(e: BaseException) -> str:

@@ -76,6 +76,12 @@ from moeify.ops.positional import apply_rope, rope_dims
 from moeify.ops.routing import selection_logits, top_indices
 
 
+def tokens_kept(T: int, sparsity: int) -> int:
+    """k = T // ρ, at least 2 and at most T (the paper's max(⌊T/ρ⌋, 2), Sec. 3.5, and the
+    authors' code): the tokens each MoSA head keeps of T."""
+    return min(max(T // sparsity, 2), T)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoSAConfig:
     """MoSA attention: ``n_heads`` sparse heads of width ``d_head``, each keeping k = T //
@@ -116,9 +122,8 @@ class MoSAConfig:
                                     attn_impl=self.attn_impl)
 
     def tokens_kept(self, T: int) -> int:
-        """k = T // ρ, at least 2 and at most T (the paper's max(⌊T/ρ⌋, 2), Sec. 3.5, and the
-        authors' code)."""
-        return min(max(T // self.sparsity, 2), T)
+        """k of T tokens per head (``tokens_kept``)."""
+        return tokens_kept(T, self.sparsity)
 
     def param_count(self) -> int:
         """Per MoSA head: the router row (d), W_Q, W_K, W_V (d·h' each), W_O (h'·d); plus the

@@ -21,7 +21,7 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.moa import MoAConfig
-from moeify.layers.mosa import MoSAConfig
+from moeify.layers.mosa import MoSAConfig, tokens_kept
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM, build_block
 from moeify.ops.routing import expert_choice_count
@@ -186,13 +186,14 @@ def mosa_isoflop_heads(*, n_layers: int, d_model: int, d_head: int, T: int,
     hybrid, 0 in pure MoSA) and k = T / ρ tokens per head, does not exceed the FLOPs
     (``mosa_paper_flops``) of the dense baseline of ``baseline_heads`` heads, all else equal.
     k counts the always-included first token (the IsoFLOP rows select k - 1 tokens and the
-    first); T // ρ is T / ρ for the paper's T = 1024 and ρ a power of 2."""
+    first) and is the layer's (``tokens_kept``: T // ρ, which is T / ρ for the paper's T = 1024
+    and ρ a power of 2, at least 2 and at most T)."""
     _positive(baseline_heads=baseline_heads, sparsity=sparsity)
     if n_dense_heads > baseline_heads:
         raise ValueError(f"n_dense_heads={n_dense_heads} exceeds the baseline's "
                          f"{baseline_heads} heads")
     shape = dict(n_layers=n_layers, d_model=d_model, d_head=d_head, T=T)
-    k = min(max(T // sparsity, 2), T)  # as the layer keeps (MoSAConfig.tokens_kept)
+    k = tokens_kept(T, sparsity)
     budget = mosa_paper_flops(**shape, n_dense_heads=baseline_heads)
     fixed = mosa_paper_flops(**shape, n_dense_heads=n_dense_heads)
     per_head = mosa_paper_flops(**shape, n_dense_heads=0, n_mosa_heads=1, k=k) \

@@ -12,6 +12,8 @@ import os
 import triton
 import triton.language as tl
 
+from moeify.errors import env_flag
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -150,8 +152,7 @@ BWD_W_CONFIGS = [_cfg(64, 64, 64, 4, 3, ITERS=8), _cfg(64, 64, 128, 4, 3, ITERS=
 # list. Autotuning compiles and times every configuration of every kernel for each new (D, F, E):
 # seconds per shape, which a training run pays once, but a test suite that tries dozens of
 # shapes pays dozens of times (the GPU suite did not finish in 4 minutes with it).
-AUTOTUNE = os.environ.get("MOEIFY_TRITON_AUTOTUNE", "1").strip().lower() not in (
-    "", "0", "false", "no", "off")
+AUTOTUNE = env_flag("MOEIFY_TRITON_AUTOTUNE", default=True)
 
 
 def _fixed(configs) -> tuple[dict, dict]:

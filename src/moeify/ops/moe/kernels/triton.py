@@ -61,7 +61,7 @@ import os
 
 import torch
 
-from moeify.errors import install_hint
+from moeify.errors import env_flag, install_hint
 from moeify.ops.moe.layout import pair_layout
 from moeify.ops.moe.registry import ExpertKernel, register
 
@@ -128,13 +128,8 @@ def _cdiv(a: int, b: int) -> int:
 ALIGN = 16
 
 
-def _padding() -> bool:
-    return os.environ.get("MOEIFY_TRITON_PAD", "1").strip().lower() not in ("0", "false", "no",
-                                                                         "off")
-
-
 def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN if _padding() else n
+    return -(-n // ALIGN) * ALIGN if env_flag("MOEIFY_TRITON_PAD", default=True) else n
 
 
 def _pad(t: torch.Tensor, *widths: int) -> torch.Tensor:
