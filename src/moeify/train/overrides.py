@@ -83,6 +83,16 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             except ValueError as e:
                 raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
             continue
+        if len(parts) == 3 and parts[1] == "recursion":  # model.recursion.<MoRConfig field>
+            if config.recursion is None:
+                raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
+                                 "config to change; use a MoR preset (e.g. repro-mor)")
+            try:
+                config = dataclasses.replace(
+                    config, recursion=_replace_layer(config.recursion, parts[2], text, what))
+            except ValueError as e:
+                raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
+            continue
         if len(parts) == 3:
             pattern, name = parts[1], parts[2]
             if pattern not in _PATTERNS:
@@ -95,7 +105,11 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             config = dataclasses.replace(config, **{pattern: new})
             continue
         name = parts[1]
-        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS) - {"norm"}
+        fields = ({f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+                  - {"norm", "recursion"})
+        if name == "recursion":
+            raise ValueError(f"{what}: model.recursion is a MoRConfig: start from a MoR preset "
+                             "(e.g. repro-mor) and set its fields, model.recursion.<field>")
         if name == "norm":
             raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
                              "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
@@ -113,6 +127,8 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
                     e if e is None or name not in {f.name for f in dataclasses.fields(e)}
                     else dataclasses.replace(e, **{name: value})
                     for e in getattr(config, pattern))
+            if name == "d_model" and config.recursion is not None:
+                changes["recursion"] = dataclasses.replace(config.recursion, d_model=value)
         try:
             config = dataclasses.replace(config, **changes)
         except ValueError as e:
