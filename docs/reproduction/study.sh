@@ -13,7 +13,8 @@
 # a, b, f and g fill RUNS_DIR/wiki (300 and 1000 steps, the paper's settings, learning rates);
 # c and e fill RUNS_DIR/wiki-3000steps-d256 (the longest budget and the larger family, each
 # with its own dense baseline); d and h fill RUNS_DIR/shakespeare; m (the follow-ups, MoEUT and
-# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups.
+# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups; n (the 2024-2025
+# layers, not in the default STAGES: STAGES=n) fills RUNS_DIR/wiki-followups too.
 set -euo pipefail
 R=${1:?usage: study.sh RUNS_DIR}
 MOEIFY=${MOEIFY:-moeify}
@@ -81,4 +82,9 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
     --budgets 1000 --seeds 0-2
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2
+# (n) the 2024-2025 layers beside stage m's baselines (same recipe, 1000 steps, 3 seeds):
+# repro-mor is repro-rope-dense built as Mixture-of-Recursions (Middle-Cycle, N_r = 2,
+# expert-choice), the paper's own comparison (fewer parameters, same shape).
+stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
+    --out "$F" --presets repro-rope-dense,repro-mor --budgets 1000 --seeds 0-2
 true

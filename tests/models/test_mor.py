@@ -105,8 +105,7 @@ def test_cached_decoding_equals_the_full_forward(extra):
 def test_compiled_fullgraph_matches_eager(routing, backend="aot_eager"):
     # expert-choice's gathers have static shapes (K_r from T), token-choice masks: both trace
     # as one graph per module (fullgraph raises on a break). aot_eager traces forward and
-    # backward as inductor does without its code generation, minutes on a busy CPU; the
-    # inductor run of these models is in the device check (docs/layers/mor.md)
+    # backward as inductor does, without its code generation (minutes per model on a busy CPU)
     torch._dynamo.reset()
     cfg = _small("repro-mor", f"model.recursion.routing={routing}")
     torch.manual_seed(0)

@@ -44,8 +44,10 @@ shared block, and a token's keys and values enter step r's cache as valid only i
 took step r, so later tokens attend at step r only to tokens that took it, exactly as the
 training forward does. Decoding (a cache) routes causally: token-choice is causal already, so
 cached decoding equals the full forward; expert-choice replaces each step's top-k by the
-threshold the auxiliary loss trains, sigmoid(logit) > 1/2 (tanh: > 0; the aux router's logit
-when there is one), a step with β_r = 1 keeping every candidate as its top-k does.
+threshold the auxiliary loss trains, a positive router logit (sigmoid > 1/2, tanh > 0; the aux
+router's logit when there is one; the authors compare the raw logit with 0.5 for their
+"linear" gate, moeify with 0 as for the others), a step with β_r = 1 keeping every candidate
+as its top-k does.
 
 Weight mapping from the authors' code (raymin0223/mixture_of_recursions):
     w_router[r]        expert-choice: layers[1 + r].mor_router.router.weight[0]
