@@ -76,20 +76,15 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
         if parts[0] != "model" or len(parts) not in (2, 3):
             raise ValueError(f"{what}: model settings are model.<field> or "
                              f"model.<attention|feedforward|depth|norm>.<field>")
-        if len(parts) == 3 and parts[1] == "norm":  # model.norm.<kind|eps|bias>
-            try:
-                config = dataclasses.replace(
-                    config, norm=_replace_layer(config.norm, parts[2], text, what))
-            except ValueError as e:
-                raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
-            continue
-        if len(parts) == 3 and parts[1] == "recursion":  # model.recursion.<MoRConfig field>
-            if config.recursion is None:
+        if len(parts) == 3 and parts[1] in ("norm", "recursion"):
+            # one config, not a pattern: model.norm.<kind|eps|bias>, model.recursion.<field>
+            sub = getattr(config, parts[1])
+            if sub is None:
                 raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
                                  "config to change; use a MoR preset (e.g. repro-mor)")
             try:
                 config = dataclasses.replace(
-                    config, recursion=_replace_layer(config.recursion, parts[2], text, what))
+                    config, **{parts[1]: _replace_layer(sub, parts[2], text, what)})
             except ValueError as e:
                 raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
             continue
