@@ -25,6 +25,12 @@ against. There is one copy of each, so a fix to a reference reaches every test t
   i = argmax; the token runs f i + 1 times (ungated in between) among the tokens still running,
   and ends as H^1 + g_i * f(...); balance loss N_r * sum_i f_i P_i (f_i the share of tokens at
   depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2.
+- ReMoE (Wang et al., ICLR 2025, arXiv 2412.14711, Sec. 3): ReLU routing, R(x) = ReLU(x W_r),
+  y = Σ_e R(x)_e · expert_e(x) over the experts with R(x)_e > 0, any number per token; the
+  load-balanced L1 regulariser: L_reg = Σ_e f_e · mean_t R(x_t)_e with
+  f_e = E / (k · T) · #{t: R(x_t)_e > 0}; the adaptive coefficient's update:
+  lambda <- lambda · alpha^sign((1 - k/E) - S), S the fraction of zero routing outputs,
+  dividing when S reaches the target.
 
 Nothing here imports moeify. A reference built on the library's own positional code would test
 that code against itself.
@@ -147,6 +153,7 @@ def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=Non
 
 REF_ACTIVATIONS = {
     "relu": lambda h: torch.clamp(h, min=0),
+    "silu": lambda h: h / (1 + torch.exp(-h)),
     "gelu_tanh": lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5
                                                       * (h + 0.044715 * h ** 3))),
 }
@@ -166,6 +173,43 @@ def ref_expert_mlp(x, idx, w1, w2, gates, activation="relu", b1=None, b2=None):
             y = y + gates[m, k].to(x.dtype) * (act(h if b1 is None else h + b1[e]) @ w2[e])
         rows.append(y if b2 is None else y + b2)
     return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])
+
+
+def ref_varlen_expert_mlp(x, gates_ME, w1, w2, w_up=None, activation="relu"):
+    """A variable number of experts per row, one (row, expert) pair at a time: y[m] = Σ over the
+    e with gates[m, e] != 0 of gates[m, e] · h @ w2[e], h = act(x[m] @ w1[e]) (⊙ x[m] @ w_up[e]
+    in the gated form)."""
+    act = REF_ACTIVATIONS[activation]
+    M, E = gates_ME.shape
+    rows = []
+    for m in range(M):
+        y = x.new_zeros(w2.shape[-1])
+        for e in range(E):
+            if gates_ME[m, e] != 0:
+                h = act(x[m] @ w1[e])
+                if w_up is not None:
+                    h = h * (x[m] @ w_up[e])
+                y = y + gates_ME[m, e].to(x.dtype) * (h @ w2[e])
+        rows.append(y)
+    return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])
+
+
+def ref_remoe_l1(route_ME, k):
+    """ReMoE's load-balanced L1 regulariser (Sec. 3) of the ReLU outputs [T, E] at target
+    k: Σ_e f_e · (1/T) Σ_t R_te, f_e = E / (k · T) · (tokens with R_te > 0); f_e is a count
+    (no gradient)."""
+    T, E = route_ME.shape
+    total = route_ME.new_zeros(())
+    for e in range(E):
+        f_e = E / (k * T) * float((route_ME[:, e] > 0).sum())
+        total = total + f_e * route_ME[:, e].sum() / T
+    return total
+
+
+def ref_remoe_coef_update(lam, sparsity, k, E, alpha):
+    """ReMoE's adaptive coefficient update (Sec. 3): lambda · alpha if the sparsity is below 1 - k/E,
+    else lambda / alpha."""
+    return lam * alpha if sparsity < 1 - k / E else lam / alpha
 
 
 # ---------------------------------------------------------------------------- tiny corpora
