@@ -24,6 +24,12 @@ update's earlier micro-batches (the paper's buffer over gradient-accumulation st
 micro-batch of an update sees the counts of the whole global batch. The counts carry no gradient.
 Only training forwards synchronise (validation may run on one process).
 
+ReMoE's adaptive L1 coefficient (Wang et al., ICLR 2025, arXiv 2412.14711, Sec. 3;
+moeify.layers.remoe): after each optimizer step the sparsity S of every ReMoE layer's routing
+over the update (the records' last column counts the (token, expert) pairs not routed, summed
+over micro-batches, processes and layers) moves each layer's lambda by alpha toward the target
+1 - k/E (``ReMoE.update_l1_coef``, on the device).
+
 Shape legend: E router outputs of a layer.
 """
 
@@ -51,11 +57,15 @@ class Balancing:
         # Loss-free: module -> the routing-record keys of its layer positions.
         self.lossfree: dict[torch.nn.Module, list[str]] = {}
         self.global_layers: list[torch.nn.Module] = []
+        # ReMoE: module -> the routing-record keys of its layer positions.
+        self.remoe: dict[torch.nn.Module, list[str]] = {}
         for i, block in enumerate(model.layer_blocks()):
             ff = feedforward_of(block)
             cfg = getattr(ff, "config", None)
             if cfg is None:
                 continue
+            if hasattr(ff, "update_l1_coef"):
+                self.remoe.setdefault(ff, []).append(f"layers.{i}.ff.router")
             if getattr(cfg, "lossfree_rate", 0.0) > 0:
                 self.lossfree.setdefault(ff, []).append(f"layers.{i}.ff.router")
             if (getattr(cfg, "balance_scope", "batch") == "global"
@@ -69,7 +79,7 @@ class Balancing:
 
     @property
     def active(self) -> bool:
-        return bool(self.lossfree or self.global_layers)
+        return bool(self.lossfree or self.global_layers or self.remoe)
 
     def _sync_fn(self, ff: torch.nn.Module):
         def sync(counts_E: torch.Tensor) -> torch.Tensor:
@@ -91,10 +101,10 @@ class Balancing:
         """After one micro-batch's forward: collect its routed counts (every feedforward
         router's, for the load log and loss-free balancing) and fold its global counts into the
         update's running sum (global-batch loss)."""
-        for ff, keys in self.lossfree.items():
+        for ff, keys in list(self.lossfree.items()) + list(self.remoe.items()):
             missing = [k for k in keys if k not in out.routing]
             if missing:
-                raise RuntimeError(f"loss-free balancing: the model returned no routing record "
+                raise RuntimeError(f"loss-free balancing / ReMoE: the model returned no routing record "
                                    f"{missing[0]!r}")
         for key, rec in out.routing.items():
             if key.endswith("ff.router"):
@@ -108,7 +118,7 @@ class Balancing:
     def after_optimizer_step(self) -> dict[str, torch.Tensor]:
         """Once per optimizer step: the update's per-expert counts of every feedforward router
         summed over micro-batches and processes (one all-reduce), the loss-free bias updates
-        from them; returns the counts by routing key (the trainer logs them)."""
+        and ReMoE's coefficient updates from them; returns the counts by routing key (the trainer logs them)."""
         keys = sorted(self._counts)
         if not keys:
             return {}
@@ -120,5 +130,10 @@ class Balancing:
             cfg = m.config
             m.expert_bias.copy_(loss_free_bias_update(m.expert_bias, c, cfg.lossfree_rate,
                                                       centre=cfg.lossfree_centre))
+        if self.remoe:
+            c = sum(total[k] for keys in self.remoe.values() for k in keys)  # [1, E + 1]
+            sparsity = c[..., -1].sum() / c.sum().clamp_min(1)
+            for m in self.remoe:
+                m.update_l1_coef(sparsity)
         self._counts.clear()
         return total
