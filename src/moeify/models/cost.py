@@ -22,6 +22,7 @@ from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.moa import MoAConfig
 from moeify.layers.mosa import MoSAConfig, tokens_kept
+from moeify.layers.remoe import ReMoEConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM, build_block
 from moeify.ops.recursion_routing import recursion_count
@@ -276,6 +277,8 @@ class ModelCost:
     # a model with MoSA layers: its forward-pass FLOPs as MoSA's paper counts them
     # (``model_paper_flops``), the budget of the paper's IsoFLOP rows; None otherwise
     mosa_paper_flops: int | None = None
+    # ReMoE feedforwards (``remoe_feedforward_cost``), one entry per distinct config
+    remoe: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"params": self.params, "params_str": format_count(self.params),
@@ -283,7 +286,22 @@ class ModelCost:
                "layers": [dict(x) for x in self.layers]}
         if self.mosa_paper_flops is not None:
             out["mosa_paper_flops"] = self.mosa_paper_flops
+        if self.remoe:
+            out["remoe"] = [dict(x) for x in self.remoe]
         return out
+
+
+def remoe_feedforward_cost(cfg: ReMoEConfig, experts_per_token: float | None = None,
+                           ) -> dict[str, Any]:
+    """A ReMoE feedforward's MACs per token: the router's E · D plus, per active expert,
+    (3 if gated else 2) · D · G. ReLU routing gives each token a variable number of experts, so
+    the cost depends on the measured sparsity: ``experts_per_token`` (the layer's
+    ``experts_per_token`` statistic, logged in training) or, when None, the target k."""
+    per_expert = (3 if cfg.gated else 2) * cfg.d_model * cfg.expert_size
+    router = cfg.n_experts * cfg.d_model
+    k = cfg.k if experts_per_token is None else experts_per_token
+    return {"router_macs": router, "macs_per_active_expert": per_expert, "experts_per_token": k,
+            "macs_per_token": router + k * per_expert, "measured": experts_per_token is not None}
 
 
 def model_parameters(config: "ModelConfig") -> dict[str, int]:
@@ -405,5 +423,11 @@ def model_cost(config: "ModelConfig") -> ModelCost:
     flops = None
     if any(isinstance(a, MoSAConfig) for a in config.attention_layers()):
         flops = model_paper_flops(config)
+    remoe = []
+    for ff in config.feedforward_layers():
+        if isinstance(ff, ReMoEConfig):
+            row = remoe_feedforward_cost(ff)
+            if row not in remoe:
+                remoe.append(row)
     return ModelCost(params=parts.pop("total"), params_by_part=parts, T=T, C=C, layers=layers,
-                     mosa_paper_flops=flops)
+                     mosa_paper_flops=flops, remoe=remoe)
