@@ -48,11 +48,13 @@ def repro_remoe() -> ModelConfig:
     return dataclasses.replace(base, feedforward=ff)
 
 
-REMOE_PRESETS: tuple[Preset, ...] = tuple(
-    Preset(f"remoe-{s}", f"ReMoE paper: LLaMA {s.upper()} (L={r['L']}, d={r['d']}, "
-           f"H={r['H']}), 8 SwiGLU experts of 4d, ReLU routing at target k=1",
-           lambda s=s: remoe_llama(s))
-    for s, r in LLAMA_ROWS.items()) + (
+REMOE_PRESETS: tuple[Preset, ...] = (
+    Preset("remoe-182m", "ReMoE paper: LLaMA 182M (L=12, d=768, H=12), 8 SwiGLU experts of 4d, "
+           "ReLU routing at target k=1", lambda: remoe_llama("182m")),
+    Preset("remoe-469m", "ReMoE paper: LLaMA 469M (L=24, d=1024, H=16), 8 SwiGLU experts of "
+           "4d, ReLU routing at target k=1", lambda: remoe_llama("469m")),
+    Preset("remoe-978m", "ReMoE paper: LLaMA 978M (L=24, d=1536, H=16), 8 SwiGLU experts of "
+           "4d, ReLU routing at target k=1", lambda: remoe_llama("978m")),
     Preset("repro-remoe", "CPU-scale family (RoPE, no memory): repro-rope-dense with ReMoE "
            "feedforwards, 8 ReLU experts of 64, target k=2", repro_remoe,
            baseline="repro-rope-dense"),
