@@ -87,4 +87,8 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
 # expert-choice), the paper's own comparison (fewer parameters, same shape).
 stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-rope-dense,repro-mor --budgets 1000 --seeds 0-2
+# repro-remoe is repro-rope-dense with ReMoE feedforwards: the dense MLP split into 8 ReLU
+# experts of 64 (parameter-matched but for the 8 x 128 router), ReLU routing toward k = 2.
+stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
+    --out "$F" --presets repro-rope-dense,repro-remoe --budgets 1000 --seeds 0-2
 true
