@@ -31,6 +31,10 @@ against. There is one copy of each, so a fix to a reference reaches every test t
   f_e = E / (k · T) · #{t: R(x_t)_e > 0}; the adaptive coefficient's update:
   lambda <- lambda · alpha^sign((1 - k/E) - S), S the fraction of zero routing outputs,
   dividing when S reaches the target.
+- MoSA's local heads (arXiv 2505.00315 Sec. 3.4, as the authors' code runs them with the
+  local-attention package): a query at position i attends to the keys j <= i with
+  j // w >= i // w - 1, softmax scale 1/sqrt(C), every channel rotated by RoPE; each head its own
+  W_Q, W_K, W_V, W_O, the outputs summed.
 
 Nothing here imports moeify. A reference built on the library's own positional code would test
 that code against itself.
@@ -192,6 +196,32 @@ def ref_varlen_expert_mlp(x, gates_ME, w1, w2, w_up=None, activation="relu"):
                 y = y + gates_ME[m, e].to(x.dtype) * (h @ w2[e])
         rows.append(y)
     return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])
+
+
+def ref_local_heads(x_BTD, w_q, w_k, w_v, w_o, window, rope=True, valid_BT=None):
+    """MoSA's local heads, one (sequence, head, query) at a time (module docstring): [B, T, D].
+    A padded key is never attended to; a padded query attends to itself."""
+    import math
+
+    B, T, D = x_BTD.shape
+    H, _, C = w_q.shape
+    out = torch.zeros_like(x_BTD)
+    pos = torch.arange(T)
+    for b in range(B):
+        for h in range(H):
+            q, k, v = x_BTD[b] @ w_q[h], x_BTD[b] @ w_k[h], x_BTD[b] @ w_v[h]
+            if rope:
+                n = C - C % 2
+                q = ref_rope(q[None, None], pos[None], n)[0, 0]
+                k = ref_rope(k[None, None], pos[None], n)[0, 0]
+            rows = []
+            for i in range(T):
+                js = [j for j in range(i + 1) if j // window >= i // window - 1
+                      and (valid_BT is None or valid_BT[b, j] or j == i)]
+                logits = torch.stack([q[i] @ k[j] for j in js]) / math.sqrt(C)
+                rows.append(torch.softmax(logits, -1) @ v[js])
+            out[b] = out[b] + torch.stack(rows) @ w_o[h]
+    return out
 
 
 def ref_remoe_l1(route_ME, k):

@@ -138,12 +138,16 @@ def gqa_cost(*, d_model: int, n_heads: int, n_kv_heads: int, d_head: int, T: int
 
 
 def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
-              n_dense_heads: int = 0) -> AttentionCost:
+              n_dense_heads: int = 0, n_local_heads: int = 0,
+              local_window: int = 0) -> AttentionCost:
     """MoSA (arXiv 2505.00315), in the terms of ``dense_attention_cost``: per sparse head the
     router over all T tokens (d·T), the Q, K, V and O projections of its k selected tokens
     (4·d·h'·k) and the attention among them (2·h'·k²): O(k² + T) per head. Memory: the k×k
     attention twice, the four k×h' projections and the T router scores. The hybrid's dense heads
-    add ``dense_attention_cost`` (RoPE, no memory). Our accounting: the paper prints no formula
+    add ``dense_attention_cost`` (RoPE, no memory). The long-sequence hybrid's local heads (window
+    w) each project all T tokens (4·d·h'·T) and, blocked as they run, score every query against
+    the 2w keys of its block and the one before (2·h'·T·2w, masked keys included); memory the
+    T×2w scores twice and the four T×h' projections. Our accounting: the paper prints no formula
     in this form."""
     _positive(d_model=d_model, n_heads=n_heads, d_head=d_head, k=k, T=T)
     d, H, dh = d_model, n_heads, d_head
@@ -153,6 +157,10 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
         dense = dense_attention_cost(d_model=d, n_heads=n_dense_heads, d_head=dh, T=T, C=1,
                                      xl=False)
         macs, mem = macs + dense.macs, mem + dense.memory
+    if n_local_heads:
+        w2 = 2 * local_window
+        macs += n_local_heads * (4 * d * dh * T + 2 * dh * T * w2)
+        mem += n_local_heads * (2 * T * w2 + 4 * dh * T)
     return AttentionCost(macs, mem)
 
 
@@ -208,7 +216,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     or dense attention without XL memory (all of the same head width), a dense feedforward, no
     depth routing, no layer sharing; None for any other model. Layers are summed one by one,
     with the k each MoSA layer keeps (``tokens_kept``: T // ρ, the paper's k, at least 2 and at
-    most T, as Sec. 3.5 and the layer have it)."""
+    most T, as Sec. 3.5 and the layer have it). None with local heads (the long-sequence
+    hybrid): the formula has no term for them."""
     if config.xl_memory or config.group_size or config.recursion is not None or any(
             x is not None for x in config.depth_layers()):
         return None
@@ -217,6 +226,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
         if not isinstance(ff, DenseFFConfig):
             return None
         one = dict(n_layers=1, d_model=config.d_model, T=T, d_ff=ff.d_ff)
+        if isinstance(attn, MoSAConfig) and attn.n_local_heads:
+            return None
         if isinstance(attn, MoSAConfig):
             total += mosa_paper_flops(**one, d_head=attn.d_head, n_dense_heads=attn.n_dense_heads,
                                       n_mosa_heads=attn.n_heads, k=attn.tokens_kept(T))
@@ -232,7 +243,8 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     GroupedQueryAttentionConfig)."""
     if isinstance(cfg, MoSAConfig):
         return mosa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
-                         k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads)
+                         k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads,
+                         n_local_heads=cfg.n_local_heads, local_window=cfg.local_window)
     if isinstance(cfg, GroupedQueryAttentionConfig):
         return gqa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                         d_head=cfg.d_head, T=T, C=C)
@@ -361,8 +373,10 @@ def attention_summary(cfg: Any) -> str:
     if name == "GroupedQuery":
         return f"GQA H={cfg.n_heads} Hk={cfg.n_kv_heads} d_h={cfg.d_head} {cfg.pos}"
     if name == "MoSA":
+        local = (f" +{cfg.n_local_heads} local w={cfg.local_window}" if cfg.n_local_heads
+                 else "")
         return (f"MoSA H={cfg.n_heads} d_h={cfg.d_head} rho={cfg.sparsity} "
-                f"+{cfg.n_dense_heads} dense {cfg.pos}")
+                f"+{cfg.n_dense_heads} dense{local} {cfg.pos}")
     parts = [name]
     if hasattr(cfg, "n_experts") and name == "MoA":
         parts += [f"H={cfg.k}/{cfg.n_experts}", f"d_h={cfg.d_head}"]
