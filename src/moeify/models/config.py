@@ -36,6 +36,7 @@ LAYER_CONFIG_MODULES = (
     "moeify.layers.mlp",
     "moeify.layers.norm",
     "moeify.layers.mosa",
+    "moeify.layers.moh",
 )
 
 # Fields written to JSON only when they differ from their default, so that the model.json and
