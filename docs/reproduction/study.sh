@@ -13,7 +13,8 @@
 # a, b, f and g fill RUNS_DIR/wiki (300 and 1000 steps, the paper's settings, learning rates);
 # c and e fill RUNS_DIR/wiki-3000steps-d256 (the longest budget and the larger family, each
 # with its own dense baseline); d and h fill RUNS_DIR/shakespeare; m (the follow-ups, MoEUT and
-# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups.
+# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups, and so does n (the
+# newest layers, STAGES=n).
 set -euo pipefail
 R=${1:?usage: study.sh RUNS_DIR}
 MOEIFY=${MOEIFY:-moeify}
@@ -81,4 +82,9 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
     --budgets 1000 --seeds 0-2
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2
+# (n) the newest layers beside the same dense RoPE baseline, 1000 steps, 3 seeds, the same recipe:
+# repro-moh is repro-rope-dense's 8 heads as MoH (arXiv 2410.11842), 4 shared + 2 of 4 routed
+# per token (75% of the heads, the paper's main setting), the same parameters (+0.6%: routers).
+stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
+    --out "$F" --presets repro-rope-dense,repro-moh --budgets 1000 --seeds 0-2
 true

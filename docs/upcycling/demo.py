@@ -158,7 +158,7 @@ def stage_scratch() -> None:
 # repro-rope-dense trained MOH_N steps, each conversion trained MOH_M more, small enough for
 # about 15 minutes on one core. `python docs/upcycling/demo.py moh` (then `moh-report`).
 MOH_N = int(os.environ.get("DEMO_MOH_N", 300))
-MOH_M = int(os.environ.get("DEMO_MOH_M", 150))
+MOH_M = int(os.environ.get("DEMO_MOH_M", 60))
 MOH_PRESET = "repro-rope-dense"
 MOH_CONVERSIONS = {  # key -> attention conversion (8 dense heads of 16)
     "switchhead-up": "switchhead:E=4,k=2",
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
             from report import report_moh
 
             out = Path(args.report_dir) if args.report_dir else (
-                HERE if (MOH_N, MOH_M) == (300, 150) else RUNS / "moh" / "report")
+                HERE if (MOH_N, MOH_M) == (300, 60) else RUNS / "moh" / "report")
             out.mkdir(parents=True, exist_ok=True)
             report_moh(RUNS / "moh", MOH_RUN_NAMES, MOH_CONVERSIONS, MOH_N, MOH_M, out)
         if s in ("report", "all"):
