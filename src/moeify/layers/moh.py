@@ -17,7 +17,8 @@ keeps the Top-K. Two-stage routing (Eqs. 5-6), per token x_t:
 and the load-balance loss over the routed heads (Sec. 3.2, "Load Balance Loss"; Eq. 7 with
 β = 0.01, the paper's appendix tables):
 
-    L_b = Σ_{routed i} f_i P_i,  f_i = (1/T) Σ_t 1(x_t selects head i),  P_i = (1/T) Σ_t Softmax(W_r x_t)_i
+    L_b = Σ_{routed i} f_i P_i,   f_i = (1/T) Σ_t 1(x_t selects head i),
+                                  P_i = (1/T) Σ_t Softmax(W_r x_t)_i
 
 ``weights="authors"`` (the default) computes the gates as the authors' code does
 (SkyworkAI/MoH, MoH-ViT/attention.py and MoH-DiT/models.py ``MoHAttention``): the kept routed
@@ -59,15 +60,18 @@ routed_head=K, head_dim=C)`` (their ``qkv`` is one nn.Linear with output [3, H, 
     w_router_shared [h_s, D]   wg_1.weight (W_s; only for h_s > 1)
     w_router_type [2, D]       wg_0.weight (W_h; only with shared and routed heads)
 Their attention is bidirectional with no positions (ViT / DiT): moeify's ``pos="none"`` with
-``causal=False`` computes the same. tests/layers/test_moh.py holds the layer to an independent
+``causal=False`` computes the same. To their MoH-LLaMA3 ``LlamaAttention`` (h_s = h/2, K = h/4):
+w_q, w_k, w_v, w_o = q_proj.weight.T, k_proj.weight.T, v_proj.weight.T, o_proj.weight.T with
+``router="query_norm"``, ``n_kv_heads`` = num_key_value_heads, ``rope_fraction=1.0``. tests/layers/test_moh.py holds the layer to an independent
 transcription of Eqs. 4-7 (tests/references.py ``ref_moh``) in float64, outputs and gradients.
 
 Deviations: (1) initialisation: every head as moeify's dense layer (trunc-normal, std
 s/sqrt(fan_in), s = sqrt(2/L)), routers N(0, s²/d); the authors' routers take their model's
 Linear init (xavier-uniform in DiT, trunc-normal 0.02 in ViT). (2) Router probabilities are
 softmaxes in float32 (float64 for float64 inputs) of logits in the input's precision (float32
-under autocast), as moeify's other routers. (3) Top-K ties go to the lowest head index (moeify.ops.routing.top_indices);
-torch.topk leaves them unspecified. (4) The balance loss leaves padding out.
+under autocast), as moeify's other routers. (3) Top-K ties go to the lowest head index
+(moeify.ops.routing.top_indices); torch.topk leaves them unspecified. (4) The balance loss
+leaves padding out.
 
 Shape legend: B batch, T query tokens, S source tokens, D d_model, H heads (h), Hk key/value
 heads, C d_head, R routed heads (h - h_s), K routed heads kept per token, M = B·T tokens.
@@ -289,9 +293,9 @@ class MoHAttention(nn.Module):
                 v.view(B, S, Hk, C).transpose(1, 2))
 
     def _route(self, x_MD, q_BHTC):
-        """The gates g [M, H] (float32, float64 for float64 inputs) and, with routed heads, the router probabilities
-        probs_MR, the kept heads idx_MK and their gates gates_MK (Eqs. 5-6; module
-        docstring for the two weightings and the query-norm router)."""
+        """The gates g [M, H] (float32, float64 for float64 inputs) and, with routed heads, the
+        router probabilities probs_MR, the kept heads idx_MK and their gates gates_MK (Eqs. 5-6;
+        module docstring for the two weightings and the query-norm router)."""
         c = self.config
         hs, R, K = c.n_shared, c.n_routed, c.k
         M = x_MD.shape[0]
