@@ -209,7 +209,7 @@ class MoHConfig:
 
     def param_count(self) -> int:
         """Q and O: d·H·d_h each; K and V: d·Hk·d_h each; the biases; the routers; XL adds the
-        dense layer's position projection, u, v and scale."""
+        dense layer's position projection, u, v and scale (the core's)."""
         D, H, Hk, C = self.d_model, self.n_heads, self.kv_heads, self.d_head
         n = 2 * D * H * C + 2 * D * Hk * C
         if self.qkv_bias:
@@ -217,9 +217,7 @@ class MoHConfig:
         if self.out_bias:
             n += D
         n += sum(a * b for a, b in self.router_shapes().values())
-        if self.pos == "xl":
-            n += D * H * C + 2 * H * C + 1
-        return n
+        return n + core_config(self, n_heads=H, n_kv_heads=Hk, xl_biases=True).param_count()
 
     def build(self) -> "MoHAttention":
         return MoHAttention(self)
