@@ -115,3 +115,17 @@ def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):
         sched.running[4242] = (types.SimpleNamespace(), spec, 0.0)  # _reap sets returncode
         with pytest.raises(MoeifyError, match=says):
             sched._reap(4242, code << 8, None)  # a wait status: exit code in the high byte
+
+
+def test_the_eta_counts_a_run_still_at_step_0(tmp_path):
+    """A finished run gives the seconds per step; a running child that has logged nothing yet
+    is then estimated from it, not counted as done (the line said "ETA 0m00s")."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sched = scheduler.Scheduler([], jobs=1)
+    assert sched._eta() == "ETA unknown"
+    sched.running[4242] = (types.SimpleNamespace(), {"name": "b", "run_dir": str(run_dir),
+                                                     "train_config": {"steps": 100}}, 0.0)
+    assert sched._eta() == "ETA unknown"  # nothing has a rate yet
+    sched.durations.append((120.0, 100))  # the first run: 1.2 s per step
+    assert sched._eta() == "ETA 2m00s"

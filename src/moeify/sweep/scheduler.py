@@ -101,22 +101,24 @@ class Scheduler:
                   f"{run_dir / CHILD_LOG}")
 
     def _eta(self) -> str:
+        """The time left: a running child that has logged a step from its own rate; one still
+        at step 0, and the queued runs, from the mean seconds per step of the finished runs (or
+        of the running ones); "ETA unknown" while nothing has a rate yet, never 0m00s."""
         now = time.time()
-        remaining = []
+        known, unknown, rates = [], [], []
         for _, (proc, spec, t0) in self.running.items():
             step = last_step(Path(spec["run_dir"]))
-            rate = step / max(now - t0, 1e-9)
-            est = (spec_steps(spec) - step) / rate if step else None
-            remaining.append(est)
-        known = [r for r in remaining if r is not None]
-        per_step = [d / s for d, s in self.durations] or (
-            [max(known) * 1.2 / max(spec_steps(sp) for _, sp, _ in self.running.values())]
-            if known else [])
+            if step:
+                rates.append((now - t0) / step)
+                known.append((spec_steps(spec) - step) * rates[-1])
+            else:
+                unknown.append(spec_steps(spec))
+        per_step = [d / s for d, s in self.durations] or rates
         if not per_step:
             return "ETA unknown"
         mean = sum(per_step) / len(per_step)  # seconds per step, evaluations included
         queued = sum(spec_steps(sp) for sp in self.queue) * mean / self.jobs
-        return f"ETA {format_seconds(max(known or [0.0]) + queued)}"
+        return f"ETA {format_seconds(max(known + [n * mean for n in unknown] or [0.0]) + queued)}"
 
     def progress(self) -> None:
         parts = [f"{spec['name']} step {last_step(Path(spec['run_dir']))}/{spec_steps(spec)}"
