@@ -79,6 +79,9 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     run_dir, spec = child
     import moeify.eval.adapters as adapters
 
+    spec["blimp_per_paradigm"] = 1  # no BLiMP data: the result says which flag gives it
+    monkeypatch.delenv("MOEIFY_DATA_DIR", raising=False)
+
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt("stopped while scoring")
 
@@ -100,6 +103,7 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     assert result["train_wall_s"] == recorded["train_wall_s"]
     assert result["trainer_tokens_per_s"] == recorded["trainer_tokens_per_s"]
     assert result["max_rss_bytes"] == recorded["max_rss_bytes"]  # the training's, not scoring's
+    assert "pass its path (--blimp-data PATH)" in result["blimp"]["error"]  # compare's flag
 
 
 def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):

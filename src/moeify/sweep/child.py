@@ -76,7 +76,8 @@ def child_main(spec_path: str) -> int:
     blimp = {"error": "skipped (--blimp-per-paradigm 0)"}
     if spec["blimp_per_paradigm"]:
         try:
-            pairs = load_blimp(spec["blimp_data"], limit_per_paradigm=spec["blimp_per_paradigm"])
+            pairs = load_blimp(spec["blimp_data"], limit_per_paradigm=spec["blimp_per_paradigm"],
+                               flag="--blimp-data")
             res = blimp_accuracy(logits_fn, tm.tokenizer, pairs)
             blimp = {"accuracy": res["accuracy"], "pairs": res["pairs"]}
         except MoeifyError as e:
