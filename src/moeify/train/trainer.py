@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeify.data.cache import quiet_progress
 from moeify.data.corpora import load_corpus
 from moeify.data.stream import StreamBatcher, tokenize_split
 from moeify.data.tokenizers import build_tokenizer, load_tokenizer
@@ -766,12 +767,13 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = 
     """Train ``cfg`` into ``run_dir`` (resuming its latest checkpoint, or the checkpoint
     ``resume`` names, when ``resume`` is given; ``schedule``: keep, extend or stretch, what the
     learning-rate schedule does when a resume changes ``steps``)."""
-    trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream,
-                      schedule=schedule)
-    try:
-        return trainer.fit(stop_after)
-    finally:
-        trainer.close()
+    with quiet_progress(quiet):  # the corpus and tokeniser lines too
+        trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream,
+                          schedule=schedule)
+        try:
+            return trainer.fit(stop_after)
+        finally:
+            trainer.close()
 
 
 def _is_peer_error(e: BaseException) -> bool:
@@ -849,6 +851,7 @@ def train_from(cfg: TrainConfig, run_dir: str | Path, source: str | Path, *, qui
                           f"describe ({first}); change only settings that keep the weights' "
                           "shapes, or use moeify upcycle to convert the architecture") from None
     cfg = dataclasses.replace(cfg, model=model_cfg.to_dict(), model_overrides=())
-    start_run_from_model(cfg, run_dir, model, src.tokenizer, validate=False, quiet=True,
-                         stream=stream)
+    with quiet_progress(quiet):
+        start_run_from_model(cfg, run_dir, model, src.tokenizer, validate=False, quiet=True,
+                             stream=stream)
     return train(cfg, run_dir, resume=True, quiet=quiet, stream=stream)
