@@ -14,9 +14,13 @@ def test_help_lists_every_subcommand(capsys):
         main(["--help"])
     except SystemExit as e:
         assert e.code == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     for name in COMMANDS:
         assert name in out
+    # What a newcomer must find from the first screen: every model family, and the options
+    # that widen count and export beyond the obvious.
+    for text in ("MoEUT", "MoSA", "--run", "--config", "--format native"):
+        assert text in out, text
 
 
 def test_console_entry_point_runs():

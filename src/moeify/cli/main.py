@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeify",
         description="Mixture-of-Experts everywhere inside a Transformer: build, train, evaluate, "
-        "benchmark and inspect SwitchHead, MoA, sigma-MoE, Switch and Mixture-of-Depths models.",
+        "benchmark and inspect SwitchHead, MoA, sigma-MoE, Switch, Mixture-of-Depths, MoEUT and MoSA "
+        "models.",
     )
     from moeify import __version__
 
