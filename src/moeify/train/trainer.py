@@ -321,7 +321,7 @@ class Trainer:
         self.weights_only = bool(ckpt_read.read_meta(ckpt).get("weights_only"))
         trained = self._trained_config(ckpt)
         check_resume_compatible(trained, self.cfg,
-                                weights_only=self.weights_only)
+                                weights_only=self.weights_only, run_dir=self.run_dir)
         step = int(ckpt_read.read_meta(ckpt)["step"])
         if step >= self.cfg.steps:
             raise MoeifyError(
@@ -346,7 +346,7 @@ class Trainer:
         except (TypeError, ValueError):
             return on_disk
         try:
-            check_resume_compatible(trained, on_disk)
+            check_resume_compatible(trained, on_disk, run_dir=self.run_dir)
         except ValueError as e:
             raise MoeifyError(
                 f"{self.run_dir / 'config.json'} was edited after checkpoint {ckpt.name} was "
