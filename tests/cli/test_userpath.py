@@ -71,6 +71,15 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(corpus, tmp_path, 
     cfg = json.loads((new / "config.json").read_text())
     assert cfg["lr"] == 1e-3 and cfg["data"] == str(other) and cfg["steps"] == 2
     assert cfg["init_from"].endswith("step-00000003") and cfg["batch_size"] == 2  # RUN's own
+    # Fine-tuning defaults for what --set does not give (RUN trained with warmup_steps=0 and
+    # the from-scratch clipping 0.25): warm-up 3% of the steps (at least 1), clipping 1.0.
+    assert (cfg["warmup_steps"], cfg["grad_clip"], cfg["weight_decay"]) == (1, 1.0, 0.0)
+    tuned = tmp_path / "tuned"
+    capsys.readouterr()
+    assert main(["train", "--init-from", str(src), "--steps", "2", "--out", str(tuned)]) == 0
+    assert json.loads((tuned / "config.json").read_text())["lr"] == 5e-5  # not RUN's 5e-3
+    assert "fine-tuning defaults (the weights are pretrained): lr 5e-05, warm-up 1 steps (3% " \
+        "of 2), grad_clip 1, weight_decay 0; sequences of 8 tokens" in capsys.readouterr().err
     start = ckr.load_checkpoint(new / "checkpoints" / "step-00000000").model_state
     trained = ckr.load_checkpoint(src).model_state
     assert all(torch.equal(start[k], trained[k]) for k in trained)

@@ -107,6 +107,12 @@ def run(args) -> int:
     else:
         base = TrainConfig()
     cfg = dataclasses.replace(base, **explicit).with_overrides(args.overrides)
+    if resume is not None and _weights_only(run_dir if resume is True else resume):
+        # An imported model (weights, nothing trained yet): fine-tuning settings, not the
+        # tiny presets' from-scratch ones.
+        cfg = apply_finetune_defaults(cfg, args, source_dtype=_imported_dtype(run_dir),
+                                      context=resolve_model_config(cfg, run_dir=run_dir
+                                                                   ).context_length)
     # Unknown presets and bad model overrides fail before any data work.
     resolve_model_config(cfg, run_dir=run_dir if resume is not None else None)
     cfg = with_data_identity(cfg, run_dir if resume is not None and args.data is None else None,
@@ -139,12 +145,55 @@ def _init_from(args, explicit: dict) -> int:
     cfg = with_data_identity(dataclasses.replace(init_config(args.init_from), **explicit
                                                  ).with_overrides(args.overrides), source_run,
                              quiet=args.quiet)
+    cfg = apply_finetune_defaults(cfg, args, context=cfg.model["context_length"])
     run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset, cfg.data)
     if not cfg.device.startswith("cuda"):
         from moeify.train.distributed import configure_cpu_threads
 
         configure_cpu_threads()
     return _report(train_from(cfg, run_dir, args.init_from, quiet=args.quiet))
+
+
+def _weights_only(target) -> bool:
+    from moeify.rundir.checkpoints import read_meta
+    from moeify.rundir.layout import resolve_checkpoint
+
+    return bool(read_meta(resolve_checkpoint(target)).get("weights_only"))
+
+
+def _imported_dtype(run_dir) -> str | None:
+    """The dtype an imported checkpoint was stored in (its config.json's torch_dtype)."""
+    import json
+
+    from moeify.interop.hf_import import HF_CONFIG_COPY
+
+    try:
+        hf = json.loads((run_dir / HF_CONFIG_COPY).read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = hf.get("torch_dtype") or hf.get("dtype") if isinstance(hf, dict) else None
+    return dtype if isinstance(dtype, str) else None
+
+
+def apply_finetune_defaults(cfg, args, *, source_dtype: str | None = None,
+                            context: int | None = None):
+    """``cfg`` with moeify.train.finetune's defaults for every setting ``args.overrides`` does
+    not give, the line saying so printed (process 0, unless --quiet)."""
+    import os
+    import sys
+
+    import torch
+
+    from moeify.train.finetune import finetune_defaults
+    from moeify.train.values import split_override
+
+    explicit = {split_override(o)[0] for o in args.overrides}
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    cfg, line = finetune_defaults(cfg, explicit=explicit, source_dtype=source_dtype, cuda=cuda,
+                                  context=context)
+    if not getattr(args, "quiet", False) and os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    return cfg
 
 
 def with_data_identity(cfg, recorded_in=None, *, quiet: bool = False):
