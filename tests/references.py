@@ -194,3 +194,21 @@ def assert_same_outputs_and_gradients(y, y_ref, x, x_ref, params, refs):
     torch.testing.assert_close(x.grad, x_ref.grad)
     for p, r in zip(params, refs):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+def ref_switchhead_selection_init(w_XD):
+    """SwitchHead's selection-matrix initialisation as the authors' code defines it
+    (``SwitchHeadCore.renorm_rows``, github.com/RobertCsordas/moeut; arXiv 2312.07987), one row
+    at a time: row i is its unit vector u_i times its own unbiased standard deviation s_i,
+    divided by the unbiased standard deviation of the matrix of unit vectors."""
+    X, D = w_XD.shape
+    units, stds = [], []
+    for i in range(X):
+        row = w_XD[i]
+        mean = row.sum() / D
+        stds.append((((row - mean) ** 2).sum() / (D - 1)).sqrt())
+        units.append(row / (row * row).sum().sqrt())
+    u = torch.stack(units)
+    mu = u.sum() / (X * D)
+    sigma = (((u - mu) ** 2).sum() / (X * D - 1)).sqrt()
+    return torch.stack([units[i] * stds[i] / sigma for i in range(X)])
