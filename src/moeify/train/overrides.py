@@ -14,6 +14,7 @@ from moeify.rundir.files import read_model_config
 from moeify.train.values import parse_value, split_override
 
 _PATTERNS = ("attention", "feedforward", "depth")
+_SINGLE = ("norm", "recursion")  # one config each (not one per layer)
 _PROPAGATED = ("d_model", "n_layers")
 
 
@@ -73,7 +74,7 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
     rebuilt once with every change, so fields that must agree (model.norm.kind=rmsnorm and
     model.norm.bias=false) may be set in any order."""
     top: dict[str, Any] = {}                         # ModelConfig field -> value
-    norm: dict[str, Any] = {}                        # NormConfig field -> value
+    single: dict[str, dict[str, Any]] = {n: {} for n in _SINGLE}  # norm / recursion fields
     layer: dict[str, dict[str, str]] = {p: {} for p in _PATTERNS}  # pattern -> field -> text
     items: list[str] = []
     for item in overrides:
@@ -84,8 +85,13 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             raise ValueError(f"{what}: model settings are model.<field> or "
                              f"model.<attention|feedforward|depth|norm>.<field>")
         items.append(item)
-        if len(parts) == 3 and parts[1] == "norm":  # model.norm.<kind|eps|bias>
-            norm[parts[2]] = _parse_layer_field(config.norm, parts[2], text, what)
+        if len(parts) == 3 and parts[1] in _SINGLE:
+            # one config, not a pattern: model.norm.<kind|eps|bias>, model.recursion.<field>
+            sub = getattr(config, parts[1])
+            if sub is None:
+                raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
+                                 "config to change; use a MoR preset (e.g. repro-mor)")
+            single[parts[1]][parts[2]] = _parse_layer_field(sub, parts[2], text, what)
             continue
         if len(parts) == 3:
             pattern, name = parts[1], parts[2]
@@ -100,7 +106,11 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             layer[pattern][name] = text
             continue
         name = parts[1]
-        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS) - {"norm"}
+        fields = ({f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+                  - {"norm", "recursion"})
+        if name == "recursion":
+            raise ValueError(f"{what}: model.recursion is a MoRConfig: start from a MoR preset "
+                             "(e.g. repro-mor) and set its fields, model.recursion.<field>")
         if name == "norm":
             raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
                              "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
@@ -121,8 +131,11 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             new = tuple(e if e is None else _layer_with(e, top, layer[pattern]) for e in entries)
             if new != entries:
                 changes[pattern] = new
-        if norm:
-            changes["norm"] = dataclasses.replace(config.norm, **norm)
+        if "d_model" in top and config.recursion is not None:
+            single["recursion"] = {"d_model": top["d_model"], **single["recursion"]}
+        for name, fields in single.items():
+            if fields:
+                changes[name] = dataclasses.replace(getattr(config, name), **fields)
         return dataclasses.replace(config, **changes)
     except ValueError as e:
         raise ValueError(e if str(e).startswith("--set ") else f"{what}: {e}") from None
