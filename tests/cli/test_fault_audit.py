@@ -101,7 +101,7 @@ def test_second_sweep_on_a_live_out_is_refused_and_the_first_keeps_its_run(text_
     assert json.loads((out / "results.json").read_text())["recipe"]["shared"]["lr"] == 5e-3
 
 
-HOLD = ("import sys; from moeify.train.lock import RunLock; "
+HOLD = ("import sys; from moeify.rundir.lock import RunLock; "
         "lock = RunLock(sys.argv[1]).acquire(); print('locked', flush=True); "
         "sys.stdin.read(); lock.release()")
 
@@ -224,7 +224,7 @@ def test_a_kill_while_pruning_leaves_no_hollow_checkpoint(tmp_path, monkeypatch)
 
     import torch
 
-    from moeify.train import checkpoint as ck
+    from moeify.rundir import write as ck
     from moeify.rundir import layout
 
     ck.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {}, keep=1)
@@ -289,7 +289,7 @@ def test_leftovers_of_killed_imports_and_exports_are_swept(tiny_run, tmp_path, c
 def test_import_on_a_full_disk_names_the_output(tmp_path, capsys, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from moeify.interop.hf_export import byte_level_tokenizer_json
-    from moeify.train import checkpoint as ck
+    from moeify.rundir import write as ck
 
     cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=1, n_head=2,
                                   bos_token_id=0, eos_token_id=0)
@@ -311,7 +311,7 @@ def test_import_on_a_full_disk_names_the_output(tmp_path, capsys, monkeypatch):
 
 def test_upcycle_is_all_or_nothing_and_sweeps_a_killed_attempt(tiny_run, tmp_path, capsys,
                                                                monkeypatch):
-    from moeify.train import checkpoint as ck
+    from moeify.rundir import write as ck
 
     out = tmp_path / "up"
     argv = ["upcycle", "--run", str(tiny_run), "--out", str(out), "--ff", "sigma-moe:E=2,k=1",
@@ -445,7 +445,7 @@ def second_ctrl_c():  # arrives while the interpreter exits, after the clean sto
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.2)
 atexit.register(second_ctrl_c)
-import moeify.train.checkpoint as ck
+import moeify.rundir.write as ck
 from moeify.cli.main import main
 real = ck._save_state
 def save(state, path):

@@ -10,7 +10,7 @@ import torch
 from moeify.errors import MoeifyError
 from moeify.rundir import atomic, layout
 from moeify.rundir import checkpoints as ckr
-from moeify.train import checkpoint as ck
+from moeify.rundir import write as ck
 
 
 def _state(seed):

@@ -385,7 +385,7 @@ def _killed_worker(rank, world, init_file, cfg_dict, run_dir, dies, out_file):
 
     import torch.distributed as dist
 
-    from moeify.train import sharded
+    from moeify.rundir import sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

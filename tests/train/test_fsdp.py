@@ -16,7 +16,7 @@ from moeify.errors import MoeifyError
 from moeify.rundir import layout
 from moeify.rundir import checkpoints as ckr
 from moeify.rundir import load_trained
-from moeify.train import sharded
+from moeify.rundir import sharded
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from moeify.errors import MoeifyError
 from moeify.rundir import layout
 from moeify.rundir import checkpoints as ckr
-from moeify.train import checkpoint as ck
+from moeify.rundir import write as ck
 from moeify.train.config import TrainConfig
 from moeify.train.metrics import read_metrics
 from moeify.train.trainer import NonFiniteLoss, Trainer, train

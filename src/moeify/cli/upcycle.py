@@ -126,7 +126,7 @@ def run(args) -> int:
 def _drop_stale_lock(out: Path) -> None:
     """An --out that holds nothing but the .lock of a dead process (a kill -9 of an upcycle by
     an earlier version, which wrote into --out directly) is empty for every purpose."""
-    from moeify.train.lock import LOCK_FILE, live_holder
+    from moeify.rundir.lock import LOCK_FILE, live_holder
 
     if out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_FILE] and \
             live_holder(out) is None:

@@ -32,7 +32,7 @@ Checkpoints written with earlier names still load: every layer that renamed a Pa
 registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
 ``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
 reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
-themselves carry the same renames: sharded checkpoints (moeify.train.sharded) and transformers'
+themselves carry the same renames: sharded checkpoints (moeify.rundir.sharded) and transformers'
 loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
 convention (earlier name -> current):
 

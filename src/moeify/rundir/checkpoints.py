@@ -2,8 +2,7 @@
 sha256 of every file recorded in meta.json, the model config it was written for, and that every
 number is finite, so nothing resumes, evaluates or samples from a damaged or diverged state.
 
-Writing is training's job (moeify.train.checkpoint: single-file; moeify.train.sharded: DCP);
-the reading lives here so that analysis and interop load checkpoints without importing train.
+Writing is moeify.rundir.write's (single-file) and moeify.rundir.sharded's (DCP).
 """
 
 from __future__ import annotations

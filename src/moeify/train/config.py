@@ -87,7 +87,7 @@ class TrainConfig:
     compile:          torch.compile every block (moeify.train.parallel).
     parallel:         with several processes (torchrun): "ddp" replicates the model, "fsdp"
                       shards parameters, gradients and optimizer state per block (FSDP2) and
-                      writes sharded checkpoints (moeify.train.sharded); "fsdp" also works in one
+                      writes sharded checkpoints (moeify.rundir.sharded); "fsdp" also works in one
                       process.
     expert_parallel:  the expert-parallel degree P (moeify.train.expert_parallel): the processes
                       form a 2-D mesh (data-parallel W/P x expert-parallel P); the experts of

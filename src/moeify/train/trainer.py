@@ -45,16 +45,16 @@ from moeify.rundir.atomic import write_json_atomic
 from moeify.rundir.files import model_config_dict, read_model_config, write_run_files
 from moeify.rundir.layout import CONFIG_FILE
 from moeify.rundir.model import load_trained
-from moeify.train import checkpoint as ckpt_io
+from moeify.rundir import write as ckpt_io
 from moeify.train.config import (TrainConfig, check_resume_compatible, read_train_config,
                                  resolve_model_config)
 from moeify.train import parallel
 from moeify.train.balancing import Balancing
-from moeify.train import sharded as sharded_io
+from moeify.rundir import sharded as sharded_io
 from moeify.train.distributed import (DistEnv, PeerLost, peer_lost_message, pick_device,
                                       setup_distributed)
 from moeify.train.expert_parallel import ExpertParallel
-from moeify.train.lock import RunLock
+from moeify.rundir.lock import RunLock
 from moeify.train.metrics import MetricsSink, summarise_tensor, truncate_metrics
 from moeify.train.overrides import BYTE_VOCAB, byte_level_preset
 from moeify.train.progress import Progress, format_duration
@@ -453,7 +453,7 @@ class Trainer:
                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
                      "data": self.batcher.state_dict(), "rng": rngs, "memory": memory,
                      "tokens_seen": self.tokens_seen, "world_size": self.env.world_size}
-        if self.sharded:  # the optimizer state goes into the shards (moeify.train.sharded)
+        if self.sharded:  # the optimizer state goes into the shards (moeify.rundir.sharded)
             try:
                 self.last_checkpoint = sharded_io.save_sharded(
                     self.env, self.run_dir, self.step, self.model, self.optimizer, state,

@@ -1,6 +1,6 @@
 """Sharded checkpoints (torch.distributed.checkpoint, "DCP"): every process writes its own shards.
 
-Layout, beside the single-file checkpoints of moeify.train.checkpoint (same ``checkpoints/``
+Layout, beside the single-file checkpoints of moeify.rundir.write (same ``checkpoints/``
 directory, same ``latest`` pointer, same pruning):
 
     checkpoints/step-00000100/
@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,8 +49,19 @@ from moeify.rundir.atomic import fsync_path, sha256_file, write_json_atomic
 from moeify.rundir.checkpoints import load_dcp, nonfinite_state, refuse_nonfinite, verify_sharded
 from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, SHARDED_KIND,
                                   STATE_FILE, checkpoint_name)
-from moeify.train import checkpoint as ck
-from moeify.train.distributed import DistEnv
+from moeify.rundir import write as ck
+
+
+class Collectives(Protocol):
+    """What the sharded writer needs of the run's process group (moeify.train.distributed's
+    DistEnv is one): every method is collective, the identity with one process."""
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
 
 
 def _dcp():
@@ -70,7 +81,7 @@ def _files(ckpt: Path) -> list[str]:
 
 # ---------------------------------------------------------------------- saving
 
-def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
+def save_sharded(env: Collectives, run_dir: Path, step: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_state: dict[str, Any] | None, *,
                  meta: dict[str, Any], keep: int) -> Path:
     """Collective: write checkpoint ``step`` (module docstring). ``train_state`` (the unsharded
@@ -123,7 +134,7 @@ def _local(obj: Any) -> Any:
     return obj
 
 
-def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[str, Any],
+def _check_finite_shards(env: Collectives, model_sd: dict[str, Any], optim_sd: dict[str, Any],
                          step: int) -> None:
     """Collective: every process checks its own shards and all of them learn every bad name,
     so all raise NonFiniteState together (or none does)."""
@@ -133,7 +144,7 @@ def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[
                         ck.DIVERGED_ADVICE)
 
 
-def _write_and_publish(env: DistEnv, dcp, tmp: Path, name: str, step: int, model_sd, optim_sd,
+def _write_and_publish(env: Collectives, dcp, tmp: Path, name: str, step: int, model_sd, optim_sd,
                        train_state, meta, keep: int, run_dir: Path) -> Path:
     """Collective: every process writes its shards into ``tmp``; process 0 then finishes and
     publishes it. An error on any process is raised on every process."""
@@ -196,7 +207,7 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
             from None
 
 
-def holds_weights(env: DistEnv, ckpt: Path, model: torch.nn.Module) -> bool:
+def holds_weights(env: Collectives, ckpt: Path, model: torch.nn.Module) -> bool:
     """Collective: whether the sharded checkpoint ``ckpt`` holds exactly ``model``'s current
     weights; every process compares its own shards, and all of them return the same answer."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeify.data.cache import pid_alive  # noqa: F401  (re-exported: checkpoints use it)
+from moeify.data.cache import pid_alive
 from moeify.errors import MoeifyError
 
 LOCK_FILE = ".lock"

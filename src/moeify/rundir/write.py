@@ -1,6 +1,7 @@
-"""Writing checkpoints that survive a crash at any moment: atomic, verified, and checked against
-the run. Reading them (``load_checkpoint``, ``latest_checkpoint``, ...) is moeify.rundir's, so
-that analysis and interop read checkpoints without importing train.
+"""Writing single-file checkpoints that survive a crash at any moment: atomic, verified, and
+checked against the run. Reading them (``load_checkpoint``, ``latest_checkpoint``, ...) is
+moeify.rundir.checkpoints'; sharded checkpoints are moeify.rundir.sharded's. Training,
+importing (moeify.interop) and upcycling all write runs here, without importing train.
 
 Layout inside a run directory (moeify.rundir.layout):
 
@@ -39,7 +40,7 @@ from moeify.rundir.atomic import fsync_path, sha256_file, write_bytes_atomic, wr
 from moeify.rundir.checkpoints import check_finite
 from moeify.rundir.layout import (CHECKPOINTS, FORMAT_VERSION, LATEST, META_FILE, MODEL_FILE,
                                   STATE_FILE, checkpoint_dirs, checkpoint_name, step_of)
-from moeify.train.lock import pid_alive
+from moeify.data.cache import pid_alive
 
 
 # ---------------------------------------------------------------------- saving
@@ -131,7 +132,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model_state: dict[str, torch
 def publish_checkpoint(tmp: Path, name: str, *, keep: int) -> Path:
     """Rename the complete, fsynced temporary checkpoint directory ``tmp`` (inside
     ``checkpoints/``) to ``name`` in one step, point ``latest`` at it and prune; returns it.
-    Shared by the single-file and the sharded (moeify.train.sharded) checkpoints."""
+    Shared by the single-file and the sharded (moeify.rundir.sharded) checkpoints."""
     root = tmp.parent
     final = root / name
     if final.exists():  # a checkpoint of the same step from an abandoned continuation
