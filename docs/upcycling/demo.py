@@ -95,7 +95,7 @@ def _continue_dense() -> None:
 
     from moeify.rundir import load_trained
     from moeify.train.config import read_train_config
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     out = run_dir("dense+")
     if not (out / "checkpoints").is_dir():

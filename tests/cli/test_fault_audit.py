@@ -447,12 +447,12 @@ def second_ctrl_c():  # arrives while the interpreter exits, after the clean sto
 atexit.register(second_ctrl_c)
 import moeify.rundir.write as ck
 from moeify.cli.main import main
-real = ck._save_state
+real = ck.save_state
 def save(state, path):
     if state["step"] == 2:
         os.kill(os.getpid(), signal.SIGINT)
     return real(state, path)
-ck._save_state = save
+ck.save_state = save
 sys.argv = ["moeify", *sys.argv[1:]]
 sys.exit(main())
 """

@@ -326,7 +326,7 @@ def _signal_at(monkeypatch, step, sigs, during="step"):
     import moeify.train.trainer as trainer_mod
 
     real_step = trainer_mod.Trainer.train_step
-    real_state = ck._save_state
+    real_state = ck.save_state
 
     def train_step(self):
         if during == "step" and self.step + 1 == step:
@@ -341,7 +341,7 @@ def _signal_at(monkeypatch, step, sigs, during="step"):
         return real_state(state, path)
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", train_step)
-    monkeypatch.setattr(ck, "_save_state", save_state)
+    monkeypatch.setattr(ck, "save_state", save_state)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -156,7 +156,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
     tmp, corpus = env
     cfg = tiny_cfg(corpus, steps=4, checkpoint_every=2)
     reference = train(cfg, tmp / "ref", quiet=True)
-    real_save = ck._save_state
+    real_save = ck.save_state
     calls = []
 
     def dies_on_second_save(state, path):
@@ -166,7 +166,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
             raise OSError("killed")
         real_save(state, path)
 
-    monkeypatch.setattr(ck, "_save_state", dies_on_second_save)
+    monkeypatch.setattr(ck, "save_state", dies_on_second_save)
     with pytest.raises(MoeifyError, match="step 4.*last good checkpoint .*step-00000002 is intact"):
         train(cfg, tmp / "run", quiet=True)
     monkeypatch.undo()

@@ -64,7 +64,7 @@ def run(args) -> int:
     from moeify.train.config import TrainConfig, read_train_config
     from moeify.train.distributed import configure_cpu_threads
     from moeify.rundir import load_trained
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")

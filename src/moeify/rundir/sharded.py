@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moeify.errors import MoeifyError, describe_os_error
+from moeify.errors import MoeifyError
 from moeify.rundir.atomic import fsync_path, sha256_file, write_json_atomic
 from moeify.rundir.checkpoints import load_dcp, nonfinite_state, refuse_nonfinite, verify_sharded
 from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, SHARDED_KIND,
@@ -109,7 +109,7 @@ def save_sharded(env: Collectives, run_dir: Path, step: int, model: torch.nn.Mod
                 shutil.rmtree(tmp)
             (tmp / DCP_DIR).mkdir(parents=True)
         except OSError as e:
-            error = f"creating {tmp}: {e}"
+            error = ck.write_failure(step, e)
     tmp, error = env.broadcast_object((tmp, error))
     _raise_if(error, step, run_dir)
     try:
@@ -144,6 +144,11 @@ def _check_finite_shards(env: Collectives, model_sd: dict[str, Any], optim_sd: d
                         ck.DIVERGED_ADVICE)
 
 
+class ShardedWriteFailed(MoeifyError):
+    """Writing a sharded checkpoint failed (raised on every process, the temporary directory
+    removed, the previous checkpoint intact and still the latest)."""
+
+
 def _write_and_publish(env: Collectives, dcp, tmp: Path, name: str, step: int, model_sd, optim_sd,
                        train_state, meta, keep: int, run_dir: Path) -> Path:
     """Collective: every process writes its shards into ``tmp``; process 0 then finishes and
@@ -152,14 +157,18 @@ def _write_and_publish(env: Collectives, dcp, tmp: Path, name: str, step: int, m
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
     except Exception as e:  # DCP raises its own CheckpointException on every process
-        error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    error = env.broadcast_object(error)
+        error = ck.write_failure(step, e) or (str(e).strip().splitlines()[0] if str(e).strip()
+                                              else type(e).__name__)
+    # Every process learns the first failure (a full disk may be seen by one process only).
+    errors = [x for x in env.all_gather_object(error) if x is not None]
+    error = next((x for x in errors if x.startswith("writing checkpoint")),
+                 errors[0] if errors else None)
     _raise_if(error, step, run_dir)
     if env.is_main:
         try:
             final = _finish(tmp, name, step, train_state, meta, keep)
         except OSError as e:
-            error = describe_os_error(e)
+            error = ck.write_failure(step, e)
     error = env.broadcast_object(error)
     _raise_if(error, step, run_dir)
     return final if final is not None else Path(run_dir) / CHECKPOINTS / name
@@ -167,7 +176,7 @@ def _write_and_publish(env: Collectives, dcp, tmp: Path, name: str, step: int, m
 
 def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Path:
     """Process 0, every shard on disk: the unsharded state, checksums, meta.json, publish."""
-    torch.save(train_state, tmp / STATE_FILE)
+    ck.save_state(train_state, tmp / STATE_FILE)  # a full disk is an OSError naming the file
     files = _files(tmp)
     for f in files:
         fsync_path(tmp / f)
@@ -180,9 +189,12 @@ def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Pa
 
 
 def _raise_if(error: str | None, step: int, run_dir: Path) -> None:
+    """Raise ShardedWriteFailed for ``error``: the one line of an operating-system error
+    (``write_failure``, as single-file checkpoints say it), or another failure's first line."""
     if error is not None:
-        raise MoeifyError(f"writing sharded checkpoint step {step} in {run_dir} failed: {error}; "
-                          "the previous checkpoint is intact")
+        if not error.startswith("writing checkpoint"):
+            error = f"writing sharded checkpoint step {step} in {run_dir} failed: {error}"
+        raise ShardedWriteFailed(error)
 
 
 # ---------------------------------------------------------------------- loading

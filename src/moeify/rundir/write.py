@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
+from moeify.errors import describe_os_error
 from moeify.rundir.atomic import fsync_path, sha256_file, write_bytes_atomic, write_json_atomic
 from moeify.rundir.checkpoints import check_finite
 from moeify.rundir.layout import (CHECKPOINTS, FORMAT_VERSION, LATEST, META_FILE, MODEL_FILE,
@@ -91,7 +92,9 @@ def _save_model(state: dict[str, torch.Tensor], path: Path, step: int) -> None:
         f.write(data)
 
 
-def _save_state(state: dict[str, Any], path: Path) -> None:
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save into ``path``; a failed write is the OSError that caused it (naming the
+    file), not torch's own RuntimeError."""
     with _open_for_write(path) as f:
         try:
             torch.save(state, f)
@@ -99,6 +102,24 @@ def _save_state(state: dict[str, Any], path: Path) -> None:
             if f.error is not None:
                 raise f.error from None
             raise
+
+
+def write_failure(step: int, e: BaseException) -> str | None:
+    """The one line for a checkpoint write that failed on an operating-system error (a full
+    disk, a read-only file system), found among the exception's causes (torch and DCP wrap
+    it); None when no OSError caused it. Single-file and sharded checkpoints say it alike."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"writing checkpoint step {step} failed: {describe_os_error(seen)}"
+        for inner in getattr(seen, "failures", {}).values():  # DCP's CheckpointException
+            if isinstance(inner, tuple):  # (exception, traceback)
+                inner = inner[0]
+            found = write_failure(step, inner) if isinstance(inner, BaseException) else None
+            if found:
+                return found
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 DIVERGED_ADVICE = "the weights diverged: lower the learning rate or grad_clip, or train in fp32"
@@ -154,7 +175,7 @@ def _write_checkpoint_dir(tmp: Path, step: int, model_state: dict[str, torch.Ten
         shutil.rmtree(tmp)
     tmp.mkdir()
     _save_model(model_state, tmp / MODEL_FILE, step)
-    _save_state(train_state, tmp / STATE_FILE)
+    save_state(train_state, tmp / STATE_FILE)
     for f in (MODEL_FILE, STATE_FILE):
         fsync_path(tmp / f)
     record = {"format": FORMAT_VERSION, "step": step, **(meta or {}),
