@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from moeify.train.metrics import summarise_tensor
@@ -51,3 +52,17 @@ def train_record(step: int, tokens: int, rec: dict[str, Any], mean_loss: float, 
         record[f"load/{k}"] = summarise_tensor(c)  # the counts (up to 64 experts)
         record[f"load_spread/{k}"] = float(c.max() / c.mean().clamp_min(1e-9))
     return record
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)   # step -> LM loss (all processes)
+    valid: dict[str, float] | None = None                      # the last validation
+    checkpoint: Path | None = None
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    rank: int = 0                                              # this process (data parallel)
+    interrupted: str | None = None                             # "SIGINT"/"SIGTERM": stopped early
+    exit_code: int = 0                                         # 128 + signal number when stopped

@@ -1,17 +1,21 @@
-"""Checking a run directory before a run starts or resumes in it: a fresh run refuses a
-directory that holds checkpoints; a resume finds its checkpoint, checks that the requested
-settings are ones a resumed run can honour, and settles the learning-rate schedule for a
-changed length (moeify.train.schedule.resume_schedule)."""
+"""Before a run starts or resumes: checking its run directory (a fresh run refuses a directory
+that holds checkpoints; a resume finds its checkpoint, checks that the requested settings are
+ones a resumed run can honour, and settles the learning-rate schedule for a changed length:
+moeify.train.schedule.resume_schedule), and its corpus and tokenizer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeify.data.corpora import load_corpus
+from moeify.data.tokenizers import build_tokenizer, load_tokenizer
 from moeify.errors import MoeifyError
 from moeify.rundir import layout
 from moeify.rundir.checkpoints import read_meta
 from moeify.train.config import TrainConfig, check_resume_compatible, read_train_config
+from moeify.train.distributed import DistEnv
+from moeify.train.overrides import BYTE_VOCAB, byte_level_preset
 from moeify.train.schedule import resume_schedule
 
 
@@ -73,3 +77,21 @@ def trained_config(run_dir: Path, ckpt: Path, meta: dict) -> TrainConfig:
             f"{run_dir / 'config.json'} was edited after checkpoint {ckpt.name} was "
             f"written, and a resumed run cannot honour that: {e}") from None
     return trained
+
+
+def corpus_and_tokenizer(cfg: TrainConfig, env: DistEnv, resumed_run: Path | None, given=None):
+    """The run's corpus and tokenizer (process 0 fills the caches first): a resumed run's own
+    tokenizer, ``given`` (a model's, for a run that continues its training), or one built from
+    the corpus as ``cfg.tokenizer`` says."""
+    corpus = env.rank0_first(lambda: load_corpus(cfg.data))
+    if resumed_run is not None:
+        return corpus, load_tokenizer(resumed_run)
+    if given is not None:
+        return corpus, given
+    kind = cfg.tokenizer
+    if kind == "auto":
+        byte_model = (cfg.model["vocab_size"] <= BYTE_VOCAB if cfg.model
+                      else byte_level_preset(cfg.preset))
+        kind = "byte" if corpus.byte_level or byte_model else "sentencepiece"
+    return corpus, env.rank0_first(lambda: build_tokenizer(kind, corpus,
+                                                           vocab_size=cfg.vocab_size))

@@ -7,9 +7,8 @@ T tokens per row (the model's context length), D d_model, L layers, W processes.
 One update: the process's [B, T+1] window is cut into grad_accum micro-batches of b rows; each
 runs forward with its rows of the XL memory (the previous window's block inputs, detached) and
 backward with loss / grad_accum (the model's aux losses, already weighted, are added); then the
-gradients are averaged over processes (DDP, or FSDP2 with parallel=fsdp: moeify.train.parallel),
-clipped to norm kappa, and AdamW steps. Every
-micro-batch has the same number of tokens, so this equals one big batch: W processes with B rows
+gradients are averaged over processes (the run's plan: DDP, FSDP2, expert parallelism;
+moeify.train.plans), clipped to norm kappa, and AdamW steps. Every micro-batch has the same number of tokens, so this equals one big batch: W processes with B rows
 each compute the update of one process with W*B rows (tests/train/test_distributed.py).
 
 Exactness of resume: the checkpoint holds everything the next update reads (weights, AdamW
@@ -24,23 +23,20 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from moeify.data.corpora import load_corpus
 from moeify.data.stream import StreamBatcher, tokenize_split
-from moeify.data.tokenizers import build_tokenizer, load_tokenizer
-from moeify.errors import MoeifyError, describe_os_error
+from moeify.errors import MoeifyError
 from moeify.ops.optim import adamw
 from moeify.rundir import layout
 from moeify.rundir.atomic import write_json_atomic
 from moeify.rundir.files import model_config_dict, read_model_config, write_run_files
 from moeify.rundir.layout import CONFIG_FILE
 from moeify.rundir import write as ckpt_io
-from moeify.rundir.lock import RunLock
+from moeify.rundir.lock import RunLock, lock_run_dir
 from moeify.train.config import TrainConfig, resolve_model_config
 from moeify.train.balancing import Balancing
 from moeify.train.distributed import (DistEnv, collective_failure, device_type, pick_device,
@@ -48,10 +44,9 @@ from moeify.train.distributed import (DistEnv, collective_failure, device_type, 
 from moeify.train.plans import CheckpointNotWritten, make_plan
 from moeify.train.run_state import apply_state, gather_state
 from moeify.train.metrics import MetricsSink, truncate_metrics
-from moeify.train.reporting import Clock, train_record
-from moeify.train.overrides import BYTE_VOCAB, byte_level_preset
+from moeify.train.reporting import Clock, TrainResult, train_record
 from moeify.train.progress import Progress, format_duration
-from moeify.train.resume import check_run_dir
+from moeify.train.resume import check_run_dir, corpus_and_tokenizer
 from moeify.train.schedule import make_scheduler, resume_schedule, schedule_factor
 from moeify.train.signals import StopRequests
 from moeify.train.validate import autocast_context, evaluate_stream, resolve_amp
@@ -59,20 +54,6 @@ from moeify.train.validate import autocast_context, evaluate_stream, resolve_amp
 
 class NonFiniteLoss(MoeifyError):
     """The loss became NaN or infinite; the run stopped before updating the weights."""
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    step: int
-    losses: dict[int, float] = field(default_factory=dict)   # step -> LM loss (all processes)
-    valid: dict[str, float] | None = None                      # the last validation
-    checkpoint: Path | None = None
-    wall_s: float = 0.0
-    tokens_per_s: float = 0.0
-    rank: int = 0                                              # this process (data parallel)
-    interrupted: str | None = None                             # "SIGINT"/"SIGTERM": stopped early
-    exit_code: int = 0                                         # 128 + signal number when stopped
 
 
 class Trainer:
@@ -99,7 +80,10 @@ class Trainer:
         try:
             # Before the run directory is touched: a device this machine lacks is a refusal.
             self.device = pick_device(cfg.device, self.env)
-            self._lock_run_dir()
+            error = lock_run_dir(self.lock) if self.env.is_main else None
+            error = self.env.broadcast_object(error)
+            if error is not None:
+                raise MoeifyError(error)
             self._setup(resume, quiet)
         except BaseException:
             self.close()  # a process group or lock this run took must not outlive it
@@ -108,26 +92,6 @@ class Trainer:
                     if not _remove_if_empty(path):
                         break
             raise
-
-    def _lock_run_dir(self) -> None:
-        """Process 0 locks the run directory (and sweeps what crashed writers left there)."""
-        error = None
-        if self.env.is_main:
-            if self.run_dir.exists() and not self.run_dir.is_dir():
-                error = (f"--out {self.run_dir} is a file, not a directory: give a new or "
-                         "existing run directory")
-            else:
-                try:
-                    self.lock.acquire()
-                    if (self.run_dir / layout.CHECKPOINTS).is_dir():
-                        ckpt_io.sweep_stale(self.run_dir / layout.CHECKPOINTS)
-                except MoeifyError as e:
-                    error = str(e)
-                except OSError as e:  # e.g. a read-only file system
-                    error = f"cannot use the run directory: {describe_os_error(e)}"
-        error = self.env.broadcast_object(error)
-        if error is not None:
-            raise MoeifyError(error)
 
     def _setup(self, resume: bool | str | Path, quiet: bool) -> None:
         """Everything before the first step, in an order that matters: the run directory is
@@ -142,7 +106,9 @@ class Trainer:
         self.cfg, self.schedule_note, self.weights_only = point.cfg, point.schedule_note, \
             point.weights_only
         cfg, ckpt_dir = self.cfg, point.checkpoint
-        self.corpus, self.tokenizer = self._data(resume=ckpt_dir is not None)
+        self.corpus, self.tokenizer = corpus_and_tokenizer(
+            self.cfg, self.env, self.run_dir if ckpt_dir is not None else None,
+            self._given_tokenizer)
         self._resolve_model(cfg, resumed=ckpt_dir is not None)
         recorded = point.recorded is not None and \
             point.recorded.expert_parallel == cfg.expert_parallel
@@ -218,23 +184,6 @@ class Trainer:
                                                                      "valid"))
         self.batcher = StreamBatcher(self.train_tokens, self.rows, self.T,
                                      rank=self.env.rank, world_size=self.env.world_size)
-
-    # ------------------------------------------------------------------ setup helpers
-
-    def _data(self, *, resume: bool):
-        corpus = self.env.rank0_first(lambda: load_corpus(self.cfg.data))
-        if resume:
-            return corpus, load_tokenizer(self.run_dir)
-        if self._given_tokenizer is not None:
-            return corpus, self._given_tokenizer
-        kind = self.cfg.tokenizer
-        if kind == "auto":
-            byte_model = (self.cfg.model["vocab_size"] <= BYTE_VOCAB if self.cfg.model
-                          else byte_level_preset(self.cfg.preset))
-            kind = "byte" if corpus.byte_level or byte_model else "sentencepiece"
-        tok = self.env.rank0_first(lambda: build_tokenizer(kind, corpus,
-                                                        vocab_size=self.cfg.vocab_size))
-        return corpus, tok
 
     # ------------------------------------------------------------------ checkpoints
 
