@@ -679,11 +679,9 @@ def test_import_of_nan_weights_blames_the_checkpoint_not_the_learning_rate(gpt2_
 
 # ------------------------------------------------- 13: the README's claims about sharded runs
 
-def test_eval_harness_reads_a_sharded_only_run_and_plot_says_it_cannot(tmp_path, capsys,
-                                                                        monkeypatch):
-    """README: `moeify eval --harness` reads either kind of checkpoint; `moeify plot` reads
-    single-file checkpoints and says so for a sharded-only run. One process with parallel=fsdp
-    writes sharded checkpoints."""
+def test_eval_harness_and_plot_read_a_sharded_only_run(tmp_path, capsys, monkeypatch):
+    """README: `moeify eval --harness` and `moeify plot` read either kind of checkpoint. One
+    process with parallel=fsdp writes sharded checkpoints."""
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("MOEIFY_CACHE_DIR", str(tmp_path / "cache"))
     harness_offline(monkeypatch, tmp_path)
@@ -706,8 +704,12 @@ def test_eval_harness_reads_a_sharded_only_run_and_plot_says_it_cannot(tmp_path,
     assert json.loads(res.read_text())["results"]["moeify_lambada"]
     pytest.importorskip("matplotlib")
     capsys.readouterr()
-    assert main(["plot", "experts", "--run", str(run), "--out", str(tmp_path / "e.png")]) == 2
-    assert "holds only sharded checkpoints" in one_line_error(capsys, "plot")
+    assert main(["plot", "experts", "--run", str(run), "--out", str(tmp_path / "e.png"),
+                 "--tokens", "64"]) == 0
+    assert (tmp_path / "e.png").stat().st_size > 0
+    assert main(["plot", "attention", "--run", str(run), "--out", str(tmp_path / "a.png"),
+                 "--text", "the cat"]) == 0
+    assert (tmp_path / "a.png").stat().st_size > 0
 
 
 def test_compare_with_no_preset_names_says_so(tmp_path, capsys):

@@ -82,7 +82,7 @@ def collective_failure(e: BaseException, env: "DistEnv", during: str, run_dir) -
     if not env.enabled or not (_is_timeout(e) or _is_transport_error(e)):
         return None
     latest = latest_checkpoint(run_dir) if Path(run_dir).is_dir() else None
-    if _is_timeout(e) and not isinstance(e, PeerLost):
+    if _is_timeout(e):
         kept = (f"checkpoint {latest} is intact" if latest is not None
                 else "no checkpoint had been written yet")
         return (f"process {env.rank} of {env.world_size} waited more than {collective_timeout()} s "
@@ -90,6 +90,23 @@ def collective_failure(e: BaseException, env: "DistEnv", during: str, run_dir) -
                 f"process is stuck or gone; {kept}; resume with: "
                 f"{resume_command(run_dir, env.world_size)}")
     return peer_lost_message(env.rank, env.world_size, during, latest, run_dir)
+
+
+def exit_at(point: str, rank: int) -> None:
+    """Faults made deterministic for tests. ``MOEIFY_EXIT_AT=RANK:POINT`` makes process RANK
+    exit at once (as ``kill -9`` would: no cleanup, exit status 137) when it reaches POINT;
+    ``MOEIFY_STALL_AT=RANK:POINT`` makes it wait there (as a stuck process would) for three
+    collective timeouts, then exit so. Points: ``step-N`` (step N done, before anything else),
+    ``checkpoint-N`` (a process other than 0, just before it learns whether process 0 wrote
+    checkpoint N). Unset, they cost two lookups."""
+    here = f"{rank}:{point}"
+    if os.environ.get("MOEIFY_STALL_AT") == here:
+        import time
+
+        time.sleep(3 * collective_timeout())
+        os._exit(137)
+    if os.environ.get("MOEIFY_EXIT_AT") == here:
+        os._exit(137)
 
 
 def collective_timeout() -> int:

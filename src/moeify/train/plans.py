@@ -46,7 +46,7 @@ from moeify.rundir import sharded as sharded_io
 from moeify.rundir import write as ckpt_io
 from moeify.rundir.checkpoints import NonFiniteState, load_checkpoint, load_model_state
 from moeify.train.config import PARALLEL_MODES
-from moeify.train.distributed import DistEnv
+from moeify.train.distributed import DistEnv, exit_at
 
 
 class CheckpointNotWritten(MoeifyError):
@@ -133,6 +133,8 @@ class SingleProcess:
                 error = str(e)
             except OSError as e:
                 error = ckpt_io.write_failure(step, e)
+        else:
+            exit_at(f"checkpoint-{step}", self.env.rank)  # tests: a process dies here
         error = self.env.broadcast_object(error)
         if error is not None:
             raise CheckpointNotWritten(error)

@@ -40,7 +40,7 @@ from moeify.rundir.lock import RunLock, lock_run_dir
 from moeify.train.config import TrainConfig, resolve_model_config
 from moeify.train.balancing import Balancing
 from moeify.train.distributed import (DistEnv, collective_failure, device_type, pick_device,
-                                      resume_command, setup_distributed)
+                                      exit_at, resume_command, setup_distributed)
 from moeify.train.plans import CheckpointNotWritten, make_plan
 from moeify.train.run_state import apply_state, gather_state
 from moeify.train.metrics import MetricsSink, truncate_metrics
@@ -359,6 +359,7 @@ class Trainer:
                             self._stop_on_signal(stop, result, progress)
                             break
                         self._one_step(result, sink, progress, clock)
+                    exit_at(f"step-{self.step}", self.env.rank)  # tests: a process dies here
         except KeyboardInterrupt:  # a second signal (or Ctrl-C with no handler installed)
             self._say(progress, f"stopped at once after step {self.step}; nothing "
                       f"half-written was kept. {self._last_good()}")
