@@ -99,6 +99,14 @@ def test_every_family_trains_under_fsdp2_and_ep_and_resumes_in_one_process(setup
         assert (ckpt / layout.DCP_DIR).is_dir() and layout.step_of(ckpt) == 1, name
         # One process, no FSDP: the sharded checkpoint resumes and trains the second step.
         cfg = TrainConfig.from_dict(dict(jobs[[j[0] for j in jobs].index(name)][1]))
+        if name.endswith("+ep"):  # the recorded degree does not fit one process: say so
+            with pytest.raises(ValueError) as info:
+                train(cfg, run_dir, resume=True, quiet=True)
+            assert str(info.value) == (
+                f"expert_parallel=2 (the run's recorded setting, in {run_dir}/config.json) must "
+                "divide the number of processes (1): start a multiple of 2 processes (torchrun "
+                "--nproc-per-node 2 -m moeify.cli.main train ...), or change it with --set "
+                "expert_parallel=N for N in 1 (a sharded checkpoint resumes at any degree)")
         res = train(cfg.with_overrides(("parallel=ddp", "expert_parallel=1")), run_dir,
                     resume=True, quiet=True)
         assert res.step == 2 and torch.isfinite(torch.tensor(res.losses[2])), name
@@ -246,3 +254,119 @@ def test_a_hung_process_times_out_with_one_line_naming_the_process_and_step(setu
     line = _one_line(reports[0])
     assert "process 0 of 2 waited more than 3 s for the others during step 2" in line
     assert f"checkpoint {run / 'checkpoints' / layout.checkpoint_name(1)} is intact" in line
+
+
+# ---------------------------------------------------------------- a full disk, sharded
+
+FULL = "the disk is full: free some space (or write somewhere else) and try again"
+
+
+def _fail_shards_of(step: int):
+    """DCP's file system with a full disk for the shards of checkpoint ``step``."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if layout.checkpoint_name(step) in str(path) and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        with real(self, path, mode) as stream:
+            yield stream
+
+    FileSystem.create_stream = create_stream
+
+
+def _full_disk_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
+    import torch.distributed as dist
+
+    from moeify.errors import MoeifyError
+    from moeify.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        if rank == 1:  # only process 1's disk is full
+            _fail_shards_of(2)
+        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        try:
+            trainer.fit()
+            error = None
+        except MoeifyError as e:
+            error = str(e)
+        finally:
+            trainer.close()
+        Path(f"{out_file}.{rank}").write_text(json.dumps({"error": error}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_full_disk_kept_step_1(run, error, resume):
+    last = run / "checkpoints" / layout.checkpoint_name(1)
+    assert error is not None and "\n" not in error
+    assert error.startswith("writing checkpoint step 2 failed: ")
+    assert f": {FULL}. The last good checkpoint {last} is intact; continue from it with: " \
+           f"{resume} --resume {run}" in error
+    assert layout.latest_checkpoint(run) == last
+    assert [d.name for d in layout.checkpoint_dirs(run)] == [last.name]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_full_disk_under_two_sharded_processes_says_the_single_file_line(setup):
+    tmp, corpus = setup
+    run = tmp / "run"
+    cfg = _cfg(corpus, "tiny-sigmamoe", parallel="fsdp", expert_parallel=2, checkpoint_every=1)
+    out = tmp / "full"
+    assert _start(_full_disk_worker, (2, str(tmp / "pg"), cfg.to_dict(), str(run),
+                                      str(out))) == [0, 0]
+    errors = [json.loads(Path(f"{out}.{r}").read_text())["error"] for r in range(2)]
+    assert errors[0] == errors[1]  # every process says the same
+    _assert_full_disk_kept_step_1(run, errors[0],
+                                  "torchrun --nproc-per-node 2 -m moeify.cli.main train")
+
+
+@pytest.mark.parametrize("where", ["shards", "state"])
+def test_a_full_disk_under_a_one_process_sharded_run_says_the_single_file_line(setup,
+                                                                            monkeypatch, where):
+    """The same line as a single-file checkpoint's (tests/cli/test_faults.py), whether the
+    shards or process 0's state.pt meet the full disk (torch.save's own error on a full disk
+    is a RuntimeError: it must come back as the OSError that caused it)."""
+    import errno
+
+    from moeify.errors import MoeifyError
+    from moeify.rundir import write as ck
+    from moeify.train.trainer import Trainer
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    tmp, corpus = setup
+    run = tmp / "run"
+    trainer = Trainer(_cfg(corpus, "tiny-dense", parallel="fsdp", checkpoint_every=1), run,
+                      quiet=True)
+    try:
+        trainer.fit(stop_after=1)
+        if where == "shards":
+            monkeypatch.setattr(FileSystem, "create_stream", FileSystem.create_stream)
+            _fail_shards_of(2)
+        else:
+            class FullDisk:  # a file whose every write meets a full disk
+                def __init__(self, path, mode):
+                    self.path = path
+
+                def write(self, data):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                def flush(self):
+                    pass
+
+                def close(self):
+                    pass
+
+            monkeypatch.setattr(ck, "open", FullDisk, raising=False)
+        with pytest.raises(MoeifyError) as info:
+            trainer.fit()
+    finally:
+        trainer.close()
+    _assert_full_disk_kept_step_1(run, str(info.value), "moeify train")

@@ -154,9 +154,11 @@ def _write_and_publish(env: Collectives, dcp, tmp: Path, name: str, step: int, m
     """Collective: every process writes its shards into ``tmp``; process 0 then finishes and
     publishes it. An error on any process is raised on every process."""
     error, final = None, None
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    except Exception as e:  # DCP raises its own CheckpointException on every process
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException, on every process
         error = ck.write_failure(step, e) or (str(e).strip().splitlines()[0] if str(e).strip()
                                               else type(e).__name__)
     # Every process learns the first failure (a full disk may be seen by one process only).
