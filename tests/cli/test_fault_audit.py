@@ -471,10 +471,10 @@ def test_a_second_ctrl_c_during_exit_is_no_traceback(text_corpus):
 
 
 # ------------------------------------------------- 8: a dead process of a sharded run
-# A torchrun with a kill -9 of one FSDP rank during a sharded checkpoint is too slow and too
-# timing-dependent for CI; the pieces are tested: a collective whose peer died raises PeerLost
-# (a real 2-process gloo group, the peer exits), and the trainer turns PeerLost during a
-# checkpoint into one line naming the dead process, the intact checkpoint and the resume command.
+# The pieces: a collective whose peer died raises PeerLost (a real 2-process gloo group, the
+# peer exits), and PeerLost becomes one line naming the dead process, the latest complete
+# checkpoint and the resume command (whole runs with a process that dies at a named point:
+# tests/train/test_scale_out.py).
 
 PEER_DIES = """
 import os, sys, torch.distributed as dist
@@ -508,24 +508,16 @@ def test_a_collective_whose_peer_died_raises_peer_lost(tmp_path):
 
 
 def test_a_dead_process_during_a_sharded_checkpoint_is_one_line(tmp_path):
-    import types
-
-    from moeify.errors import MoeifyError
-    from moeify.train.distributed import PeerLost, peer_lost_message
-    from moeify.train.trainer import Trainer
+    from moeify.train.distributed import DistEnv, PeerLost, collective_failure, \
+        peer_lost_message
 
     run = tmp_path / "run"
-    intact = run / "checkpoints" / "step-00000004"
-
-    def dies():
-        raise PeerLost(0, 2, "broadcast_object", "Connection closed by peer [127.0.0.1]:4242")
-
-    fake = types.SimpleNamespace(last_checkpoint=intact, sharded=True, step=6, run_dir=run,
-                                 env=types.SimpleNamespace(rank=0, world_size=2),
-                                 _save_checkpoint=dies)
-    with pytest.raises(MoeifyError) as e:
-        Trainer.save_checkpoint(fake)
-    msg = str(e.value)
+    intact = run / "checkpoints" / "step-00000004"  # the latest complete one on disk
+    intact.mkdir(parents=True)
+    (intact / "meta.json").write_text("{}")
+    dead = PeerLost(0, 2, "broadcast_object", "Connection closed by peer [127.0.0.1]:4242")
+    msg = collective_failure(dead, DistEnv(rank=0, world_size=2),
+                             "the sharded checkpoint of step 6", run)
     assert msg == (f"process 1 of 2 stopped (killed or crashed) during the sharded checkpoint "
                    f"of step 6, so process 0 stops too; checkpoint {intact} is intact; resume "
                    f"with: torchrun --nproc-per-node 2 -m moeify.cli.main train --resume {run}")
