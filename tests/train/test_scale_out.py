@@ -41,14 +41,15 @@ def _cfg(corpus, preset, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _start(worker, args, nprocs=2):
+def _start(worker, args, nprocs=2, grace=WAIT_S):
     """Forked processes (an earlier in-process group collected first, see test_fsdp._fork),
-    joined with a deadline: returns their exit codes (None: still running, then killed)."""
+    joined with a deadline (``grace`` for the others once process 0 is done): returns their
+    exit codes (None: still running, then killed)."""
     gc.collect()
     ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="fork")
     codes = []
-    for p in ctx.processes:
-        p.join(WAIT_S)
+    for i, p in enumerate(ctx.processes):
+        p.join(WAIT_S if i == 0 else grace)
         codes.append(p.exitcode)
     for p in ctx.processes:
         if p.exitcode is None:
@@ -146,10 +147,10 @@ def _cli_worker(rank, world, port, argv, env, out):
     os._exit(0)  # no teardown of inherited state in the forked child
 
 
-def _run_cli(tmp, argv, env=None, name="cli"):
+def _run_cli(tmp, argv, env=None, name="cli", grace=WAIT_S):
     """Exit codes and per-rank reports of ``moeify train ARGV`` on two processes."""
     out = tmp / name
-    codes = _start(_cli_worker, (2, _free_port(), argv, env or {}, str(out)))
+    codes = _start(_cli_worker, (2, _free_port(), argv, env or {}, str(out)), grace=grace)
     reports = [json.loads(Path(f"{out}.{r}").read_text()) if Path(f"{out}.{r}").is_file()
                else None for r in range(2)]
     return codes, reports
@@ -249,7 +250,7 @@ def test_a_hung_process_times_out_with_one_line_naming_the_process_and_step(setu
     codes, reports = _run_cli(tmp, _train_args(corpus, run, "tiny-dense", 3,
                                                "checkpoint_every=1"),
                               env={"MOEIFY_COLLECTIVE_TIMEOUT": "3",
-                                   "MOEIFY_STALL_AT": "1:step-1"})
+                                   "MOEIFY_STALL_AT": "1:step-1"}, grace=1)
     assert codes[0] == 0 and reports[0]["rc"] == 2
     line = _one_line(reports[0])
     assert "process 0 of 2 waited more than 3 s for the others during step 2" in line
