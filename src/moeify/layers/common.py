@@ -71,7 +71,7 @@ from moeify.ops.routing import count_selections
 
 ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\u03c3-MoE experts",
                  "switch": "Switch experts", "mod": "MoD fraction routed",
-                 "mor": "MoR recursion depths"}
+                 "moh": "MoH routed heads", "mor": "MoR recursion depths"}
 
 
 class RoutingStats:
