@@ -59,7 +59,7 @@ from moeify.layers.norm import NormConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.models.config import ModelConfig
 from moeify.rundir.files import model_config_dict, write_run_files
-from moeify.train import checkpoint as train_checkpoint
+from moeify.rundir import write as run_write
 from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -503,6 +503,6 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
                 "weights_only": True,
                 "imported_from": {"path": str(src.resolve()),
                                   "architecture": SUPPORTED_ARCHITECTURES[hf["model_type"]]}}
-        train_checkpoint.save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True},
+        run_write.save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True},
                                          meta=meta)
     return out

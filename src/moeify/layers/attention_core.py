@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeify.layers.common import load_scalars_as_vectors
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.attention import ATTENTION_IMPLS, attend, build_mask
 from moeify.ops.positional import (
@@ -131,7 +132,9 @@ class AttentionCore(nn.Module):
             if c.xl_biases:
                 self.bias_u = nn.Parameter(torch.zeros(c.n_heads, c.d_head))
                 self.bias_v = nn.Parameter(torch.zeros(c.n_heads, c.d_head))
-                self.scale = nn.Parameter(torch.tensor(1.0 / math.sqrt(c.d_head)))
+                # [1], not 0-dim: FSDP2 shards dim 0 of every parameter
+                self.scale = nn.Parameter(torch.full((1,), 1.0 / math.sqrt(c.d_head)))
+                load_scalars_as_vectors(self, "scale")
         self.rope_n = rope_dims(c.d_head, c.rope_fraction) if c.pos == "rope" else 0
 
     def reset_parameters(self) -> None:
@@ -144,7 +147,7 @@ class AttentionCore(nn.Module):
 
     def _scale(self):
         c = self.config
-        return self.scale if c.pos == "xl" and c.xl_biases else 1.0 / math.sqrt(c.d_head)
+        return self.scale[0] if c.pos == "xl" and c.xl_biases else 1.0 / math.sqrt(c.d_head)
 
     def forward(self, q_BHTC, k_BHSC, v_BHSC, *, causal: bool = True, self_attention: bool = True,
                 cache: KVCache | None = None, pos_q=None, pos_k=None, valid_k=None,

@@ -2,8 +2,7 @@
 sha256 of every file recorded in meta.json, the model config it was written for, and that every
 number is finite, so nothing resumes, evaluates or samples from a damaged or diverged state.
 
-Writing is training's job (moeify.train.checkpoint: single-file; moeify.train.sharded: DCP);
-the reading lives here so that analysis and interop load checkpoints without importing train.
+Writing is moeify.rundir.write's (single-file) and moeify.rundir.sharded's (DCP).
 """
 
 from __future__ import annotations
@@ -213,14 +212,18 @@ def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = 
     """Fill ``state`` ({"model": ..., "optim": ...} as DCP's ``get_state_dict`` gives them,
     keyed by parameter name, sharded or not) from ``ckpt/dcp``. With ``model``, a checkpoint
     written with earlier parameter names (moeify.layers.common.rename_legacy_keys) is read under
-    those names and handed back under the current ones."""
+    those names and handed back under the current ones. A one-element vector the checkpoint
+    holds 0-dim (learned scalars before they became vectors: moeify.layers.common) is read as
+    the scalar it was, weights and AdamW moments alike."""
     # torch.distributed.checkpoint is imported only when a sharded checkpoint is read: it is
     # slow to import and absent from torch builds without distributed support.
     import torch.distributed.checkpoint as dcp
 
     try:
-        renames = _legacy_names(dcp, ckpt, state, model) if model is not None else {}
+        saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+        renames = _legacy_names(saved, state, model) if model is not None else {}
         _rename_state(state, renames)
+        scalars = _scalar_placeholders(saved, state)
         try:
             with warnings.catch_warnings():
                 # Reading in one process is the intent here (eval, generate, export, plot):
@@ -228,6 +231,7 @@ def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = 
                 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
                 dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
         finally:
+            _fill_from_scalars(scalars)
             _rename_state(state, {old: new for new, old in renames.items()})
     except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
         first = str(e).strip().splitlines()
@@ -235,7 +239,50 @@ def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = 
                           f"{' '.join(first[:2]) or type(e).__name__}") from None
 
 
-def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
+def _scalar_placeholders(saved: dict[str, Any], state: dict[str, Any]) -> list[tuple]:
+    """Swap every one-element vector of ``state`` that the checkpoint holds 0-dim (``saved``:
+    DCP's metadata by flattened key) for a 0-dim tensor DCP can load into; returns
+    (container, key, the vector) for ``_fill_from_scalars``."""
+    found = []
+
+    def walk(obj: dict, path: str) -> None:
+        for k, v in list(obj.items()):
+            key = f"{path}.{k}" if path else str(k)
+            if isinstance(v, dict):
+                walk(v, key)
+            elif isinstance(v, torch.Tensor) and tuple(v.shape) == (1,) and \
+                    tuple(getattr(saved.get(key), "size", (1,))) == ():
+                obj[k] = torch.empty((), dtype=v.dtype)
+                found.append((obj, k, v))
+    walk(state, "")
+    return found
+
+
+def _fill_from_scalars(scalars: list[tuple]) -> None:
+    """Put the vectors back, holding the scalars DCP loaded (a sharded vector: into whichever
+    process holds its one element)."""
+    with torch.no_grad():
+        for obj, k, vector in scalars:
+            value = obj[k]
+            obj[k] = vector
+            local = vector.to_local() if hasattr(vector, "to_local") else vector
+            local.copy_(value.reshape(1).to(local.device).expand_as(local))
+
+
+def reshape_scalar_state(optimizer_state: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """In place: the per-parameter state of a torch optimizer state dict (keyed by index in
+    ``params``' order) with 0-dim moments of one-element vector parameters reshaped to [1]
+    (a single-file checkpoint written when those parameters were 0-dim; ``step`` stays)."""
+    for i, p in enumerate(params):
+        st = optimizer_state.get("state", {}).get(i)
+        if st is None or tuple(p.shape) != (1,):
+            continue
+        for k, v in st.items():
+            if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
+                st[k] = v.reshape(1)
+
+
+def _legacy_names(saved: dict[str, Any], state: dict[str, Any], model: torch.nn.Module
                   ) -> dict[str, str]:
     """{current name: the name the checkpoint holds it under} for the parameters the checkpoint
     holds under an earlier name only (none for a checkpoint of the current names)."""
@@ -244,7 +291,6 @@ def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
              for old, new in m.__dict__.get("_legacy_keys", {}).items() if isinstance(new, str)}
     if not pairs:
         return {}
-    saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
     renames = {}
     for key in state["model"]:
         if "model." + key in saved:

@@ -13,11 +13,10 @@ import torch
 from moeify.data.tokenizers import load_tokenizer
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig
-from moeify.rundir.checkpoints import Checkpoint, is_sharded_checkpoint, load_model_checkpoint
+from moeify.rundir.checkpoints import Checkpoint, load_model_checkpoint
 from moeify.rundir.files import model_config_dict, read_model_config, \
     read_train_config_dict
-from moeify.rundir.layout import (CONFIG_FILE, MODEL_FILE, checkpoint_dirs, resolve_checkpoint,
-                                  run_dir_of)
+from moeify.rundir.layout import CONFIG_FILE, resolve_checkpoint, run_dir_of
 
 
 @dataclass
@@ -33,15 +32,11 @@ class TrainedModel:
 def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
                  single_file_only: bool = False) -> TrainedModel:
     """The model of a run (its ``latest_checkpoint``) or of one checkpoint directory, on
-    ``device``, in eval mode, its checkpoint verified (moeify.rundir.checkpoints).
-
-    ``single_file_only``: read single-file checkpoints only (``moeify plot`` and lm-eval's own
-    loading of the ``moeify`` model type, which promise that); the newest single-file checkpoint
-    is taken, and a run that holds only sharded ones is refused with a message saying how to
-    write one."""
+    ``device``, in eval mode, its checkpoint verified (moeify.rundir.checkpoints). Either kind
+    of checkpoint loads in this one process: a sharded one (FSDP, expert parallelism) is read
+    shard by shard into the plain model. ``single_file_only`` is accepted and changes nothing
+    (every reader reads both kinds)."""
     ckpt_dir = resolve_checkpoint(path)
-    if single_file_only and is_sharded_checkpoint(ckpt_dir):
-        ckpt_dir = _newest_single_file(path, ckpt_dir)
     run_dir = run_dir_of(ckpt_dir)
     model_cfg = read_model_config(run_dir)
     tokenizer = load_tokenizer(run_dir)
@@ -53,16 +48,3 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
     model.to(device).eval()
     train_cfg = read_train_config_dict(run_dir) if (run_dir / CONFIG_FILE).is_file() else None
     return TrainedModel(model, tokenizer, model_cfg, train_cfg, ckpt, run_dir)
-
-
-def _newest_single_file(path: str | Path, sharded: Path) -> Path:
-    """The newest single-file checkpoint of the run ``sharded`` belongs to."""
-    if Path(path).resolve() == sharded.resolve():  # one checkpoint named: no other to choose
-        candidates = []
-    else:
-        candidates = [d for d in checkpoint_dirs(run_dir_of(sharded)) if (d / MODEL_FILE).is_file()]
-    if not candidates:
-        raise MoeifyError(f"{path} holds only sharded checkpoints (a parallel=fsdp run); "
-                          "this command reads single-file checkpoints: resume the run for "
-                          "one more step with --set parallel=ddp to write one")
-    return candidates[-1]
