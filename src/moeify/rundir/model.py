@@ -4,6 +4,7 @@ export, analysis and the lm-eval model type all load runs here."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import torch
 from moeify.data.tokenizers import load_tokenizer
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig
-from moeify.rundir.checkpoints import Checkpoint, is_sharded_checkpoint, load_model_checkpoint
+from moeify.rundir.checkpoints import (Checkpoint, is_sharded_checkpoint, load_model_checkpoint,
+                                      load_model_state, load_weights)
 from moeify.rundir.files import model_config_dict, read_model_config, \
     read_train_config_dict
 from moeify.rundir.layout import (CONFIG_FILE, MODEL_FILE, checkpoint_dirs, resolve_checkpoint,
@@ -33,7 +35,10 @@ class TrainedModel:
 def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
                  single_file_only: bool = False) -> TrainedModel:
     """The model of a run (its ``latest_checkpoint``) or of one checkpoint directory, on
-    ``device``, in eval mode, its checkpoint verified (moeify.rundir.checkpoints).
+    ``device``, in eval mode, its checkpoint verified (moeify.rundir.checkpoints). Inference
+    reads the weights only: a single-file checkpoint's optimizer state is never loaded, its
+    weights are memory-mapped and keep their dtype (a bfloat16 checkpoint gives a bfloat16
+    model; ``checkpoint.train_state`` is empty).
 
     ``single_file_only``: read single-file checkpoints only (``moeify plot`` and lm-eval's own
     loading of the ``moeify`` model type, which promise that); the newest single-file checkpoint
@@ -48,11 +53,36 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
     if tokenizer.vocab_size != model_cfg.vocab_size:
         raise MoeifyError(f"{run_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                           f"model {model_cfg.vocab_size}; the run directory is inconsistent")
-    model = model_cfg.build()
-    ckpt = load_model_checkpoint(ckpt_dir, model, model_config=model_config_dict(model_cfg))
+    config = model_config_dict(model_cfg)
+    if is_sharded_checkpoint(ckpt_dir):
+        model = model_cfg.build()
+        ckpt = load_model_checkpoint(ckpt_dir, model, model_config=config)
+    else:  # weights only, memory-mapped, in their stored dtype: no optimizer, no second copy
+        ckpt = load_weights(ckpt_dir, model_config=config)
+        with default_dtype(weights_dtype(ckpt.model_state)):
+            model = model_cfg.build()
+        load_model_state(model, ckpt, assign=True)
     model.to(device).eval()
     train_cfg = read_train_config_dict(run_dir) if (run_dir / CONFIG_FILE).is_file() else None
     return TrainedModel(model, tokenizer, model_cfg, train_cfg, ckpt, run_dir)
+
+
+def weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype of a checkpoint's weights (float32 when they mix several)."""
+    kinds = {t.dtype for t in state.values() if t.is_floating_point()}
+    return kinds.pop() if len(kinds) == 1 else torch.float32
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build modules in ``dtype`` (their parameters are replaced by the checkpoint's right
+    after: only the short-lived initial values take memory, in the checkpoint's width)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _newest_single_file(path: str | Path, sharded: Path) -> Path:
