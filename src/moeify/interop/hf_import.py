@@ -15,7 +15,8 @@ tests/interop/test_hf_moe.py the MoE families to 1e-5, padded batches too):
            with Q/K/V and output biases (Conv1D [in, out] weights transposed, c_attn split into
            Q, K, V), GELU MLP with biases (gelu_new = tanh approximation), tied embeddings.
     Llama  RMSNorm (eps from the config), grouped-query attention with full-width RoPE of the
-           config's base (Hugging Face's rotate-half layout is moeify's: no permutation),
+           config's base and scaling (Hugging Face's rotate-half layout is moeify's: no
+           permutation),
            optional biases (Qwen2: Q/K/V), SwiGLU MLP, tied or untied embeddings.
     MoE    the Llama body with a Switch feedforward (moeify.layers.switch_ff) whose options
            state the checkpoint's routing: router logits and softmax over the E experts in
@@ -30,14 +31,22 @@ tests/interop/test_hf_moe.py the MoE families to 1e-5, padded batches too):
            balance loss (the top-1 form) weighted by the checkpoint's ``router_aux_loss_coef``
            and no z-loss; Hugging Face's load-balancing loss counts all k choices.
 
-Not preserved: dropout rates (the imported model has none), the weights' dtype (stored as
-float32), and anything the config marks as a variant moeify does not implement (RoPE scaling,
-GPT-2's layer-index attention scaling, OLMoE's ``clip_qkv``, Mixtral's ``router_jitter_noise``...),
-which is refused in one line. A sliding window (Mistral, Mixtral, Qwen-MoE with
-``use_sliding_window``) is not applied: the context length is capped at the window instead, where
-windowed and full attention agree. Nothing is downloaded: the
-directory must hold config.json, the weights (model.safetensors, or shards with
-model.safetensors.index.json) and tokenizer.json.
+RoPE scaling (``rope_type`` llama3, linear, dynamic, yarn: Llama 3.x and other long-context
+checkpoints) is read into ``GroupedQueryAttentionConfig.rope_scaling`` as transformers defines it
+(moeify.interop.hf_mapping.rope_from_hf); the run's context is the checkpoint's
+``max_position_embeddings``. The weights keep their dtype (one of float32 / bfloat16 / float16;
+float32 for a mix); FP8 block-scaled weights (``quantization_config`` quant_method "fp8",
+``weight_scale_inv``) are dequantised to float32 (``dequantize_fp8``). A tokenizer whose ids
+reach past the embedding is refused, naming both sizes.
+
+Not preserved: dropout rates (the imported model has none), and anything the config marks as a
+variant moeify does not implement (``longrope``, GPT-2's layer-index attention scaling, OLMoE's
+``clip_qkv``, Mixtral's ``router_jitter_noise``, other quantisations...), which is refused in one
+line. A sliding window (Mistral, Mixtral, Qwen-MoE with ``use_sliding_window``) is not applied:
+the context length is capped at the window instead, where windowed and full attention agree.
+Nothing is downloaded: the directory must hold config.json, the weights (model.safetensors, or
+shards with model.safetensors.index.json) and tokenizer.json. Tensor names and layouts are the
+family's links (moeify.interop.hf_mapping), which the native export reads the other way.
 """
 
 from __future__ import annotations

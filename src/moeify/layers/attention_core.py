@@ -59,6 +59,10 @@ class RopeScaling:
                                  (Chen et al. 2023, arXiv:2306.15595, §2.2)
                        "dynamic" dynamic NTK: base · (factor · S / original - (factor - 1))^(n/(n-2))
                                  where S = the largest position + 1 of the call exceeds ``original``
+                                 (deviation: transformers keeps the largest S of earlier calls
+                                 until a call fits the original context again; moeify reads each
+                                 call's own S, so the two agree on every single forward and on
+                                 decoding, whose S only grows)
                        "yarn"    YaRN (Peng et al. 2023, arXiv:2309.00071): per-frequency ramp
                                  between interpolation and extrapolation (Eq. 17-18, corrections
                                  beta_fast / beta_slow) and the attention temperature

@@ -59,8 +59,7 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
         ckpt = load_model_checkpoint(ckpt_dir, model, model_config=config)
     else:  # weights only, memory-mapped, in their stored dtype: no optimizer, no second copy
         ckpt = load_weights(ckpt_dir, model_config=config)
-        with default_dtype(weights_dtype(ckpt.model_state)):
-            model = model_cfg.build()
+        model = build_without_weights(model_cfg)
         load_model_state(model, ckpt, assign=True)
     model.to(device).eval()
     train_cfg = read_train_config_dict(run_dir) if (run_dir / CONFIG_FILE).is_file() else None
@@ -74,15 +73,35 @@ def weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
 
 
 @contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Build modules in ``dtype`` (their parameters are replaced by the checkpoint's right
-    after: only the short-lived initial values take memory, in the checkpoint's width)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _parameters_on_meta():
+    """Every parameter a module registers is moved to the meta device (no memory, no values);
+    buffers stay real, so non-persistent ones (routing statistics, index tables) keep the
+    values their layer gives them."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"),
+                                                          requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
     try:
         yield
     finally:
-        torch.set_default_dtype(before)
+        torch.nn.Module.register_parameter = register
+
+
+def build_without_weights(model_cfg: ModelConfig) -> torch.nn.Module:
+    """The model of ``model_cfg`` with its parameters on the meta device, for a checkpoint's
+    weights to be assigned to (``load_state_dict(assign=True)``): no memory and no time go to
+    initial values that would be overwritten. A layer whose construction needs real parameter
+    values is built normally (the same model, with its initial values in memory a moment)."""
+    try:
+        with _parameters_on_meta():
+            return model_cfg.build()
+    except (RuntimeError, NotImplementedError):  # e.g. an init that reads a value (.item())
+        return model_cfg.build()
 
 
 def _newest_single_file(path: str | Path, sharded: Path) -> Path:
