@@ -128,8 +128,8 @@ def _experts(m: _Model, *, renormalize: bool | None, shared: bool, dense_ok: boo
     _need(f is not None, "it has no MoE feedforward")
     _need(f.gated, "its experts are not gated (SwiGLU): act(W_in x) alone, as in Switch, has "
           "no native form")
-    _need(activation_to_hf(f.activation, gpt2=False) is not None and not f.bias, "its experts have biases or activation "
-          f"{f.activation}")
+    _need(activation_to_hf(f.activation, gpt2=False) is not None and not f.bias,
+          f"its experts have biases or activation {f.activation}")
     _need(f.noop_experts == 0, "it has no-op experts (integrated MoDE)")
     _need(f.dropless, "its routing has a capacity limit (dropless=False) that drops tokens; "
           "transformers' MoE blocks drop none")
@@ -243,7 +243,8 @@ def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
     L, D = cfg.n_layers, cfg.d_model
     if kind == "gpt2":
         out.update(n_embd=D, n_layer=L, n_head=a.n_heads, n_positions=cfg.max_positions,
-                   n_inner=m.dense.d_ff, activation_function=activation_to_hf(m.dense.activation, gpt2=True),
+                   n_inner=m.dense.d_ff,
+                   activation_function=activation_to_hf(m.dense.activation, gpt2=True),
                    layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
                    attn_pdrop=0.0, scale_attn_weights=True,
                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)

@@ -57,8 +57,9 @@ class RopeScaling:
 
     kind               "linear"  position interpolation: every frequency / ``factor``
                                  (Chen et al. 2023, arXiv:2306.15595, §2.2)
-                       "dynamic" dynamic NTK: base · (factor · S / original - (factor - 1))^(n/(n-2))
-                                 where S = the largest position + 1 of the call exceeds ``original``
+                       "dynamic" dynamic NTK: base · (factor · S / original - (factor - 1))
+                                 ^ (n / (n - 2)) once S = the call's largest position + 1
+                                 exceeds ``original``
                                  (deviation: transformers keeps the largest S of earlier calls
                                  until a call fits the original context again; moeify reads each
                                  call's own S, so the two agree on every single forward and on
