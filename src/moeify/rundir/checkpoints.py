@@ -97,15 +97,22 @@ def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
 
 
 def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
-                          model_config: dict[str, Any] | None = None) -> Checkpoint:
+                          model_config: dict[str, Any] | None = None,
+                          weights_only: bool = False) -> Checkpoint:
     """Load either kind of checkpoint (a checkpoint directory or a run directory's latest) into
     the plain model ``model``. Returns the Checkpoint (for a sharded one ``model_state`` is the
-    model's own state dict and ``train_state`` is empty)."""
+    model's own state dict and ``train_state`` is empty). ``weights_only``: the optimizer state
+    is not read, and the model's tensors become the memory-mapped weights of the file
+    (``load_weights``), dtype included."""
     ckpt_dir = resolve_checkpoint(path)
     if is_sharded_checkpoint(ckpt_dir):
         meta = load_sharded_weights(ckpt_dir, model, model_config=model_config)
         return Checkpoint(path=ckpt_dir, step=int(meta["step"]), model_state=model.state_dict(),
                           train_state={}, meta=meta)
+    if weights_only:
+        loaded = load_weights(ckpt_dir, model_config=model_config)
+        load_model_state(model, loaded, assign=True)
+        return loaded
     loaded = load_checkpoint(ckpt_dir, model_config=model_config)
     load_model_state(model, loaded)
     return loaded
@@ -113,12 +120,9 @@ def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
 
 # ---------------------------------------------------------------------- single-file
 
-def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = None,
-                    map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load and verify a single-file checkpoint (directory or run directory).
-
-    ``model_config``: the ModelConfig dict of the model it is loaded into; a checkpoint written
-    for another model (another preset or other overrides) is refused with a clear message."""
+def _verified(path: str | Path, model_config: dict[str, Any] | None) -> tuple[Path, dict]:
+    """(checkpoint directory, meta) of a single-file checkpoint whose format, model config and
+    file checksums are checked."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     if meta.get("format") != FORMAT_VERSION:
@@ -139,6 +143,16 @@ def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = N
             raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
                               f"recorded when it was written; use an earlier checkpoint "
                               f"({CHECKPOINTS}/step-...) or retrain")
+    return ckpt, meta
+
+
+def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = None,
+                    map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load and verify a single-file checkpoint (directory or run directory).
+
+    ``model_config``: the ModelConfig dict of the model it is loaded into; a checkpoint written
+    for another model (another preset or other overrides) is refused with a clear message."""
+    ckpt, meta = _verified(path, model_config)
     try:
         model_state = load_file(str(ckpt / MODEL_FILE), device=str(map_location))
     except Exception as e:  # safetensors raises its own error types on malformed files
@@ -156,10 +170,63 @@ def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = N
                       train_state=train_state, meta=meta)
 
 
-def load_model_state(model: torch.nn.Module, ckpt: Checkpoint) -> None:
-    """Copy the checkpoint's weights into ``model``, with a clear error when they do not fit."""
+def load_weights(path: str | Path, *, model_config: dict[str, Any] | None = None
+                 ) -> Checkpoint:
+    """A single-file checkpoint's weights only, for inference: verified as ``load_checkpoint``
+    verifies them, the optimizer state (state.pt) checksummed but never unpickled, the tensors
+    memory-mapped from model.safetensors (``mapped_safetensors``) in their stored dtype.
+    ``train_state`` is empty."""
+    ckpt, meta = _verified(path, model_config)
     try:
-        model.load_state_dict(ckpt.model_state, strict=True)
+        model_state = mapped_safetensors(ckpt / MODEL_FILE)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {MODEL_FILE} cannot be read ({e})") \
+            from None
+    refuse_nonfinite(nonfinite_tensors(model_state), f"checkpoint {ckpt} cannot be used",
+                     "the run had diverged when it was written; use an earlier checkpoint")
+    return Checkpoint(path=ckpt, step=int(meta["step"]), model_state=model_state,
+                      train_state={}, meta=meta)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one copy-on-write memory map of it
+    (``torch.from_file(shared=False)``): pages are read from the file when touched and belong
+    to the page cache, not to the process's own memory, until written. A tensor whose offset
+    does not suit its dtype's alignment is copied instead."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= size - 8:
+            raise ValueError("bad header length")
+        header = json.loads(f.read(n))
+    data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        if not 0 <= start <= end <= data.numel():
+            raise ValueError(f"tensor {name} lies outside the file")
+        raw = data[start:end]
+        if start % dtype.itemsize:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(info["shape"])
+    return out
+
+
+def load_model_state(model: torch.nn.Module, ckpt: Checkpoint, *, assign: bool = False
+                     ) -> None:
+    """Copy the checkpoint's weights into ``model`` (``assign``: make them the model's tensors,
+    without a copy), with a clear error when they do not fit."""
+    try:
+        model.load_state_dict(ckpt.model_state, strict=True, assign=assign)
     except RuntimeError as e:
         first = str(e).strip().splitlines()
         raise MoeifyError(f"checkpoint {ckpt.path} does not fit this model (it is from another "
