@@ -9,7 +9,7 @@ import torch
 from moeify.data.tokenizers import ByteTokenizer
 from moeify.rundir import load_trained
 from moeify.rundir.files import model_config_dict, write_run_files
-from moeify.train.checkpoint import save_checkpoint
+from moeify.rundir.write import save_checkpoint
 from moeify.train.config import TrainConfig, resolve_model_config
 
 
