@@ -39,6 +39,7 @@ W=$R/wiki
 L=$R/wiki-3000steps-d256
 S=$R/shakespeare
 F=$R/wiki-followups
+N=$R/wiki-newlayers
 
 # (a) the claim at 1000 steps: dense 8 heads vs SwitchHead, 3 seeds; the same pair at 300 steps
 stage a && sweep --data wiki-excerpt --out "$W" --presets repro-dense,repro-switchhead \
@@ -82,13 +83,14 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
     --budgets 1000 --seeds 0-2
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2
-# (n) the 2024-2025 layers beside stage m's baselines (same recipe, 1000 steps, 3 seeds):
+# (n) the 2024-2025 layers (MoH, Mixture-of-Recursions, ReMoE) in RUNS_DIR/wiki-newlayers, with
+# their own runs of the dense RoPE baseline (same recipe, 1000 steps, 3 seeds, gaps paired by seed;
+# SwitchHead at RoPE against the same baseline is stage m's row):
+# repro-moh is repro-rope-dense's 8 heads as MoH (arXiv 2410.11842), 4 shared + 2 of 4 routed
+# per token (75% of the heads, the paper's main setting), the same parameters (+0.6%: routers);
 # repro-mor is repro-rope-dense built as Mixture-of-Recursions (Middle-Cycle, N_r = 2,
 # expert-choice), the paper's own comparison (fewer parameters, same shape).
 stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
-    --out "$F" --presets repro-rope-dense,repro-mor --budgets 1000 --seeds 0-2
-# repro-remoe is repro-rope-dense with ReMoE feedforwards: the dense MLP split into 8 ReLU
-# experts of 64 (parameter-matched but for the 8 x 128 router), ReLU routing toward k = 2.
-stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
-    --out "$F" --presets repro-rope-dense,repro-remoe --budgets 1000 --seeds 0-2
+    --out "$N" --presets repro-rope-dense,repro-mor,repro-moh,repro-remoe --budgets 1000 \
+    --seeds 0-2
 true
