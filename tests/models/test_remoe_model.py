@@ -44,8 +44,10 @@ def test_repro_row_splits_the_dense_mlp_and_counts_macs_at_the_target():
 
 
 def test_compiled_fullgraph_matches_eager():
+    # SwiGLU experts (the authors'): the registered op's w_up and its gradient are traced too
     torch._dynamo.reset()
-    cfg = _small()
+    cfg = apply_model_overrides(_small(), ("model.feedforward.gated=true",
+                                           "model.feedforward.activation=silu"))
     torch.manual_seed(0)
     eager = cfg.build().train()
     compiled = copy.deepcopy(eager)
