@@ -279,8 +279,8 @@ def ref_remoe_l1(route_ME, k):
 
 
 def ref_remoe_coef_update(lam, sparsity, k, E, alpha):
-    """ReMoE's adaptive coefficient update (Sec. 3): lambda · alpha if the sparsity is below 1 - k/E,
-    else lambda / alpha."""
+    """ReMoE's adaptive coefficient update (Sec. 3): lambda · alpha if the sparsity is below
+    1 - k/E, else lambda / alpha."""
     return lam * alpha if sparsity < 1 - k / E else lam / alpha
 
 

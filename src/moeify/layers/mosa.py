@@ -105,7 +105,8 @@ class MoSAConfig:
     """MoSA attention: ``n_heads`` sparse heads of width ``d_head``, each keeping k = T //
     ``sparsity`` tokens (at least 2), plus ``n_dense_heads`` dense RoPE heads (the paper's
     hybrid; 0 = pure MoSA) and ``n_local_heads`` local heads of window ``local_window`` (the
-    long-sequence hybrid, Sec. 3.4; module docstring). ``pos``: "rope" (the paper's) or "none". ``n_layers``: model depth L
+    long-sequence hybrid, Sec. 3.4; module docstring). ``pos``: "rope" (the paper's) or "none".
+    ``n_layers``: model depth L
     for the init scale s = sqrt(2 / L)."""
 
     d_model: int
@@ -323,8 +324,8 @@ class MoSAAttention(nn.Module):
             gate_BHK = gate_BHK * keep_BHK
         a_BHKC = self._attend(q, k, v, allowed) * gate_BHK[..., None].to(q.dtype)
         ys_BHKD = torch.einsum("bhkc,hcd->bhkd", a_BHKC, self.w_o)
-        # Y = scatter(Y_s, I), summed over heads, then the dense and local heads' output added (under
-        # autocast the two may differ in dtype; the sum promotes)
+        # Y = scatter(Y_s, I), summed over heads, then the dense and local heads' output added
+        # (under autocast the two may differ in dtype; the sum promotes)
         y_BTD = ys_BHKD.new_zeros(B, T, c.d_model).scatter_add(
             1, idx_BHK.reshape(B, H * K, 1).expand(-1, -1, c.d_model),
             ys_BHKD.reshape(B, H * K, c.d_model))

@@ -104,8 +104,8 @@ class Balancing:
         for ff, keys in list(self.lossfree.items()) + list(self.remoe.items()):
             missing = [k for k in keys if k not in out.routing]
             if missing:
-                raise RuntimeError(f"loss-free balancing / ReMoE: the model returned no routing record "
-                                   f"{missing[0]!r}")
+                raise RuntimeError(f"loss-free balancing / ReMoE: the model returned no routing "
+                                   f"record {missing[0]!r}")
         for key, rec in out.routing.items():
             if key.endswith("ff.router"):
                 c = rec.counts[0]
@@ -118,7 +118,8 @@ class Balancing:
     def after_optimizer_step(self) -> dict[str, torch.Tensor]:
         """Once per optimizer step: the update's per-expert counts of every feedforward router
         summed over micro-batches and processes (one all-reduce), the loss-free bias updates
-        and ReMoE's coefficient updates from them; returns the counts by routing key (the trainer logs them)."""
+        and ReMoE's coefficient updates from them; returns the counts by routing key (the
+        trainer logs them)."""
         keys = sorted(self._counts)
         if not keys:
             return {}

@@ -41,9 +41,12 @@ class SlotLayout:
             v = self._memo[per] = torch.div(self.pair_P, per, rounding_mode="floor")
         return v
 
-    def pair_rows(self) -> torch.Tensor:
-        """[P]: the row of each slot's pair under a variable-k plan (``plan.row_N``); the row of
-        pair 0 for padding (``gather_rows`` zeroes those slots)."""
+    def input_rows(self, k: int | None) -> torch.Tensor:
+        """[P]: the input row of each slot's pair: pair // k for ``k`` experts per row, or, with
+        k None, its row under a variable-k plan (``plan.row_N``); padding slots read the row of
+        pair 0 (``gather_rows`` zeroes them)."""
+        if k is not None:
+            return self.rows(k)
         v = self._memo.get("pair_rows")
         if v is None:
             v = self._memo["pair_rows"] = self.plan.row_N.index_select(0, self.pair_P)
@@ -115,6 +118,15 @@ def row_sums(src_PF: torch.Tensor, slot_N: torch.Tensor, weight_N: torch.Tensor 
     return src_PF.new_zeros(M, Fo).index_add_(0, plan.row_N, g)
 
 
+def sums_to_rows(src_PF: torch.Tensor, lay: SlotLayout, weight_N: torch.Tensor | None,
+                 k: int | None) -> torch.Tensor:
+    """The (weighted) sums of each input row's pairs: ``slot_sums`` for ``k`` pairs per row,
+    ``row_sums`` of the variable-k plan with k None."""
+    if k is None:
+        return row_sums(src_PF, lay.slot_N, weight_N, lay.plan)
+    return slot_sums(src_PF, lay.slot_N, weight_N, k)
+
+
 def sum_by_id(src_L: torch.Tensor, ids_L: torch.Tensor, n: int) -> torch.Tensor:
     """out[i] = Σ_{l: ids[l] = i} src[l], [n, ...]: ``zeros(n, ...).index_add_(0, ids, src)``
     (the reference the tests compare against) as one ``embedding_bag`` over the rows sorted by
@@ -142,4 +154,4 @@ def row_dot(a_ND: torch.Tensor, b_ND: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["SlotLayout", "gather_rows", "pair_layout", "row_dot", "row_sums", "slot_sums",
-           "sorted_layout", "sum_by_id"]
+           "sorted_layout", "sum_by_id", "sums_to_rows"]

@@ -12,12 +12,12 @@ per-row counts and offsets besides the sort by expert. No row is padded to a fix
     (gated: act(x[m] @ w1[e_n]) ⊙ (x[m] @ w_up[e_n]) in place of act(x[m] @ w1[e_n]))
 
 How it runs. A slot-layout kernel that is handed gathered rows ("segment", "grouped",
-"padded") runs the ReLU MLP in one autograd Function: the rows gathered into its slots through
-``row_N``, both GEMMs and the ReLU there (its k-free entry points, one row per slot), and the
-gated sum over each row's pairs straight back to [M, D] (``row_sums``: one ``embedding_bag``
-whose bags are the rows). Every other kernel (the ones that read rows themselves, "triton",
-and the whole-contract ones: "reference", "gather", "pairs", "all", "dense") and the gated,
-dropout and non-ReLU forms run the composite: each pair's row gathered once ([N, D]), then the
+"padded") runs the ReLU MLP in the expert MLP's autograd Function (moeify.ops.moe.mlp, with
+k None): the rows gathered into its slots through ``row_N``, both GEMMs and the ReLU there (its
+k-free entry points, one row per slot), and the gated sum over each row's pairs straight back
+to [M, D] (``row_sums``: one ``embedding_bag`` whose bags are the rows). Every other kernel
+(the ones that read rows themselves, "triton", and the whole-contract ones: "reference",
+"gather", "pairs", "all") and the gated, dropout and non-ReLU forms run the composite: each pair's row gathered once ([N, D]), then the
 fixed-k contract with K = 1 per gathered row (two or three ``expert_matmul`` calls sharing the
 plan), then the sum over each row's pairs. Both are exact for every kernel.
 
@@ -39,55 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moeify.ops.amp import amp_backward, amp_forward, autocast_cast, autocast_off
+from moeify.ops.amp import autocast_cast, autocast_off
 from moeify.ops.moe import policy
-from moeify.ops.moe.layout import gather_rows, row_dot, row_sums
 from moeify.ops.moe.matmul import expert_matmul, trace
+from moeify.ops.moe.mlp import _ExpertMLP
 from moeify.ops.moe.plan import RoutingPlan, make_pair_plan
 from moeify.ops.moe.registry import ExpertKernel, get_kernel
 
 # Elementwise activations by name (the registered op takes a name, not a function).
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu,
                "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
-
-
-class _PairExpertMLP(torch.autograd.Function):
-    """The ReLU expert MLP over a variable-k plan in one slot layout (module docstring)."""
-
-    @staticmethod
-    @amp_forward
-    def forward(ctx, x_MD, w1_EDG, w2_EGD, gate_N, kernel, lay):
-        row_P = lay.pair_rows()
-        a_PG = torch.relu_(kernel.forward(gather_rows(x_MD, lay, row_P), w1_EDG, lay))
-        gate_N_ = gate_N.to(x_MD.dtype)
-        y = row_sums(kernel.forward(a_PG, w2_EGD, lay), lay.slot_N, gate_N_, lay.plan)
-        ctx.save_for_backward(x_MD, w1_EDG, w2_EGD, gate_N_, a_PG)
-        ctx.meta = (kernel, lay, gate_N.dtype)
-        return y
-
-    @staticmethod
-    @amp_backward
-    def backward(ctx, grad_y):
-        x_MD, w1_EDG, w2_EGD, gate_N, a_PG = ctx.saved_tensors
-        kernel, lay, gate_dtype = ctx.meta
-        row_P, E = lay.pair_rows(), w1_EDG.shape[0]
-        need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
-        grad_x = grad_w1 = grad_w2 = grad_gate = None
-        g_PD = gather_rows(grad_y.contiguous(), lay, row_P)
-        gate_P = gather_rows(gate_N[:, None], lay, lay.pair_P)  # [P, 1], 0 in padding slots
-        if need_w2:
-            grad_w2 = kernel.weight_grad(a_PG * gate_P, g_PD, lay, E)
-        ga_PG = kernel.input_grad(g_PD, w2_EGD, lay)
-        del g_PD
-        if need_g:
-            grad_gate = row_dot(ga_PG, a_PG).index_select(0, lay.slot_N).to(gate_dtype)
-        dh_PG = torch.ops.aten.threshold_backward(ga_PG.mul_(gate_P), a_PG, 0)
-        del ga_PG
-        if need_w1:
-            grad_w1 = kernel.weight_grad(gather_rows(x_MD, lay, row_P), dh_PG, lay, E)
-        if need_x:
-            grad_x = row_sums(kernel.input_grad(dh_PG, w1_EDG, lay), lay.slot_N, None, lay.plan)
-        return grad_x, grad_w1, grad_w2, grad_gate, None, None
 
 
 def _composite(x_MD, plan, w1_EDG, w2_EGD, gate_N, name, w_up_EDG, activation, dropout,
@@ -147,8 +108,8 @@ def pair_expert_mlp(x_MD: torch.Tensor, plan: RoutingPlan, gate_N: torch.Tensor,
             return _composite(x_MD, plan, w1_EDG, w2_EGD, gate_N, name, w_up_EDG,
                               ACTIVATIONS[activation], dropout, training)
         with trace(name):
-            return _PairExpertMLP.apply(x_MD, w1_EDG, w2_EGD, gate_N, kernel,
-                                        kernel.layout(plan))
+            return _ExpertMLP.apply(x_MD, w1_EDG, w2_EGD, gate_N, kernel, kernel.layout(plan),
+                                    None)
 
 
 def mask_pairs(gates_ME: torch.Tensor) -> tuple[RoutingPlan, torch.Tensor]:
