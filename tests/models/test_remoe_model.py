@@ -1,8 +1,6 @@
 """ReMoE in the model (moeify.models.remoe_presets): the paper rows' shapes and counts, the CPU
 study row against its dense baseline, fullgraph compile equal to eager, a few training steps."""
 
-import copy
-
 import pytest
 import torch
 
@@ -10,6 +8,7 @@ from moeify.layers.remoe import ReMoEConfig
 from moeify.models.cost import model_cost, model_parameters
 from moeify.models.presets import get_preset
 from moeify.train.config import apply_model_overrides
+from lm_checks import compiled_blocks_match_eager, train_steps
 
 SMALL = ("model.d_model=32", "model.n_layers=2", "model.context_length=16",
          "model.feedforward.init_std=0.2")
@@ -45,41 +44,13 @@ def test_repro_row_splits_the_dense_mlp_and_counts_macs_at_the_target():
 
 def test_compiled_fullgraph_matches_eager():
     # SwiGLU experts (the authors'): the registered op's w_up and its gradient are traced too
-    torch._dynamo.reset()
-    cfg = apply_model_overrides(_small(), ("model.feedforward.gated=true",
-                                           "model.feedforward.activation=silu"))
-    torch.manual_seed(0)
-    eager = cfg.build().train()
-    compiled = copy.deepcopy(eager)
-    for block in compiled.blocks:
-        block.compile(fullgraph=True, backend="aot_eager")  # raises on a graph break
-    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-    outs = []
-    for m in (eager, compiled):
-        out = m(ids[:, :-1], ids[:, 1:])
-        (out.loss + out.aux_loss).backward()
-        outs.append((out, {n: p.grad for n, p in m.named_parameters()}))
-    (oe, ge), (oc, gc) = outs
-    torch.testing.assert_close(oc.loss, oe.loss, rtol=0, atol=1e-5)
-    torch.testing.assert_close(oc.aux_loss, oe.aux_loss, rtol=0, atol=1e-6)
-    for name in ge:
-        torch.testing.assert_close(gc[name], ge[name], rtol=1e-4, atol=1e-5, msg=name)
+    eager, compiled = compiled_blocks_match_eager(apply_model_overrides(
+        _small(), ("model.feedforward.gated=true", "model.feedforward.activation=silu")))
     assert torch.equal(compiled.blocks[1].feedforward.usage, eager.blocks[1].feedforward.usage)
 
 
 def test_a_few_training_steps_lower_the_loss():
-    cfg = _small()
-    torch.manual_seed(0)
-    model = cfg.build().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(2))
-    losses = []
-    for _ in range(6):
-        out = model(ids[:, :-1], ids[:, 1:])
-        opt.zero_grad()
-        out.total_loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    model, out, losses = train_steps(_small())
     assert losses[-1] < losses[0] - 0.2
     assert "layers.1.ff.l1" in out.losses
     assert model.blocks[1].feedforward.w_router.grad.abs().sum() > 0
