@@ -38,6 +38,7 @@ def test_repro_row_splits_the_dense_mlp_and_counts_macs_at_the_target():
     assert pd["feedforward"] == 4 * (2 * 128 * 512 + 512 + 128)
     assert pr["feedforward"] == 4 * (2 * 128 * 512 + 8 * 128)
     assert pr["attention"] == pd["attention"]
+    assert remoe.feedforward[0].init_std == 0.0625  # sqrt(2 / 4) / sqrt(128): the family's
     row = model_cost(remoe).remoe[0]
     assert row["macs_per_token"] == 8 * 128 + 2 * (2 * 128 * 64)  # target k = 2
 
