@@ -56,7 +56,7 @@ def _dense_switch(x_MD, w_RD, w_in, w_out, keep_MK, choices):
 
 
 def _params(m):
-    return [m.w_router, m.w_in, m.w_out]
+    return [m.w_router, m.experts.w_in, m.experts.w_out]
 
 
 def _check_against_dense(m, x_BTD, valid_BT=None, capacity=None):
@@ -97,9 +97,9 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
     m = SwitchFFConfig(d_model=6, d_ff=5, n_experts=4, k=k, dropless=True, bias=True,
                        activation=activation, expert_impl=impl).build().double()
     with torch.no_grad():  # non-zero biases, so that a misplaced one shows
-        m.bias_in.normal_()
+        m.experts.bias_in.normal_()
         m.bias_out.normal_()
-    params = [m.w_router, m.w_in, m.w_out, m.bias_in, m.bias_out]
+    params = [m.w_router, m.experts.w_in, m.experts.w_out, m.experts.bias_in, m.bias_out]
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     y, _ = m(x)
     refs = [p.detach().clone().requires_grad_() for p in params]
@@ -298,7 +298,7 @@ def test_router_is_float32_with_low_precision_inputs(mode):
 def test_init_is_a_tenth_of_the_usual_scale():
     torch.manual_seed(6)
     m = SwitchFFConfig(d_model=128, d_ff=256, n_experts=8).build()
-    for w, fan_in in ((m.w_router, 128), (m.w_in, 128), (m.w_out, 256)):
+    for w, fan_in in ((m.w_router, 128), (m.experts.w_in, 128), (m.experts.w_out, 256)):
         std = math.sqrt(0.1 / fan_in)
         assert abs(w.std().item() / (0.8796 * std) - 1) < 0.05  # trunc-normal at 2 std
         assert w.abs().max().item() <= 2 * std + 1e-7

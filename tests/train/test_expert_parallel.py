@@ -351,8 +351,8 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
                        nprocs=2, join=True, start_method="fork")
     two = torch.load(out)
     kinds = two["kinds"]  # what each parameter was on process 0
-    assert kinds["blocks.0.feedforward.w_in"] == ("ep", "S(0)", 2)
-    assert kinds["blocks.1.feedforward.w_out"] == ("ep", "S(0)", 2)
+    assert kinds["blocks.0.feedforward.experts.w_in"] == ("ep", "S(0)", 2)
+    assert kinds["blocks.1.feedforward.experts.w_out"] == ("ep", "S(0)", 2)
     assert kinds["blocks.0.feedforward.w_router"][0] == "world"  # FSDP2 shard
     assert kinds["embedding.weight"][0] == "world"
     for s in range(1, 11):

@@ -403,14 +403,14 @@ def _experts_state(w: _Weights, f: SwitchFFConfig, h: str, ours: str):
     if (w.prefix + fused) in w.tensors:
         gate_up = w(fused)  # [E, 2F, D]: gate rows first, then up
         F = gate_up.shape[1] // 2
-        sd[ours + "w_gate"] = gate_up[:, :F].transpose(1, 2)
-        sd[ours + "w_in"] = gate_up[:, F:].transpose(1, 2)
-        sd[ours + "w_out"] = w(h + block + "experts.down_proj").transpose(1, 2)
+        sd[ours + "experts.w_gate"] = gate_up[:, :F].transpose(1, 2)
+        sd[ours + "experts.w_in"] = gate_up[:, F:].transpose(1, 2)
+        sd[ours + "experts.w_out"] = w(h + block + "experts.down_proj").transpose(1, 2)
     else:
         def stack(name):
             return torch.stack([w(f"{h}{block}experts.{e}.{name}.weight").t()
                                 for e in range(f.n_experts)])
-        sd[ours + "w_gate"], sd[ours + "w_in"], sd[ours + "w_out"] = (
+        sd[ours + "experts.w_gate"], sd[ours + "experts.w_in"], sd[ours + "experts.w_out"] = (
             stack(g), stack(u), stack(d))
     if f.shared is not None:
         sd.update(_gated_mlp_state(w, h + block + "shared_expert.", ours + "shared."))

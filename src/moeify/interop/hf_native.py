@@ -368,9 +368,9 @@ def _native_tensors(kind: str, cfg, sd: _Tracked) -> dict[str, torch.Tensor]:
         out[h + block + "gate.weight"] = sd[ff + "w_router"]
         for e in range(f.n_experts):
             x = f"{h}{block}experts.{e}."
-            out[x + f"{g}.weight"] = sd[ff + "w_gate"][e].t()
-            out[x + f"{u}.weight"] = sd[ff + "w_in"][e].t()
-            out[x + f"{d}.weight"] = sd[ff + "w_out"][e].t()
+            out[x + f"{g}.weight"] = sd[ff + "experts.w_gate"][e].t()
+            out[x + f"{u}.weight"] = sd[ff + "experts.w_in"][e].t()
+            out[x + f"{d}.weight"] = sd[ff + "experts.w_out"][e].t()
         if f.shared is not None:
             out.update(_swiglu(sd, ff + "shared.", h + block + "shared_expert."))
             out[h + block + "shared_expert_gate.weight"] = sd[ff + "shared_gate.weight"]

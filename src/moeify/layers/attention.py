@@ -26,7 +26,6 @@ from moeify.layers.common import (
     check_positive,
     init_scale,
     project_by_input,
-    rename_legacy_keys,
     trunc_normal_exact_std_,
 )
 from moeify.layers.kv_cache import KVCache
@@ -58,13 +57,6 @@ def core_config(cfg, *, n_heads: int, n_kv_heads: int | None = None, xl_heads: i
                                xl_biases=xl_biases, rope_fraction=cfg.rope_fraction,
                                rope_base=cfg.rope_base, attn_dropout=cfg.attn_dropout,
                                attn_impl=cfg.attn_impl)
-
-
-def rename_legacy_core_keys(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Checkpoints written before the core existed hold ``w_pos`` (and the dense ``bias_u``,
-    ``bias_v``, ``scale``) on the layer itself: load them into ``core.*``
-    (moeify.layers.common.rename_legacy_keys)."""
-    rename_legacy_keys(module, {n: "core." + n for n in names})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +106,6 @@ class DenseAttention(nn.Module):
         self.w_o = nn.Parameter(torch.empty(hc, D))
         self.core = AttentionCore(core_config(c, n_heads=c.n_heads, xl_biases=True))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos", "bias_u", "bias_v", "scale"))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

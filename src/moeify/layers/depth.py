@@ -62,7 +62,6 @@ from moeify.layers.common import (
     check_token_input,
     init_scale,
     register_usage,
-    rename_legacy_keys,
 )
 from moeify.ops.depth_routing import (
     causal_route,
@@ -131,7 +130,6 @@ class MixtureOfDepths(nn.Module):
                 nn.Linear(config.d_model, config.predictor_hidden), nn.ReLU(),
                 nn.Linear(config.predictor_hidden, 1))
         register_usage(self, "usage", (2,))
-        rename_legacy_keys(self, {"router_D": "w_router", "router_bias": "bias_router"})
         self.reset_parameters()
 
     @torch.no_grad()

@@ -36,7 +36,7 @@ from torch import nn
 
 from moeify.layers.attention import check_inputs, core_config
 from moeify.layers.attention_core import AttentionCore, check_core_fields
-from moeify.layers.common import (Aux, check_positive, init_scale, later_option,
+from moeify.layers.common import (Aux, check_positive, init_scale,
                                   trunc_normal_exact_std_)
 from moeify.layers.kv_cache import KVCache
 from moeify.layers.norm import RMSNorm
@@ -64,8 +64,8 @@ class GroupedQueryAttentionConfig:
     n_layers: int = 1
     attn_dropout: float = 0.0
     attn_impl: str = "auto"
-    qk_norm: str = later_option("none")
-    qk_norm_eps: float = later_option(1e-6)
+    qk_norm: str = "none"
+    qk_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "n_kv_heads", "d_head", "n_layers")

@@ -35,7 +35,6 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
-    rename_legacy_core_keys,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -123,7 +122,6 @@ class MoAAttention(nn.Module):
         # one head shared by the slots.
         self.core = AttentionCore(core_config(c, n_heads=c.k, n_kv_heads=1, xl_heads=1))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos",))
         register_usage(self, "usage", (E,))
         self.reset_parameters()
 

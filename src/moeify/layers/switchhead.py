@@ -54,7 +54,6 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
-    rename_legacy_core_keys,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -65,10 +64,8 @@ from moeify.layers.common import (
     check_positive,
     destination_validity,
     init_scale,
-    later_option,
     project_by_input,
     register_usage,
-    rename_legacy_keys,
     routing_record,
     renorm_rows_,
 )
@@ -114,7 +111,7 @@ class SwitchHeadConfig:
     rope_base: float = 10000.0
     attn_impl: str = "auto"
     expert_impl: str = "auto"
-    entropy_coef: float = later_option(0.0)
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         check_positive(self, "n_heads", "n_experts", "k")
@@ -202,9 +199,6 @@ class SwitchHeadAttention(nn.Module):
                 self.w_router_dst = nn.Parameter(torch.empty(X, D))
         self.core = AttentionCore(core_config(c, n_heads=H))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos",))
-        rename_legacy_keys(self, {"w_sel": "w_router", "w_sel_src": "w_router_src",
-                                  "w_sel_dst": "w_router_dst"})
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
             register_usage(self, f"usage_{p}", (H, E))

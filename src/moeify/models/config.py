@@ -264,10 +264,7 @@ def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {"type": type(value).__name__}
         for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if f.metadata.get("omit_default") and v == f.default:
-                continue  # moeify.layers.common.later_option: JSON as before the field existed
-            out[f.name] = _encode(v)
+            out[f.name] = _encode(getattr(value, f.name))
         return out
     if isinstance(value, (set, frozenset)):
         return sorted(_encode(v) for v in value)

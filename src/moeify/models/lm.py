@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
-from moeify.layers.common import Dropout, PooledEntropy, RoutingStats
+from moeify.layers.common import Dropout, GlobalBalance, PooledEntropy, RoutingStats
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.moeut import PeriNormBlock
 from moeify.layers.norm import NormConfig
@@ -79,6 +79,9 @@ class LMOutput:
               ops per routing record and token).
     routing:  the routing records (RoutingStats, ``layer`` set), keyed "layers.{i}.{record}"
               (e.g. "layers.0.attn.src", "layers.1.ff.router", "layers.1.mod").
+    balance:  the global-batch balance losses (``GlobalBalance``), keyed as in ``losses``, where
+              each is taken over this forward's tokens; a trainer retakes them with the counts
+              of its whole update (moeify.train.balancing).
     memory:   the XL memory for the next call (list of [B, T, D], detached), or None.
     """
 
@@ -89,6 +92,7 @@ class LMOutput:
     layer_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     memory: list[torch.Tensor] | None = None
     routing: dict[str, RoutingStats] = field(default_factory=dict)
+    balance: dict[str, GlobalBalance] = field(default_factory=dict)
 
     @property
     def total_loss(self) -> torch.Tensor | None:
@@ -173,6 +177,7 @@ class TransformerLM(nn.Module):
         stats: dict[str, torch.Tensor] = {}
         routing: dict[str, RoutingStats] = {}
         pooled: dict[str, PooledEntropy] = {}
+        balance: dict[str, GlobalBalance] = {}
         for i, block in enumerate(self.layer_blocks()):
             if keep_memory:
                 new_memory.append(x_BTD.detach())
@@ -185,6 +190,9 @@ class TransformerLM(nn.Module):
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = r.with_layer(i)
+            for k, b in aux.balance.items():
+                balance[f"layers.{i}.{k}"] = b
+                losses[f"layers.{i}.{k}"] = b.loss()
             # Pooled terms (MoEUT's regularisers) add up over every application of a block
             # (layer i runs block i mod G) and are keyed by its first layer, i mod G.
             for k, p in aux.pooled.items():
@@ -198,7 +206,7 @@ class TransformerLM(nn.Module):
                     else x_BTD.new_zeros((), dtype=torch.float32))
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
                         layer_stats=stats, memory=new_memory if keep_memory else None,
-                        routing=routing)
+                        routing=routing, balance=balance)
 
     def _check_forward_args(self, ids_BT, targets_BT, memory, cache, valid_BT) -> None:
         """ValueError (what to pass instead) for inputs ``forward`` cannot use."""
@@ -278,6 +286,13 @@ def build_block(config: LMConfig, attn, ff, depth) -> nn.Module:
     if depth is None:
         return block
     return MixtureOfDepths(depth, block)
+
+
+def feedforward_of(block: nn.Module) -> nn.Module:
+    """The feedforward module of a block, looking through a depth-routing wrapper."""
+    while not isinstance(block, TransformerBlock):
+        block = block.block
+    return block.feedforward
 
 
 def attention_of(block: nn.Module) -> nn.Module:

@@ -49,6 +49,7 @@ from moeify.train import checkpoint as ckpt_io
 from moeify.train.config import (TrainConfig, check_resume_compatible, read_train_config,
                                  resolve_model_config)
 from moeify.train import parallel
+from moeify.train.activation_checkpointing import apply_activation_checkpointing
 from moeify.train.balancing import Balancing
 from moeify.train import sharded as sharded_io
 from moeify.train.distributed import (DistEnv, PeerLost, peer_lost_message, pick_device,
@@ -253,6 +254,7 @@ class Trainer:
         self.ep = None
         if cfg.expert_parallel > 1:
             self.ep = ExpertParallel(self.model, cfg.expert_parallel, self.device)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpointing)  # in place
         # Compiled and/or sharded in place, or wrapped by DDP; before the optimizer, which must
         # see the sharded parameters under FSDP.
         self.train_model: torch.nn.Module = parallel.parallelize(
@@ -546,10 +548,10 @@ class Trainer:
                 with autocast_context(self.device, self.amp_dtype):
                     out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem,
                                            return_logits=False)
-                self.balancing.after_forward(out)
-                total = (out.loss + out.aux_loss) / cfg.grad_accum
+                aux_loss = self.balancing.after_forward(out)  # global-batch losses retaken
+                total = (out.loss + aux_loss) / cfg.grad_accum
                 self.scaler.scale(total).backward()
-            sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
+            sums_2 += torch.stack([out.loss.detach().float(), aux_loss.detach().float()])
             if out.memory is not None:
                 new_memory.append(out.memory)
         if self.ep is not None:

@@ -134,12 +134,12 @@ def to_sigma_moe(ff: DenseFeedForward | MLP, *, n_experts: int, k: int | None = 
         w_router_ED = small_router((E, c.d_model), s / c.d_model ** 0.5, router_scale, gen)
     moe = SigmaMoE(cfg)
     with torch.no_grad():
-        moe.w_in.copy_(w_in_EDG)
+        moe.experts.w_in.copy_(w_in_EDG)
         # 1 / sigmoid(0) = 2: the gates start at about 1/2 (module docstring).
-        moe.w_out.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
+        moe.experts.w_out.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
         moe.w_router.copy_(w_router_ED)
         if b1 is not None:
-            moe.bias_in.copy_(b1[perm_F].view(E, G))
+            moe.experts.bias_in.copy_(b1[perm_F].view(E, G))
             moe.bias_out.copy_(b2)
     return moe
 
@@ -180,12 +180,12 @@ def to_switch(ff: DenseFeedForward | MLP, *, n_experts: int, k: int = 1, noise: 
                                           b1.mean().item())
     moe = SwitchFeedForward(cfg)
     with torch.no_grad():
-        moe.w_in.copy_(w_in_EDF)
+        moe.experts.w_in.copy_(w_in_EDF)
         # Gates start at 1/E each, k of them: E / k restores the dense output (docstring).
-        moe.w_out.copy_(w_out_EFD * (E / k))
+        moe.experts.w_out.copy_(w_out_EFD * (E / k))
         moe.w_router.copy_(small_router(tuple(moe.w_router.shape),
                                         (0.1 / c.d_model) ** 0.5, router_scale, gen))
         if b_in_EF is not None:
-            moe.bias_in.copy_(b_in_EF)
+            moe.experts.bias_in.copy_(b_in_EF)
             moe.bias_out.copy_(b2)
     return moe
