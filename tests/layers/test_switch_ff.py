@@ -358,3 +358,15 @@ def test_one_token_per_sequence_is_dropless_even_when_sequences_collide():
     assert aux.stats["fraction_dropped"].item() == 0.0
     _, aux_chunk = m(x.view(1, 6, 8))  # the same tokens as one sequence: capacity applies
     assert aux_chunk.stats["fraction_dropped"].item() > 0.0
+
+
+def test_tied_gates_keep_the_routers_tie_break():
+    """Re-sorting the chosen gates best first is stable: with every score equal (a zero router)
+    the choices stay in the router's documented order, lowest expert first, on every token."""
+    m = SwitchFFConfig(d_model=8, d_ff=4, n_experts=6, k=3, dropless=True).build()
+    with torch.no_grad():
+        m.w_router.zero_()
+    seen = []
+    m.experts.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
+    m(torch.randn(4, 64, 8))
+    assert torch.equal(seen[0], torch.tensor([[0, 1, 2]]).expand(4 * 64, 3))

@@ -214,6 +214,25 @@ def test_config_from_dict_rejects_unknown():
         ModelConfig.from_dict(d)
 
 
+def test_a_layer_module_that_fails_to_import_says_so(monkeypatch):
+    """A layer module that cannot be imported is named with its error, not taken for a module
+    without the config (which read as "unknown layer config type"); other tags still read."""
+    import sys
+
+    from moeify.errors import MoeifyError
+    from moeify.models import config as config_mod
+
+    monkeypatch.setitem(sys.modules, "moeify.layers.broken_for_test", None)  # import fails
+    monkeypatch.setattr(config_mod, "LAYER_CONFIG_MODULES",
+                        ("moeify.layers.broken_for_test",) + config_mod.LAYER_CONFIG_MODULES)
+    d = small().to_dict()
+    assert ModelConfig.from_dict(d) == small()
+    d["attention"][0]["type"] = "BrokenConfig"
+    with pytest.raises(MoeifyError, match=r"moeify\.layers\.broken_for_test failed to import "
+                                          r"\(ModuleNotFoundError"):
+        ModelConfig.from_dict(d)
+
+
 def test_forward_rejects_bad_calls():
     m = model_of(small())
     ids = torch.randint(0, 50, (1, 8))
