@@ -1,4 +1,4 @@
-"""The layering rule of ARCHITECTURE: an arrow means "may import".
+"""The layering rule (docs/layout.md): an arrow means "may import".
 
     ops <- layers <- models <- rundir <- train / eval / bench / analysis / interop <- sweep <- cli
     data <- rundir, train / eval / bench;   analysis never imports train.

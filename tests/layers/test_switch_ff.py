@@ -1,4 +1,4 @@
-"""Switch feedforward against a dense transcription of Switch Transformer (moe-family.md, Switch),
+"""Switch feedforward against a dense transcription of Switch Transformer (Fedus et al. 2022, §2),
 with capacity dropping replayed by a plain loop in the position-priority order.
 
 Legend: M tokens, E real experts, R = E + no-op experts router outputs, K choices, D d_model."""

@@ -178,7 +178,7 @@ class SigmaMoE(nn.Module):
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
         c = self.config
-        logits_ME = router_logits(x_MD, self.w_router)  # float32 even under autocast (spec)
+        logits_ME = router_logits(x_MD, self.w_router)  # float32 even under autocast
         exclude_ME = None
         if self.training and c.expert_dropout > 0:
             exclude_ME = torch.rand_like(logits_ME) < c.expert_dropout
@@ -186,7 +186,8 @@ class SigmaMoE(nn.Module):
                            bias=self.expert_bias if c.lossfree_rate > 0 else None)
         gates_MK = top.gates
         if exclude_ME is not None:
-            # A dropped expert's score is 0 (spec): picked only when fewer than k survive.
+            # A dropped expert's score is 0 (sigma-MoE §3, expert dropout): picked only when
+            # fewer than k survive.
             gates_MK = gates_MK.masked_fill(exclude_ME.gather(-1, top.idx), 0.0)
         return logits_ME, gates_MK, top.idx
 

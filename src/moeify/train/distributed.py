@@ -1,7 +1,7 @@
 """Data-parallel process group handling (torchrun; gloo on CPU, NCCL on CUDA).
 
 The only place besides the trainer that touches torch.distributed: model code is written for one
-device and data parallelism is applied from outside (ARCHITECTURE). A process group that the
+device and data parallelism is applied from outside (docs/layout.md). A process group that the
 caller already initialised (tests do, with torch.multiprocessing) is used as it is; otherwise
 one is created when torchrun's WORLD_SIZE > 1.
 """

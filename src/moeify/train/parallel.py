@@ -1,4 +1,4 @@
-"""Parallelism and compilation, applied to a model from outside (ARCHITECTURE: the model code is
+"""Parallelism and compilation, applied to a model from outside (docs/layout.md: the model code is
 written for one device; layers never touch torch.distributed).
 
     parallel="ddp"   DistributedDataParallel: every process holds the whole model, gradients are
