@@ -6,7 +6,7 @@ import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times, kernel_profile
 from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
-from moeify.ops.moe.kernels.triton import unavailable_reason
+from moeify.ops.moe.kernels.scatter_gemm import unavailable_reason
 from moeify.ops.moe.policy import planless
 
 

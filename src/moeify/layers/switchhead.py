@@ -24,9 +24,9 @@ one selection matrix serves both sides, and in self-attention its scores are com
 
 Speed: each selection's top-k is taken once and its routing plan built once (``make_plan``,
 grouped by head: ``group_size=E``); every expert matmul sharing it reuses that plan and the
-layouts cached on it. On CPU that is the set layout (moeify.ops.moe.switchhead: the (token,
+layouts cached on it. On CPU that is the set layout (moeify.ops.moe.cpu.sets: the (token,
 head) units sorted by their set of k experts, each set's k matrices side by side in one matmul)
-once there are enough units per set, else the padded layout (moeify.ops.moe.kernels.padded: one
+once there are enough units per set, else the padded layout (moeify.ops.moe.cpu.padded: one
 batched matmul for all H·E experts); the policy (moeify.ops.moe.policy) decides. Source-side experts run with rows = source tokens, ids = h·E + e
 and ``groups=H`` and come out as [B, H, S, C], the layout attention takes, so the gate-weighted
 sum per head never materialises a [rows, k, C] tensor; O experts run with rows = destination
@@ -72,9 +72,10 @@ from moeify.layers.common import (
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import sequence_prob_sums
 from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
+from moeify.ops.moe.cpu.decoding import gated_group_sum_all, gated_sum_of_all
+from moeify.ops.moe.cpu.policy import decodes_all
 from moeify.ops.moe.matmul import trace
-from moeify.ops.moe.policy import decodes_all, planless
-from moeify.ops.moe.switchhead import gated_group_sum_all, gated_sum_of_all
+from moeify.ops.moe.policy import planless
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
