@@ -73,7 +73,7 @@ def ref_switchhead(att, h, x):
 
 def ref_sigma_moe(ff, x, r):
     """Experts on x, the selection on r = LN2(x): Σ_k g_k · relu(x W1[e_k]) W2[e_k]. The
-    sigma-MoE router works in float32 from its inputs on (arXiv 2310.10837, §3)."""
+    sigma-MoE router works in float32 from its inputs on (arXiv 2310.10837)."""
     B, T, _ = x.shape
     s = torch.sigmoid(r.float() @ ff.w_router.float().t()).reshape(B * T, E_FF)
     g, idx = s.topk(K_FF, -1)

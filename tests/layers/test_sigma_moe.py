@@ -1,4 +1,4 @@
-"""sigma-MoE against dense einsum transcriptions of its formula (arXiv 2310.10837, §3, Eq. 8-11).
+"""sigma-MoE against dense einsum transcriptions of its formula (arXiv 2310.10837).
 
 Legend: M tokens, E experts, G expert size, D d_model."""
 
@@ -204,7 +204,7 @@ def test_router_runs_in_float32_for_low_precision_inputs():
 
 
 def test_router_runs_in_float32_under_autocast():
-    # Mixed-precision training (SwitchHead paper, appendix) must not put the selection in half precision.
+    # Mixed-precision training (SwitchHead appendix) must not put the selection in half precision.
     torch.manual_seed(10)
     m = SigmaMoEConfig(d_model=32, n_experts=8, expert_size=4, k=2, entropy_coef=1.0).build()
     x = torch.randn(4, 16, 32)

@@ -117,7 +117,7 @@ def test_cached_decoding_equals_full_forward(attention, pos, xl):
     pieces = [m(ids[:, :4], cache=cache).logits]
     for t in range(4, 7):
         pieces.append(m(ids[:, t:t + 1], cache=cache).logits)
-    # SwitchHead selects in float32 (SwitchHead paper §2) even in a float64 model
+    # SwitchHead selects in float32 (SwitchHead Eq. 7-10) even in a float64 model
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-6)
 
 
@@ -128,7 +128,7 @@ def test_embedding_and_output_layer():
     assert m.output.weight.data_ptr() != m.embedding.weight.data_ptr()  # untied
     torch.manual_seed(0)
     big = TransformerLM(dataclasses.replace(cfg, vocab_size=4000))
-    # embedding std 1/sqrt(d) (SwitchHead paper, appendix)
+    # embedding std 1/sqrt(d) (SwitchHead appendix)
     assert abs(big.embedding.weight.std().item() * cfg.d_model ** 0.5 - 1) < 0.03
 
 

@@ -1,5 +1,5 @@
 """Presets: every one builds on the meta device, lands on its paper row's parameter count, and its
-name says what it builds. The expectations are transcribed from SwitchHead, arXiv 2312.07987 (Table 9),
+name says what it builds. The expectations are transcribed from SwitchHead Table 9,
 §8 (Table 6) and §6 (MoA: d_h = 88, E = 10), independently of moeify.models.presets."""
 
 import json
@@ -210,7 +210,7 @@ def test_repro_family_is_registered_with_the_others_and_parameter_matched(capsys
     dense = get_preset("repro-dense")
     sh, moa = get_preset("repro-switchhead"), get_preset("repro-moa")
     a = sh.attention_layers()[0]
-    # SwitchHead paper §3: H·E equals the baseline's head count; the parameter budget is matched.
+    # SwitchHead §3: H·E equals the baseline's head count; the parameter budget is matched.
     assert isinstance(a, SwitchHeadConfig) and a.n_heads * a.n_experts == 8
     assert isinstance(moa.attention_layers()[0], MoAConfig)
     total = {n: model_parameters(get_preset(n))["total"] for n in REPRO}

@@ -63,7 +63,8 @@ def core_config(cfg, *, n_heads: int, n_kv_heads: int | None = None, xl_heads: i
 class DenseAttentionConfig:
     """Multi-head attention with H heads of width d_head, no biases (the paper's baselines).
 
-    n_layers: model depth L, for the init std sqrt(2 / (L · fan_in)) (SwitchHead paper, appendix, dense baseline).
+    n_layers: model depth L, for the init std sqrt(2 / (L · fan_in)) (SwitchHead appendix, dense
+    baseline).
     attn_dropout: dropout on attention probabilities (0 in every paper run).
     attn_impl: "auto" (SDPA where no XL term) or "reference" (explicit softmax).
     """
@@ -109,7 +110,8 @@ class DenseAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Every projection trunc-normal (±2 std) with std sqrt(2 / (L · fan_in)) (SwitchHead paper, appendix),
+        """Every projection trunc-normal (±2 std) with std sqrt(2 / (L · fan_in)) (SwitchHead
+        appendix),
         rescaled to exactly that std as the authors' code does (trunc_normal_exact_std_)."""
         s = init_scale(self.config.n_layers)
         for w in (self.w_q, self.w_k, self.w_v, self.w_o) + (

@@ -437,7 +437,7 @@ def check_token_input(who: str, x_BTD: torch.Tensor, d_model: int,
 
 def init_scale(n_layers: int) -> float:
     """s = sqrt(2 / L), the depth scale of the SwitchHead and sigma-MoE initialisation
-    (SwitchHead, arXiv 2312.07987, §3 and appendix; sigma-MoE, arXiv 2310.10837, §3)."""
+    (SwitchHead appendix; sigma-MoE, arXiv 2310.10837, its initialisation)."""
     return math.sqrt(2.0 / n_layers)
 
 
@@ -461,7 +461,7 @@ def trunc_normal_exact_std_(w: torch.Tensor, std: float) -> torch.Tensor:
 @torch.no_grad()
 def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
     """Rescale every row of a selection matrix to the same L2 norm while keeping the overall
-    standard deviation (SwitchHead, arXiv 2312.07987, §3; the authors' renorm_keep_std): no expert starts with a
+    standard deviation (SwitchHead §3; the authors' renorm_keep_std): no expert starts with a
     larger router norm than another."""
     std = w_XD.std()
     w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))

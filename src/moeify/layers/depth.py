@@ -1,7 +1,8 @@
 """Mixture-of-Depths (Raposo et al. 2024): a scalar router decides which tokens of each sequence a
 whole block (attention + feedforward) processes; the others skip it unchanged.
 
-Training and teacher-forced evaluation (no cache), per sequence of T tokens (Raposo et al. 2024, arXiv 2404.02258, §3):
+Training and teacher-forced evaluation (no cache), per sequence of T tokens
+(Raposo et al. 2024, arXiv 2404.02258):
 
     r_t    = wᵀ x_t + b                              scalar router, float32
     sel    = top-C tokens by r, C = ceil(capacity · T) (at least 1), in ascending position

@@ -115,7 +115,7 @@ class GroupedQueryAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """As the dense baseline: trunc-normal rescaled to std sqrt(2 / (L · fan_in))
-        (SwitchHead, arXiv 2312.07987, appendix), biases zero."""
+        (SwitchHead appendix), biases zero."""
         s = init_scale(self.config.n_layers)
         for lin in (self.w_q, self.w_k, self.w_v, self.w_o):
             trunc_normal_exact_std_(lin.weight, s / lin.in_features ** 0.5)

@@ -1,4 +1,4 @@
-"""MoA, Mixture of Attention heads (Zhang et al., EMNLP 2022, arXiv 2210.05144, §3).
+"""MoA, Mixture of Attention heads (Zhang et al., EMNLP 2022, arXiv 2210.05144).
 
 Shape legend
     B batch     T destination (query) tokens    S source (key/value) tokens, memory included
@@ -59,7 +59,7 @@ from moeify.ops.routing import selection_logits, softmax_topk
 class MoAConfig:
     """Mixture of attention heads: E experts, k selected per token (``n_heads`` is k).
 
-    n_layers: model depth L for the init s = sqrt(2 / L) (as SwitchHead, SwitchHead paper, appendix).
+    n_layers: model depth L for the init s = sqrt(2 / L) (as SwitchHead, its appendix).
     renormalize: rescale the k kept gates to sum to 1 (off in the authors' code).
     balance_coef, z_coef, cv_coef: auxiliary-loss coefficients (MoA's defaults).
     """

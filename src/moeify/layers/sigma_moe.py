@@ -2,14 +2,15 @@
 Feedforward Networks for Efficient Transformers"); the feedforward half of SwitchAll.
 
 A two-layer ReLU MLP of hidden size E·G cut into E experts of G hidden units each. Per token
-(the paper's §3, Eq. 8-11):
+(the paper's σ-MoE):
 
     s   = sigmoid(x · W_routerᵀ)                   float32, [E]
     sel = top-k of s                                (indices carry no gradient)
     y   = sum over e in sel of  s_e · ReLU(x · W_in,e) · W_out,e    no biases
 
 (the paper's keys K_e and values V_e are ``experts.w_in`` [E, D, G] and ``experts.w_out``
-[E, G, D], moeify.layers.experts; ``w_router`` [E, D] is its W_sel. ``bias`` and ``activation`` generalise the expert to
+[E, G, D], moeify.layers.experts; ``w_router`` [E, D] is its W_sel. ``bias`` and ``activation``
+generalise the expert to
 act(x · W_in,e + b_e) · W_out,e, plus an ungated output bias: the form of a dense MLP with
 biases and another activation, for upcycling.)
 
@@ -162,7 +163,7 @@ class SigmaMoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        # sigma-MoE §3 (initialisation): keys and selection N(0, s²/d), values N(0, s²/(E·G)),
+        # sigma-MoE's initialisation: keys and selection N(0, s²/d), values N(0, s²/(E·G)),
         # selection rows renormalised to equal norm.
         c = self.config
         s = init_scale(c.n_layers)
@@ -186,7 +187,7 @@ class SigmaMoE(nn.Module):
                            bias=self.expert_bias if c.lossfree_rate > 0 else None)
         gates_MK = top.gates
         if exclude_ME is not None:
-            # A dropped expert's score is 0 (sigma-MoE §3, expert dropout): picked only when
+            # A dropped expert's score is 0 (sigma-MoE's expert dropout): picked only when
             # fewer than k survive.
             gates_MK = gates_MK.masked_fill(exclude_ME.gather(-1, top.idx), 0.0)
         return logits_ME, gates_MK, top.idx

@@ -1,7 +1,7 @@
 """Switch Transformer feedforward (Fedus, Zoph, Shazeer, JMLR 2022), with the router z-loss of
 ST-MoE (Zoph et al. 2022) and the no-op experts of integrated MoDE (Raposo et al. 2024, §4).
 
-Per token (Switch Transformer §2.1, Eq. 1-2; ST-MoE §4 for the router z-loss):
+Per token (Switch Transformer §2.1; ST-MoE for the router z-loss):
 
     p = softmax(W_r · x)                 float32 ("selective precision"), over E + Z outputs
     top-k of p (k = 1 in the paper)      choices ordered best first

@@ -1,4 +1,5 @@
-"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024, arXiv 2312.07987, §2 and appendix).
+"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024,
+arXiv 2312.07987: Eq. 7-10 and the appendix).
 
 Shape legend
     B batch     T destination (query) tokens    S source (key/value) tokens, memory included
@@ -90,7 +91,7 @@ class SwitchHeadConfig:
     experts: which projections are experts, a subset of {"q", "k", "v", "o"} (default V and O).
     shared_selection: one selection matrix for both sides (Tables 4 and 8); needs experts on both
         sides (V or K, and O or Q).
-    n_layers: model depth L for the init s = sqrt(2 / L) (SwitchHead paper, appendix).
+    n_layers: model depth L for the init s = sqrt(2 / L) (SwitchHead appendix).
     attn_dropout: dropout on attention probabilities (never used in the paper).
     entropy_coef: MoEUT's attention entropy regulariser delta (0.001 in MoEUT; 0 = none, as the
         SwitchHead paper), pooled per sequence over a shared layer's applications.
@@ -154,7 +155,7 @@ class SwitchHeadConfig:
 
     def param_count(self) -> int:
         """Per projection: H·E·d·d_h as experts, d·H·d_h dense; d·H·E per selection matrix;
-        d·H·d_h for the XL position projection (SwitchHead paper §2; §6's n_sels)."""
+        d·H·d_h for the XL position projection (SwitchHead Eq. 7-10; §6's n_sels)."""
         D, H, C, E = self.d_model, self.n_heads, self.d_head, self.n_experts
         n = sum(H * E * D * C if p in self.experts else D * H * C for p in EXPERT_NAMES)
         n += self.n_selections * D * H * E

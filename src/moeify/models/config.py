@@ -48,7 +48,7 @@ BLOCKS = ("pre_ln", "peri_ln")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only language model (SwitchHead, arXiv 2312.07987, appendix).
+    """A decoder-only language model (SwitchHead appendix).
 
     vocab_size:     tokens in the vocabulary (8000 BPE for the paper's text presets).
     d_model:        residual width d.

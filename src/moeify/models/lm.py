@@ -1,4 +1,4 @@
-"""TransformerLM: the decoder-only language model of SwitchHead, arXiv 2312.07987, appendix, assembled from layers.
+"""TransformerLM: the decoder-only language model of the SwitchHead appendix, assembled from layers.
 
     x = Drop(Embed(ids) [+ Pos(p)])           embedding std 1/sqrt(d); Pos: learned absolute
                                               positions when max_positions > 0 (GPT-2)
@@ -135,7 +135,7 @@ class TransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """Embedding and output layer only; every layer initialises itself (§3)."""
         d = self.config.d_model
-        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # SwitchHead, arXiv 2312.07987, appendix
+        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # SwitchHead appendix
         if self.config.max_positions:  # not in the papers: the token embedding's scale
             nn.init.normal_(self.pos_embedding.weight, std=d ** -0.5)
         if self.output is None:

@@ -1,4 +1,4 @@
-"""Parameter matching (SwitchHead, arXiv 2312.07987, §3): turn a dense baseline into a SwitchHead (or MoA) model
+"""Parameter matching (SwitchHead §3): turn a dense baseline into a SwitchHead (or MoA) model
 with (slightly) fewer attention parameters and a feedforward that absorbs the remainder.
 
 The procedure, which reproduces the paper's Table 9 choices:

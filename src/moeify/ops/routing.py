@@ -36,7 +36,7 @@ def router_logits(x_MD: torch.Tensor, w_ED: torch.Tensor,
 
 def selection_logits(x_MD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """x · wᵀ for attention-expert selection: in the input's precision, except under autocast,
-    where it goes through ``router_logits`` so the scores stay float32 (SwitchHead paper §2)."""
+    where it goes through ``router_logits`` so the scores stay float32 (SwitchHead Eq. 7-10)."""
     if torch.is_autocast_enabled(x_MD.device.type):
         return router_logits(x_MD, w_ED)
     return x_MD @ w_ED.t()

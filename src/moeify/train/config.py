@@ -44,7 +44,7 @@ TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """A training run (SwitchHead, arXiv 2312.07987, appendix), with defaults adapted to the tiny CPU presets.
+    """A training run (SwitchHead appendix), with defaults adapted to the tiny CPU presets.
 
     The paper's recipe is Adam(W) lr 2.5e-4, betas (0.9, 0.999), no weight decay, cosine decay
     (T_max = 100k) after an optional linear warm-up, 100k steps of batch 64, gradient clipping
@@ -305,7 +305,7 @@ def check_finite_number(name: str, value: Any) -> None:
 
 
 def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
-    """The published training recipe for a paper preset (SwitchHead, arXiv 2312.07987, appendix): Adam lr 2.5e-4,
+    """The published training recipe for a paper preset (SwitchHead appendix): Adam lr 2.5e-4,
     100k steps of cosine decay, fp16; batch size, warm-up and clipping from the preset's row."""
     row = find_preset(preset)
     if row.recipe is None:

@@ -1,4 +1,4 @@
-"""The training loop (SwitchHead, arXiv 2312.07987, appendix): AdamW, warm-up + cosine, clipping, accumulation,
+"""The training loop (SwitchHead appendix): AdamW, warm-up + cosine, clipping, accumulation,
 autocast, XL memory across steps, validation, atomic checkpoints, exact resume, data parallel.
 
 Shape legend: B rows of this process per update, b rows per micro-batch (B / grad_accum),

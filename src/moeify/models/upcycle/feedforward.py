@@ -8,7 +8,7 @@ experts take the same activation (``SigmaMoEConfig.activation`` / ``SwitchFFConf
 so everything stated below holds for every activation. A gated MLP (SwiGLU: Llama, Mistral,
 Qwen2) is refused: its experts would need a third matrix W_gate, which neither expert has.
 
-sigma-MoE (arXiv 2310.10837, §3: its experts are slices of one MLP): the F hidden units are
+sigma-MoE (arXiv 2310.10837: its experts are slices of one MLP): the F hidden units are
 permuted and cut into E experts of G = F / E units; expert e's keys (``w_in``) are its units'
 rows of W1, its values (``w_out``) their columns of W2, its bias (``bias_in``) their b1
 (``SigmaMoEConfig.bias``), and b2 becomes the layer's ungated output bias (``bias_out``). The
