@@ -176,7 +176,7 @@ def _ratio(a, b):
     return None if a is None or b is None or not b else a / b
 
 
-# Over 60 lines: one side-by-side timing loop whose ratios must come from the same run.
+# One side-by-side timing loop: the ratios must come from the same run.
 def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
                     tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
                     textbook: bool = True, memory: bool = True, warmup: int = 2,
