@@ -42,6 +42,10 @@ from moeify.train.distributed import DistEnv
 FEEDFORWARD_KINDS = ("sigma_moe", "switch")
 
 
+def _lossfree(module) -> bool:
+    return getattr(getattr(module, "config", None), "lossfree_rate", 0.0) > 0
+
+
 class Balancing:
     """The per-update balancing state of one training run (built once by the trainer)."""
 
@@ -49,8 +53,11 @@ class Balancing:
         self.env = env
         # The feedforward of every layer position (its routing records carry the position).
         self.feedforwards = [feedforward_of(b) for b in model.layer_blocks()]
-        self.lossfree = {ff for ff in self.feedforwards
-                         if getattr(getattr(ff, "config", None), "lossfree_rate", 0.0) > 0}
+        self.lossfree = {ff for ff in self.feedforwards if _lossfree(ff)}
+        if any(_lossfree(m) and m not in self.lossfree for m in model.modules()):
+            raise ValueError("loss-free balancing (lossfree_rate > 0) works on the feedforwards "
+                             "of the model's blocks, not inside Mixture-of-Recursions; set "
+                             "model.feedforward.lossfree_rate=0 for this model")
         self._counts: dict[str, torch.Tensor] = {}  # routing key -> the update's counts so far
         self._owner: dict[str, torch.nn.Module] = {}  # routing key -> its feedforward
         self._global: dict[str, torch.Tensor] = {}  # balance key -> the update's top-1 counts
