@@ -80,18 +80,20 @@ def test_compile_true_trains_exactly_like_eager(env, monkeypatch):
 def test_activation_checkpointing_with_compile_trains_like_eager(env, monkeypatch):
     """activation_checkpointing=block with compile=true (blocks traced by dynamo and AOT
     autograd, the checkpointed region recomputed in the compiled backward), on Switch with the
-    global-batch balance loss and 2 micro-batches: the same losses as the plain eager run."""
+    global-batch balance loss and 2 micro-batches (one block, to keep the tracing short): the
+    same losses as the plain eager run."""
     tmp, corpus = env
     torch._dynamo.reset()
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
-    kw = dict(steps=3, grad_accum=2, model_overrides=SMALL + (
-        "model.feedforward.balance_scope=global",))
+    kw = dict(steps=2, grad_accum=2, model_overrides=(
+        "model.d_model=32", "model.n_layers=1", "model.context_length=16",
+        "model.feedforward.balance_scope=global"))
     eager = train(_cfg(corpus, "tiny-switch", **kw), tmp / "eager", quiet=True)
     both = train(_cfg(corpus, "tiny-switch", compile=True, activation_checkpointing="block",
                       **kw), tmp / "ac", quiet=True)
-    for s in (1, 2, 3):
+    for s in (1, 2):
         assert abs(both.losses[s] - eager.losses[s]) < 1e-5, (s, both.losses, eager.losses)
 
 
