@@ -39,19 +39,57 @@ Shape legend: B batch, H heads (MoA: experts), T queries, S keys / sources, C he
 D sinusoid width (d_model for the attention layers).
 """
 
+import math
+
 import torch
 
 f64 = torch.float64
 
 
-def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0):
-    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64."""
+def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0, freq=None, scale=1.0):
+    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64;
+    ``freq`` replaces the frequencies and ``scale`` multiplies the rotation (YaRN)."""
     half = n_rot // 2
     z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
-    freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
+    if freq is None:
+        freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
     theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
+    z = z * torch.exp(1j * theta) * scale
     return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
+
+
+def ref_llama3_freq(n_rot, base, factor, low, high, original):
+    """Llama 3.1's frequencies one at a time: wavelength 2π/ω above original/low is
+    interpolated (ω / factor), below original/high kept, and blended linearly in
+    original/wavelength between."""
+    out = []
+    for i in range(n_rot // 2):
+        w = base ** (-2.0 * i / n_rot)
+        wavelen = 2 * math.pi / w
+        if wavelen < original / high:
+            out.append(w)
+        elif wavelen > original / low:
+            out.append(w / factor)
+        else:
+            s = (original / wavelen - low) / (high - low)
+            out.append((1 - s) * w / factor + s * w)
+    return torch.tensor(out, dtype=f64)
+
+
+def ref_yarn_freq(n_rot, base, factor, original, beta_fast, beta_slow):
+    """YaRN's frequencies one at a time (Peng et al. 2023, Eq. 17-18 with transformers'
+    floor / ceil of the correction range): dimension i keeps ω_i above the range, ω_i / factor
+    below it, and a linear ramp in i between."""
+    def dim(rotations):
+        return n_rot * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), n_rot - 1)
+    out = []
+    for i in range(n_rot // 2):
+        w = base ** (-2.0 * i / n_rot)
+        ramp = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: extrapolate, 1: interpolate
+        out.append(w * (1 - ramp) + w / factor * ramp)
+    return torch.tensor(out, dtype=f64)
 
 
 def ref_sinusoid(dist, D):
@@ -301,6 +339,24 @@ def ref_moh(x_BTD, w_q_HDC, w_k_GDC, w_v_GDC, w_o_HCD, *, n_shared, k, router="l
     if b_o is not None:
         y = y + b_o
     return y, (R * (f * P).sum() if R else None)
+
+
+def ref_switchhead_selection_init(w_XD):
+    """SwitchHead's selection-matrix initialisation as the authors' code defines it
+    (``SwitchHeadCore.renorm_rows``, github.com/RobertCsordas/moeut; arXiv 2312.07987), one row
+    at a time: row i is its unit vector u_i times its own unbiased standard deviation s_i,
+    divided by the unbiased standard deviation of the matrix of unit vectors."""
+    X, D = w_XD.shape
+    units, stds = [], []
+    for i in range(X):
+        row = w_XD[i]
+        mean = row.sum() / D
+        stds.append((((row - mean) ** 2).sum() / (D - 1)).sqrt())
+        units.append(row / (row * row).sum().sqrt())
+    u = torch.stack(units)
+    mu = u.sum() / (X * D)
+    sigma = (((u - mu) ** 2).sum() / (X * D - 1)).sqrt()
+    return torch.stack([units[i] * stds[i] / sigma for i in range(X)])
 
 
 def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=None):

@@ -241,3 +241,17 @@ def test_train_names_no_private_layer_member():
                 problems += [f"{f.relative_to(ROOT)}:{node.lineno} imports {a.name}"
                              for a in node.names if a.name.startswith("_")]
     assert not problems, "train names private layer members:\n" + "\n".join(problems)
+
+
+def test_the_run_directory_package_owns_checkpoint_writing_and_the_run_lock():
+    """Checkpoints are written (single-file and sharded) and runs locked in rundir/ only, so
+    interop, upcycling and sweep write and lock runs without importing train."""
+    owned = {"save_checkpoint", "save_sharded", "publish_checkpoint", "restore_sharded",
+             "RunLock", "sweep_stale", "set_aside"}
+    found = []
+    for f in ROOT.rglob("*.py"):
+        for node in ast.parse(f.read_text()).body:  # top level only (Trainer has methods)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in owned:
+                found.append((f.relative_to(ROOT).parts[0], node.name))
+    assert {name for _, name in found} == owned
+    assert {pkg for pkg, _ in found} == {"rundir"}, found

@@ -67,7 +67,7 @@ def run(args) -> int:
     from moeify.train.config import TrainConfig, read_train_config
     from moeify.train.distributed import configure_cpu_threads
     from moeify.rundir import load_trained
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
@@ -97,6 +97,10 @@ def run(args) -> int:
     cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
                               model=model.config.to_dict(), **explicit
                               ).with_overrides(args.overrides)
+    from moeify.cli.train import apply_finetune_defaults, with_data_identity
+
+    cfg = with_data_identity(cfg, None if args.data else src_dir)
+    cfg = apply_finetune_defaults(cfg, args, context=model.config.context_length)
     # Written beside --out and renamed at the end: a failure (a full disk) or a kill leaves no
     # half-made run directory; a killed attempt's temporary directory is swept by the next.
     with atomic_directory(out, "upcycle") as tmp:
