@@ -74,17 +74,26 @@ def triton_ok(x: torch.Tensor) -> bool:
 
 
 def compiled_impl(impl: str, x: torch.Tensor, w: torch.Tensor) -> str:
-    """The kernel a compiled graph's registered op runs: a slot-layout kernel (the graph's
-    sparse layout), decided from what tracing knows. ``impl`` itself when it is one; on CUDA
-    the device and dtype decide "auto" (no routing is needed for it); else "auto", which the
-    op resolves at run time among the slot-layout kernels from the routing
-    (``choose_impl(..., layouts_only=True)``). Kernels that run the whole contract themselves
-    (the dense ones, "sets") give way to "auto"."""
-    if impl != "auto" and isinstance(get_kernel(impl), ExpertKernel):
-        return resolve_name(impl, x, w)
+    """The kernel a compiled graph runs, decided from what tracing knows: ``impl`` itself when
+    it is a slot-layout kernel (run inside the registered op: the graph's sparse layout) or a
+    traceable one (traced in place); on CUDA the device and dtype decide "auto" (no routing is
+    needed for it); else "auto", which the op resolves at run time among the slot-layout
+    kernels from the routing (``choose_impl(..., layouts_only=True)``). Kernels that run the
+    whole contract themselves with host-side work (the reference, "gather", "sets", the
+    decoding layouts) give way to "auto"."""
+    if impl != "auto":
+        kernel = get_kernel(impl)
+        if isinstance(kernel, ExpertKernel) or getattr(kernel, "traceable", False):
+            return resolve_name(impl, x, w)
     if x.device.type == "cuda":
         return choose_impl("auto", x, w)
     return "auto"
+
+
+def traced(name: str) -> WholeKernel | None:
+    """The kernel ``name`` when torch.compile traces it in place of the registered op."""
+    kernel = get_kernel(name) if name != "auto" else None
+    return kernel if isinstance(kernel, WholeKernel) and kernel.traceable else None
 
 
 def resolved_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: torch.Tensor,
@@ -96,4 +105,4 @@ def resolved_impl(impl: str, x_MD: torch.Tensor, idx_MK: torch.Tensor, w_EDF: to
 
 
 __all__ = ["choose_impl", "compiled_impl", "planless", "resolve_name", "resolved_impl",
-           "triton_ok"]
+           "traced", "triton_ok"]
