@@ -19,17 +19,39 @@ def register(sub) -> None:
 
 def _add_expert_matmul(bsub) -> None:
     """``moeify bench expert-matmul``."""
-    em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs an equal-MAC "
-                         "dense matmul (forward+backward)",
-                         description="Every expert-matmul implementation (ops/moe/kernels/) "
-                         "on M random rows routed to K of E experts with gates, [M, D] x [E, D, "
-                         "F], forward+backward, against one dense matmul with the same "
-                         "multiply-adds: median time of the repeats and the ratio to dense.")
+    em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs the equal-MAC "
+                         "dense matmuls (forward+backward); the per-device kernel table",
+                         description="Every expert-matmul implementation (ops/moe/kernels/, "
+                         "ops/moe/cpu/) on M random rows routed to K of E experts with gates, "
+                         "[M, D] x [E, D, F], forward+backward, each output first checked "
+                         "against the reference, against the two dense matmuls with the same "
+                         "multiply-adds ([M*K, D] x [D, F] route-shaped, [M, D] x [D, K*F] "
+                         "concatenated): median time of the repeats and the ratios. With "
+                         "--preset-shapes: the presets' layer shapes, and the kernel table "
+                         "that expert_impl=auto reads on CUDA (--write-table).")
     em.add_argument("--rows", "-M", type=int, default=8192, dest="M", help="rows (tokens)")
     em.add_argument("-K", type=int, default=2, help="experts per row")
     em.add_argument("-E", type=int, default=8, help="number of experts")
     em.add_argument("-D", type=int, default=512, help="input width")
     em.add_argument("-F", type=int, default=64, help="output width")
+    em.add_argument("--groups", type=positive_int, default=1,
+                    help="gated sums over this many groups of the K (SwitchHead's value "
+                    "experts: the heads); default 1")
+    em.add_argument("--sum-rows", type=positive_int, default=1, dest="sum_rows",
+                    help="gated sums over this many consecutive rows (SwitchHead's output "
+                    "experts: the heads); default 1")
+    em.add_argument("--preset-shapes", action="store_true",
+                    help="instead of one shape, every expert-matmul shape of the --table-preset "
+                    "layers at --batch (SwitchHead's value and output experts): the per-device "
+                    "kernel table that expert_impl=auto reads on CUDA")
+    em.add_argument("--table-preset", action="append", metavar="NAME",
+                    help="preset whose shapes --preset-shapes measures (repeatable; default "
+                    "wt103-47m-switchhead and wt103-262m-switchhead)")
+    em.add_argument("--batch", type=positive_int, default=64,
+                    help="sequences per batch for --preset-shapes (default 64, the paper's)")
+    em.add_argument("--write-table", metavar="PATH",
+                    help="with --preset-shapes: write the kernel table there (e.g. "
+                    "src/moeify/ops/moe/tables/h100.json for the H100 class)")
     em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the tensors' dtype")
     em.add_argument("--device", default="cpu",
@@ -236,14 +258,27 @@ def run_expert_matmul(args) -> int:
 
     _check_device(args.device)
 
+    if args.write_table and not args.preset_shapes:
+        raise ValueError("--write-table writes the table of --preset-shapes: add it")
+    if args.preset_shapes:
+        from moeify.bench.expert_matmul import TABLE_PRESETS, bench_kernel_table, table_summary
+
+        if args.peer or args.profile:
+            raise ValueError("--preset-shapes measures the kernel table: run --peer and "
+                             "--profile at one shape")
+        res = bench_kernel_table(tuple(args.table_preset or TABLE_PRESETS), batch=args.batch,
+                                 dtype=getattr(torch, args.dtype), device=args.device,
+                                 impls=args.impl, repeats=args.repeats, path=args.write_table)
+        emit(res, table_summary(res), args.json)
+        return 0
     peers = {}
     for spec in args.peer or ():
         kind, path = parse_peer(spec)
         peers[kind] = load_peer(kind, path)
-    res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F,
-                              dtype=getattr(torch, args.dtype), device=args.device,
-                              impls=args.impl, repeats=args.repeats, profile=args.profile,
-                              peers=peers)
+    res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F, groups=args.groups,
+                              sum_rows=args.sum_rows, dtype=getattr(torch, args.dtype),
+                              device=args.device, impls=args.impl, repeats=args.repeats,
+                              profile=args.profile, peers=peers)
     emit(res, table(res), args.json)
     return 0
 

@@ -122,7 +122,7 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
     compiling = torch.compiler.is_compiling()
     # Under torch.compile: a traceable kernel's own MLP, else the composite, two registered
     # expert-matmul ops whose kernel the policy picks inside them (moeify.ops.moe.compiled).
-    name = (policy.compiled_impl(impl, x_MD, w1_EDG) if compiling else
+    name = (policy.compiled_impl(impl, x_MD, w1_EDG, n_pairs=idx_MK.numel()) if compiling else
             policy.choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True))
     kernel = get_kernel(name) if name != "auto" else None
     plain = not (training and dropout > 0) and bias_EG is None and activation is None
