@@ -22,9 +22,17 @@ BASELINES = (ROUTE, CONCAT)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
+# Not timed unless named: the reference, and the decoding layouts (made for a handful of rows:
+# ``moeify bench generate`` measures them where they apply). The kernel table also leaves out
+# the gathered baseline (never a choice, and its [M·K, D, F] weight copies exhaust a GPU at the
+# 262M shapes).
+DEFAULT_SKIP = ("reference", "pairs", "all")
+TABLE_SKIP = DEFAULT_SKIP + ("gather",)
+
+
 def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
                         dtype=torch.float32, device="cpu", impls=None, warmup=2, repeats=7,
-                        seed=0, profile=False, peers=None) -> dict:
+                        seed=0, profile=False, peers=None, skip=DEFAULT_SKIP) -> dict:
     """Forward+backward time of each implementation and of the two dense matmuls with the same
     number of multiply-adds, measured side by side (median of ``repeats``): route-shaped,
     [M*K, D] x [D, F] (what the SwitchHead authors' kernels are compared with), and
@@ -79,11 +87,9 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
             a.grad = b.grad = None
         return fn
 
-    # By default not the reference, nor the decoding layouts (made for a handful of rows:
-    # ``moeify bench generate`` measures them where they apply), nor a kernel that cannot run
-    # on these operands ("triton" off CUDA, "grouped" at widths grouped_mm cannot take); a
-    # kernel named in ``impls`` runs or raises.
-    skip = ("reference", "pairs", "all")
+    # By default not ``skip``, nor a kernel that cannot run on these operands ("triton" off
+    # CUDA, "grouped" at widths grouped_mm cannot take); a kernel named in ``impls`` runs or
+    # raises.
     impls = list(impls or [i for i in IMPLEMENTATIONS if i not in skip
                            and get_kernel(i).unavailable(x, w) is None])
 
@@ -144,7 +150,8 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
         "errors": errors,
         "fastest_vs_dense": times[fastest] / base,
         "fastest_vs_concat": times[fastest] / base_concat,
-        "fastest_speedup_vs_gather": times["gather"] / times[fastest] if "gather" in times else None,
+        "fastest_speedup_vs_gather": (times["gather"] / times[fastest] if "gather" in times
+                                      else None),
         **({"peer_errors": peer_errors} if peer_errors else {}),
         **({"profile": profiles} if profiles is not None else {}),
     }
@@ -236,7 +243,8 @@ def bench_kernel_table(presets=TABLE_PRESETS, *, batch: int = 64, dtype=torch.bf
     for shape in preset_shapes(presets, batch):
         res = bench_expert_matmul(shape["M"], shape["K"], shape["E"], shape["D"], shape["F"],
                                   groups=shape["groups"], sum_rows=shape["sum_rows"],
-                                  dtype=dtype, device=device, impls=impls, repeats=repeats)
+                                  dtype=dtype, device=device, impls=impls, repeats=repeats,
+                                  skip=TABLE_SKIP)
         results.append(dict(res, name=shape["name"]))
     table = kernel_table(results, device_info(device),
                          source or f"moeify bench expert-matmul --preset-shapes, batch {batch}")

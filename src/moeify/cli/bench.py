@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -85,6 +86,9 @@ def _add_attention(bsub) -> None:
                     help="tokens per batch when --batch is not given (default 2048: 8 x 256, "
                     "4 x 512)")
     at.add_argument("--no-textbook", action="store_true", help="skip the textbook dense row")
+    at.add_argument("--expert-impl", action="append", metavar="KERNEL", dest="expert_impls",
+                    help="run each expert-attention case with this expert-matmul kernel forced "
+                    "(repeatable, 'auto' for the policy's choice): rows 'NAME [KERNEL]'")
     at.add_argument("--ops", type=nonnegative_int, default=0, metavar="N",
                     help="also split each case's forward+backward by ATen operation (timed as "
                     "dispatched): GEMMs vs the rest, and the N slowest operations")
@@ -105,7 +109,16 @@ def _add_step(bsub) -> None:
                     "preset is put first when it has no dense attention; repeatable; default: "
                     "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
     st.add_argument("--batch", type=int, default=4, help="sequences per training step")
-    _common(st, warmup=1)
+    _common(st, warmup=1, compile=False)
+    st.add_argument("--compile", nargs="?", type=_compile_modes, default=None,
+                    const=list(STEP_COMPILE_MODES), metavar="MODES",
+                    help="also time every model torch.compile'd, beside the eager one: rows "
+                    "'NAME compiled' (mode default) and 'NAME cuda-graphs' (mode "
+                    "reduce-overhead: CUDA graphs); --compile alone takes both, or name them "
+                    "comma-separated")
+    st.add_argument("--no-compiled-memory", action="store_true",
+                    help="with --compile: measure the peak memory of the eager rows only (each "
+                    "compiled row's measurement compiles again in a fresh process)")
     st.set_defaults(func=run_step)
 
 
@@ -182,6 +195,19 @@ def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,
                        help="also time every case torch.compile'd, beside the eager one")
 
 
+# torch.compile modes of ``bench step --compile`` (moeify.bench.step.COMPILE_MODES; named here
+# so that parsing the command line does not load torch).
+STEP_COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def _compile_modes(value: str) -> list[str]:
+    modes = [m for m in value.split(",") if m]
+    if not modes or any(m not in STEP_COMPILE_MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"compile modes are a comma-separated list of "
+                                         f"{', '.join(STEP_COMPILE_MODES)}; got {value!r}")
+    return modes
+
+
 def _openmp_policy(args) -> None:
     """``--omp-wait passive``: let idle OpenMP threads sleep between parallel regions. libgomp's
     default (what ``moeify train`` and ``generate`` run under) spins them for a while first. On
@@ -231,7 +257,8 @@ def run_attention(args) -> int:
     res = bench_attention(args.preset or DEFAULT_PRESETS, batch=args.batch, tokens=args.tokens,
                           device=args.device, dtype=args.dtype, textbook=not args.no_textbook,
                           memory=not args.no_memory, warmup=args.warmup, repeats=args.repeats,
-                          compile=args.compile, ops=args.ops)
+                          compile=args.compile, ops=args.ops,
+                          expert_impls=tuple(args.expert_impls or ()))
     emit(res, table(res), args.json)
     return 0
 
@@ -244,7 +271,8 @@ def run_step(args) -> int:
     _setup_threads(args)
     res = bench_step(args.preset or DEFAULT_STEP_PRESETS, batch=args.batch, device=args.device,
                      dtype=args.dtype, memory=not args.no_memory, warmup=args.warmup,
-                     repeats=args.repeats, compile=args.compile)
+                     repeats=args.repeats, compile=args.compile,
+                     compiled_memory=not args.no_compiled_memory)
     emit(res, table(res), args.json)
     return 0
 

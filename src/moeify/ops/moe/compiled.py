@@ -106,7 +106,8 @@ expert_matmul_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def expert_matmul_op(x, idx, w, gates, groups: int, sum_rows: int, plan, impl: str):
     """The expert matmul inside a compiled graph (module docstring): [M, K, F], [M / R, F] or
-    [M, G, F]; a traceable kernel (``policy.traced``) is traced in place of the op. ``plan`` only lends its expert grouping (the op rebuilds the sort)."""
+    [M, G, F]; a traceable kernel (``policy.traced``) is traced in place of the op. ``plan``
+    only lends its expert grouping (the op rebuilds the sort)."""
     name = policy.compiled_impl(impl, x, w, n_pairs=idx.numel())
     kernel = policy.traced(name)
     if kernel is not None:  # static shapes: traced in place
