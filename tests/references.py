@@ -15,6 +15,17 @@ against. There is one copy of each, so a fix to a reference reaches every test t
 - Default positions (spec §1, XL memory): queries are the last T of the S sources
   [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
 
+- Mixture-of-Recursions (Bae et al., NeurIPS 2025, arXiv 2507.10524, Sec. 2.2.1): expert-choice
+  (Eq. 2): at step r, g_t = alpha * sigmoid(theta_r . H_t) (or alpha * tanh); the step keeps the
+  floor(beta_r * T) (at least 1) candidates with the largest g (ties: lowest position), the
+  candidates being the tokens the previous step kept; a kept token becomes
+  H_t + g_t * f(H_t), f run on the kept tokens of the sequence alone at their positions; the
+  auxiliary loss is the mean over the step's candidates of the binary cross-entropy of the
+  logit against "kept". Token-choice (Eq. 3): g = alpha * softmax(Theta^T H^1) over N_r depths,
+  i = argmax; the token runs f i + 1 times (ungated in between) among the tokens still running,
+  and ends as H^1 + g_i * f(...); balance loss N_r * sum_i f_i P_i (f_i the share of tokens at
+  depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2.
+
 Nothing here imports moeify. A reference built on the library's own positional code would test
 that code against itself.
 
@@ -194,3 +205,69 @@ def assert_same_outputs_and_gradients(y, y_ref, x, x_ref, params, refs):
     torch.testing.assert_close(x.grad, x_ref.grad)
     for p, r in zip(params, refs):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=None):
+    """Mixture-of-Recursions expert-choice routing, one sequence and one step at a time.
+    ``f(x_1KD, pos_1K, r)`` is the shared stack as step r. Returns (out, the summed auxiliary
+    BCE over the steps, [kept position lists per step and row])."""
+    B, T, _ = x_BTD.shape
+    rows, bce, kept = [], 0.0, []
+    losses = [[] for _ in betas]  # per step: (row's BCE sum, row's candidates)
+    for b in range(B):
+        n = T if valid_BT is None else int(valid_BT[b].sum())
+        h = x_BTD[b, :n]
+        cand = list(range(n))
+        kept_b = []
+        for r, beta in enumerate(betas):
+            logit = h @ w_ND[r]
+            g = alpha * torch.sigmoid(logit) if gate == "sigmoid" else alpha * torch.tanh(logit)
+            k = max(1, int(beta * n))
+            order = sorted(cand, key=lambda t: (-float(g[t].detach()), t))
+            sel = sorted(order[:k])
+            y = f(h[sel][None], torch.tensor(sel)[None], r)[0]
+            target = torch.tensor([1.0 if t in sel else 0.0 for t in cand], dtype=h.dtype)
+            z = logit[cand]
+            # BCE with logits, written out: max(z, 0) - z y + log(1 + exp(-|z|))
+            term = (z.clamp_min(0) - z * target + torch.log1p(torch.exp(-z.abs()))).sum()
+            losses[r].append((term, len(cand)))
+            upd = h.clone()
+            upd[sel] = h[sel] + g[sel][:, None] * y
+            h, cand = upd, sel
+            kept_b.append(sel)
+        rows.append(torch.cat([h, x_BTD[b, n:]], 0))
+        kept.append(kept_b)
+    for per_row in losses:
+        bce = bce + sum(t for t, _ in per_row) / sum(c for _, c in per_row)
+    return torch.stack(rows), bce, kept
+
+
+def ref_mor_token(x_BTD, w_ND, f, gate="softmax", alpha=1.0):
+    """Mixture-of-Recursions token-choice routing, one sequence at a time. ``f(x_1KD, pos_1K, r)``
+    is the shared stack as step r. Returns (out, balance loss, z-loss, depth_BT)."""
+    B, T, _ = x_BTD.shape
+    N = w_ND.shape[0]
+    logits = x_BTD @ w_ND.t()
+    probs = alpha * (torch.softmax(logits, -1) if gate == "softmax" else torch.sigmoid(logits))
+    depth = probs.argmax(-1)
+    rows = []
+    for b in range(B):
+        h = x_BTD[b].clone()
+        out = x_BTD[b].clone()
+        for r in range(N):
+            run = [t for t in range(T) if int(depth[b, t]) >= r]
+            if not run:
+                continue
+            y = f(h[run][None], torch.tensor(run)[None], r)[0]
+            h = h.clone()
+            out = out.clone()
+            for j, t in enumerate(run):
+                if int(depth[b, t]) == r:
+                    out[t] = x_BTD[b, t] + probs[b, t, r] * y[j]
+                else:
+                    h[t] = y[j]
+        rows.append(out)
+    share = torch.stack([(depth == i).double().mean() for i in range(N)])
+    balance = N * (share * probs.reshape(-1, N).mean(0)).sum()
+    zl = torch.logsumexp(logits, -1).square().mean()
+    return torch.stack(rows), balance, zl, depth

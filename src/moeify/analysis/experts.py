@@ -69,7 +69,7 @@ class UsageTable:
 
 
 _ORDER = {("switchhead", "src"): 0, ("switchhead", "dst"): 1, ("moa", ""): 2,
-          ("sigma_moe", ""): 3, ("switch", ""): 3, ("mod", ""): 4}
+          ("sigma_moe", ""): 3, ("switch", ""): 3, ("mod", ""): 4, ("mor", ""): 5}
 
 
 def _group(r: RoutingStats) -> tuple[int, str]:

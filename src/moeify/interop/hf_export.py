@@ -57,6 +57,11 @@ def hf_config(model_cfg, hf_source: dict | None) -> dict:
                           "routing decoding cache is not a transformers cache layer; use the "
                           "run directory with moeify's own generate")
 
+    if getattr(model_cfg, "recursion", None) is not None:
+        raise MoeifyError("Hugging Face export does not apply to Mixture-of-Recursions: its "
+                          "recursion-wise cache (one KV cache per recursion step and shared "
+                          "block) is not a transformers cache layer; use the run directory "
+                          "with moeify's own generate")
     src = hf_source or {}
     cfg = {"model_type": "moeify", "architectures": ["MoeifyForCausalLM"],
            "auto_map": {"AutoConfig": "configuration_moeify.MoeifyConfig",

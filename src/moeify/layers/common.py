@@ -64,7 +64,8 @@ from moeify.ops.routing import count_selections
 
 
 ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\u03c3-MoE experts",
-                 "switch": "Switch experts", "mod": "MoD fraction routed"}
+                 "switch": "Switch experts", "mod": "MoD fraction routed",
+                 "mor": "MoR recursion depths"}
 
 
 class RoutingStats:

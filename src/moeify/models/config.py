@@ -22,6 +22,7 @@ from typing import Any
 from moeify.layers.common import check_positive, check_probability
 from moeify.layers.feedforward import SigmaMoEConfig
 from moeify.layers.norm import NormConfig
+from moeify.layers.recursion import MoRConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM
 
@@ -36,12 +37,13 @@ LAYER_CONFIG_MODULES = (
     "moeify.layers.mlp",
     "moeify.layers.norm",
     "moeify.layers.mosa",
+    "moeify.layers.recursion",
 )
 
 # Fields written to JSON only when they differ from their default, so that the model.json and
 # checkpoint records of models without them read exactly as before these options existed.
 OPTIONAL_FIELDS = ("norm", "max_positions", "tie_embeddings", "output_bias", "group_size",
-                   "block")
+                   "block", "recursion")
 BLOCKS = ("pre_ln", "peri_ln")
 
 
@@ -73,6 +75,11 @@ class ModelConfig:
     block:          "pre_ln" (the papers' pre-LN block, layers/block.py) or "peri_ln" (MoEUT's
                     peri-layernorm, layers/moeut.py; SwitchHead attention, sigma-MoE
                     feedforward, no XL memory).
+    recursion:      None, or a MoRConfig (Mixture-of-Recursions, layers/recursion.py): the
+                    layers between the unshared first and last (Middle-Cycle; all layers with
+                    Cycle sharing) are N_r repetitions of one shared stack whose first
+                    (n_layers - 2) / N_r layer configs build it, and a router picks each
+                    token's number of repetitions. No XL memory, group_size or depth routing.
     """
 
     vocab_size: int
@@ -90,6 +97,7 @@ class ModelConfig:
     output_bias: bool = True
     group_size: int = 0
     block: str = "pre_ln"
+    recursion: Any = None
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "d_model", "n_layers", "context_length")
@@ -112,6 +120,7 @@ class ModelConfig:
         for name in ("attention", "feedforward", "depth"):
             object.__setattr__(self, name, self._pattern(name, getattr(self, name)))
         self._check_grouping()
+        self._check_recursion()
         if self.xl_memory and any(d is not None for d in self.depth):
             # The memory would hold tokens a routed block never saw (layers/depth.py).
             raise ValueError("depth routing (Mixture-of-Depths) cannot be combined with XL "
@@ -138,6 +147,21 @@ class ModelConfig:
             if self.xl_memory:
                 raise ValueError("block='peri_ln' (MoEUT) takes no XL memory; set "
                                  "xl_memory=False and use RoPE attention")
+
+    def _check_recursion(self) -> None:
+        mor = self.recursion
+        if mor is None:
+            return
+        if not isinstance(mor, MoRConfig):
+            raise ValueError(f"ModelConfig.recursion must be None or a MoRConfig, got {mor!r}")
+        if mor.d_model != self.d_model:
+            raise ValueError(f"ModelConfig.recursion has d_model={mor.d_model} but the model has "
+                             f"d_model={self.d_model}; make them equal")
+        mor.stack_layers(self.n_layers)  # ValueError when the depth does not split
+        if self.xl_memory or self.group_size or any(d is not None for d in self.depth):
+            raise ValueError("Mixture-of-Recursions (ModelConfig.recursion) takes no XL memory, "
+                             "group_size or depth routing: set xl_memory=False (RoPE "
+                             "attention), group_size=0 and depth=None")
 
     @property
     def n_blocks(self) -> int:

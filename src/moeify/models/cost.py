@@ -24,6 +24,7 @@ from moeify.layers.moa import MoAConfig
 from moeify.layers.mosa import MoSAConfig, tokens_kept
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM, build_block
+from moeify.ops.recursion_routing import recursion_count
 from moeify.ops.routing import expert_choice_count
 
 if TYPE_CHECKING:
@@ -207,8 +208,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     depth routing, no layer sharing; None for any other model. Layers are summed one by one,
     with the k each MoSA layer keeps (``tokens_kept``: T // ρ, the paper's k, at least 2 and at
     most T, as Sec. 3.5 and the layer have it)."""
-    if config.xl_memory or config.group_size or any(x is not None
-                                                    for x in config.depth_layers()):
+    if config.xl_memory or config.group_size or config.recursion is not None or any(
+            x is not None for x in config.depth_layers()):
         return None
     T, total = config.context_length, 0
     for attn, ff in zip(config.attention_layers(), config.feedforward_layers()):
@@ -291,7 +292,9 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
 
     Built on the meta device; a layer that repeats (same attention, feedforward and depth
     config) is built once and counted as often as it occurs. With MoEUT's grouping
-    (group_size G) only the G distinct blocks hold parameters."""
+    (group_size G) only the G distinct blocks hold parameters; with Mixture-of-Recursions the
+    whole model is built (on the meta device) and its shared stack counted once, its routers
+    under "other"."""
     class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
         def _build_blocks(self, config):
             return nn.ModuleList()
@@ -299,6 +302,10 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     parts = dict.fromkeys(("embedding", "attention", "feedforward", "norms", "output", "other"),
                           0)
     with torch.device("meta"):
+        if config.recursion is not None:
+            _add_parts(parts, TransformerLM(config), "", 1)
+            parts["total"] = sum(parts.values())
+            return parts
         _add_parts(parts, _Shell(config), "", 1)
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
                           config.depth_layers()))[:config.n_blocks]
@@ -351,17 +358,46 @@ def attention_summary(cfg: Any) -> str:
     return " ".join(parts + [cfg.pos])
 
 
+def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any]]:
+    """``model_cost``'s rows of a Mixture-of-Recursions model, in the order they run."""
+    mor = config.recursion
+    attns = config.attention_layers()
+    start, size = mor.stack_layers(config.n_layers)
+    plan = [(attns[0], T, None)] if start else []
+    for r, beta in enumerate(mor.betas):
+        tokens = recursion_count(T, beta) if mor.routing == "expert" else T
+        plan += [(a, tokens, r) for a in attns[start:start + size]]
+    if start:
+        plan.append((attns[-1], T, None))
+    rows = []
+    for i, (attn, tokens, r) in enumerate(plan):
+        row = {"layer": i, "attention": attention_summary(attn), "tokens": tokens}
+        if r is not None:
+            row["recursion"] = r
+        rows.append({**row, **attention_cost(attn, T=tokens, C=C).to_dict()})
+    return rows
+
+
 def model_cost(config: "ModelConfig") -> ModelCost:
     """Total parameters and, per attention layer, MACs and memory (spec §6).
 
     A block under Mixture-of-Depths runs its attention only on the ceil(capacity · T) tokens it
     routes (they attend only to each other), so its row uses that token count; this extends the
-    paper's formulas, which have no depth routing."""
+    paper's formulas, which have no depth routing.
+
+    With Mixture-of-Recursions there is one row per application of an attention layer: the
+    unshared ones, then the shared stack at each recursion step r ("recursion": r), whose
+    expert-choice step runs floor(beta_r · T) tokens (at least 1) that attend only to each
+    other; a token-choice step is counted at T tokens, its upper bound (the depths are learned)."""
     T = config.context_length
     C = 2 if config.xl_memory else 1
     parts = model_parameters(config)
     layers = []
+    if config.recursion is not None:
+        layers = _recursion_rows(config, T, C)
     for i, (attn, depth) in enumerate(zip(config.attention_layers(), config.depth_layers())):
+        if config.recursion is not None:
+            break
         tokens = T if depth is None else expert_choice_count(T, depth.capacity)
         c = attention_cost(attn, T=tokens, C=C)
         layers.append({"layer": i, "attention": attention_summary(attn), "tokens": tokens,

@@ -32,6 +32,7 @@ from moeify.layers.common import Dropout, PooledEntropy, RoutingStats
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.moeut import PeriNormBlock
 from moeify.layers.norm import NormConfig
+from moeify.layers.recursion import MixtureOfRecursions
 from moeify.ops.aux_losses import masked_mean
 from moeify.ops.cross_entropy import fused_applies, linear_cross_entropy
 
@@ -51,6 +52,7 @@ class LMConfig(Protocol):
     output_bias: bool
     group_size: int
     block: str
+    recursion: Any
 
     @property
     def n_blocks(self) -> int: ...
@@ -119,13 +121,20 @@ class TransformerLM(nn.Module):
 
     def _build_blocks(self, config: LMConfig) -> nn.ModuleList:
         """One block per layer, or with MoEUT's grouping (config.group_size = G) the first G,
-        which ``layer_blocks`` repeats."""
+        which ``layer_blocks`` repeats, or with Mixture-of-Recursions the unshared blocks and
+        the recursion module (``build_recursion_blocks``)."""
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
-                          config.depth_layers()))[:config.n_blocks]
-        return nn.ModuleList(build_block(config, attn, ff, depth) for attn, ff, depth in layers)
+                          config.depth_layers()))
+        if getattr(config, "recursion", None) is not None:
+            return build_recursion_blocks(config, layers)
+        return nn.ModuleList(build_block(config, attn, ff, depth)
+                             for attn, ff, depth in layers[:config.n_blocks])
 
     def layer_blocks(self) -> list[nn.Module]:
-        """The block applied at each of the n_layers layers (shared ones repeat)."""
+        """The module applied at each step of the forward pass: one per layer (shared ones
+        repeat), or with Mixture-of-Recursions the blocks in order (its module is one step)."""
+        if getattr(self.config, "recursion", None) is not None:
+            return list(self.blocks)
         return [self.blocks[i % len(self.blocks)] for i in range(self.config.n_layers)]
 
     def reset_parameters(self) -> None:
@@ -146,7 +155,8 @@ class TransformerLM(nn.Module):
         ``cache=`` on successive pieces of a sequence (the first piece may be the whole prompt)
         and the logits equal those of one full forward pass without memory (Switch feedforwards:
         of the dropless model, moeify.layers.switch_ff's decoding rule)."""
-        return [attention_of(b).new_cache() for b in self.layer_blocks()]
+        return [b.new_cache() if isinstance(b, MixtureOfRecursions) else
+                attention_of(b).new_cache() for b in self.layer_blocks()]
 
     def forward(
         self,
@@ -226,8 +236,9 @@ class TransformerLM(nn.Module):
                              f"d_model={cfg.d_model}], got {[tuple(m.shape) for m in memory]}: "
                              "pass the previous call's output.memory for the same batch rows, "
                              "or memory=None to start afresh")
-        if cache is not None and len(cache) != cfg.n_layers:
-            raise ValueError(f"cache must hold one entry per block ({cfg.n_layers}); "
+        steps = len(self.layer_blocks())
+        if cache is not None and len(cache) != steps:
+            raise ValueError(f"cache must hold one entry per block ({steps}); "
                              "make it with model.new_cache()")
 
     def _embed(self, ids_BT: torch.Tensor, cache: list | None) -> torch.Tensor:
@@ -278,6 +289,19 @@ def build_block(config: LMConfig, attn, ff, depth) -> nn.Module:
     if depth is None:
         return block
     return MixtureOfDepths(depth, block)
+
+
+def build_recursion_blocks(config: LMConfig, layers: list) -> nn.ModuleList:
+    """Mixture-of-Recursions (layers/recursion.py): the unshared first and last layer (Middle-
+    Cycle) around the recursion module, whose shared stack is built from the layer configs that
+    follow the first layer (Cycle: from the first ones)."""
+    mor = config.recursion
+    start, size = mor.stack_layers(config.n_layers)
+    stack = nn.ModuleList(build_block(config, *layer) for layer in layers[start:start + size])
+    blocks = [mor.build(stack)]
+    if start:
+        blocks = [build_block(config, *layers[0])] + blocks + [build_block(config, *layers[-1])]
+    return nn.ModuleList(blocks)
 
 
 def attention_of(block: nn.Module) -> nn.Module:

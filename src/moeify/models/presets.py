@@ -58,6 +58,7 @@ from moeify.models.registry import (
     paper,
 )
 from moeify.models.moeut_presets import MOEUT_PRESETS
+from moeify.models.mor_presets import MOR_PRESETS
 from moeify.models.mosa_presets import MOSA_PRESETS
 from moeify.models.repro_presets import REPRO_PRESETS
 
@@ -441,7 +442,7 @@ TINY_PRESETS: tuple[Preset, ...] = (
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in PAPER_PRESETS + TINY_PRESETS + REPRO_PRESETS
-                              + MOEUT_PRESETS + MOSA_PRESETS}
+                              + MOEUT_PRESETS + MOSA_PRESETS + MOR_PRESETS}
 
 
 def register(name: str, description: str, **facts: Any) -> Callable:

@@ -76,10 +76,15 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
         if parts[0] != "model" or len(parts) not in (2, 3):
             raise ValueError(f"{what}: model settings are model.<field> or "
                              f"model.<attention|feedforward|depth|norm>.<field>")
-        if len(parts) == 3 and parts[1] == "norm":  # model.norm.<kind|eps|bias>
+        if len(parts) == 3 and parts[1] in ("norm", "recursion"):
+            # one config, not a pattern: model.norm.<kind|eps|bias>, model.recursion.<field>
+            sub = getattr(config, parts[1])
+            if sub is None:
+                raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
+                                 "config to change; use a MoR preset (e.g. repro-mor)")
             try:
                 config = dataclasses.replace(
-                    config, norm=_replace_layer(config.norm, parts[2], text, what))
+                    config, **{parts[1]: _replace_layer(sub, parts[2], text, what)})
             except ValueError as e:
                 raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
             continue
@@ -95,7 +100,11 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             config = dataclasses.replace(config, **{pattern: new})
             continue
         name = parts[1]
-        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS) - {"norm"}
+        fields = ({f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+                  - {"norm", "recursion"})
+        if name == "recursion":
+            raise ValueError(f"{what}: model.recursion is a MoRConfig: start from a MoR preset "
+                             "(e.g. repro-mor) and set its fields, model.recursion.<field>")
         if name == "norm":
             raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
                              "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
@@ -113,6 +122,8 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
                     e if e is None or name not in {f.name for f in dataclasses.fields(e)}
                     else dataclasses.replace(e, **{name: value})
                     for e in getattr(config, pattern))
+            if name == "d_model" and config.recursion is not None:
+                changes["recursion"] = dataclasses.replace(config.recursion, d_model=value)
         try:
             config = dataclasses.replace(config, **changes)
         except ValueError as e:

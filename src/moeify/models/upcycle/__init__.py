@@ -89,6 +89,9 @@ def check_dense(config: ModelConfig, *, attention: bool = True, feedforward: boo
         raise ValueError("upcycling does not apply to shared-layer (MoEUT: group_size, "
                          "peri_ln) models; upcycle a model with group_size=0 and "
                          "block='pre_ln'")
+    if config.recursion is not None:
+        raise ValueError("upcycling does not apply to Mixture-of-Recursions models (their "
+                         "layers are already shared); upcycle a model with recursion=None")
     for name, dense, convert in (("attention", (DenseAttentionConfig,
                                                GroupedQueryAttentionConfig), attention),
                                  ("feedforward", (DenseFFConfig, MLPConfig), feedforward)):
