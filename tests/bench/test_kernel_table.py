@@ -127,3 +127,21 @@ def test_preset_shapes_follow_the_layer():
     # [memory ; x] = 512 source rows per sequence; 2 heads x 5 experts, k 2; d_head 76.
     assert (v["M"], v["K"], v["E"], v["D"], v["F"], v["groups"]) == (32768, 4, 10, 412, 76, 2)
     assert (o["M"], o["K"], o["E"], o["D"], o["F"], o["sum_rows"]) == (32768, 2, 10, 76, 412, 2)
+
+
+def test_the_table_lookup_holds_in_a_fullgraph_compile(monkeypatch, tmp_path):
+    # Inside a compiled graph the table is read while tracing (not traced: no file read in the
+    # graph), and the graph keeps the kernel it names.
+    path = tmp_path / "made-up.json"
+    path.write_text(json.dumps({"device": {}, "source": "test", "entries": [table_entry(
+        dict(M=8, K=2, E=4, D=16, F=8), "float32", True, {"concat": 1.0, "segment": 2.0})]}))
+    monkeypatch.setenv("MOEIFY_KERNEL_TABLE", str(path))
+
+    def pick(x, w):
+        name = measured_impl(x, w, None, gated=True, compiled=True, n_pairs=16)
+        return x * 2 if name == "concat" else x
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 16)
+    y = torch.compile(pick, fullgraph=True, backend="eager")(x, torch.randn(4, 16, 8))
+    torch.testing.assert_close(y, 2 * x)

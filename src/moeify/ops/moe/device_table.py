@@ -97,24 +97,39 @@ def _distance(entry: dict, shape: dict) -> float | None:
     return total
 
 
-def table_choice(table: dict, shape: dict, dtype: torch.dtype, gated: bool,
-                 may_run: Callable[[str], bool]) -> str | None:
-    """The kernel the table picks for a call of ``shape`` ({M, K, E, D, F}), or None (module
-    docstring). ``may_run(name)``: whether that kernel may run this call."""
-    want = str(dtype).removeprefix("torch.")
+def ranking(table: dict, shape: dict, dtype: str, gated: bool) -> tuple[str, ...]:
+    """The kernels of the nearest entry within reach of ``shape`` ({M, K, E, D, F}) for this
+    dtype (e.g. "bfloat16") and gating, fastest first; () when none is within reach."""
     best = None
     for entry in table["entries"]:
-        if entry.get("dtype") != want or bool(entry.get("gated", True)) != gated:
+        if entry.get("dtype") != dtype or bool(entry.get("gated", True)) != gated:
             continue
         d = _distance(entry, shape)
         if d is not None and (best is None or d < best[0]):
             best = (d, entry)
     if best is None:
-        return None
-    for name, _ in sorted(best[1]["ms"].items(), key=lambda kv: kv[1]):
-        if may_run(name):
-            return name
-    return None
+        return ()
+    return tuple(name for name, _ in sorted(best[1]["ms"].items(), key=lambda kv: kv[1]))
+
+
+def table_choice(table: dict, shape: dict, dtype: torch.dtype, gated: bool,
+                 may_run: Callable[[str], bool]) -> str | None:
+    """The kernel the table picks for a call of ``shape`` ({M, K, E, D, F}), or None (module
+    docstring). ``may_run(name)``: whether that kernel may run this call."""
+    names = ranking(table, shape, str(dtype).removeprefix("torch."), gated)
+    return next((name for name in names if may_run(name)), None)
+
+
+@torch._dynamo.assume_constant_result
+def device_ranking(device: str, dtype: str, gated: bool, M: int, K: int, E: int, D: int,
+                   F: int) -> tuple[str, ...]:
+    """``ranking`` from the table that decides on ``device`` (``load_table``), () without one.
+    Plain values in and out, run as it is while torch.compile traces (the table's file and
+    the device's name are read then, never traced): the graph keeps the kernel it names."""
+    table = load_table(device_class(torch.device(device)))
+    if table is None:
+        return ()
+    return ranking(table, dict(M=M, K=K, E=E, D=D, F=F), dtype, gated)
 
 
 def table_entry(shape: dict, dtype: str, gated: bool, ms: dict[str, float], **extra) -> dict:
@@ -126,4 +141,4 @@ def table_entry(shape: dict, dtype: str, gated: bool, ms: dict[str, float], **ex
 
 
 __all__ = ["CLASSES", "ROWS_REACH", "TABLE_DIR", "WIDTH_REACH", "class_of_name", "device_class",
-           "load_table", "table_choice", "table_entry"]
+           "device_ranking", "load_table", "ranking", "table_choice", "table_entry"]

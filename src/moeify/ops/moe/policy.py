@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from moeify.ops.moe.cpu.policy import cpu_choice
-from moeify.ops.moe.device_table import device_class, load_table, table_choice
+from moeify.ops.moe.device_table import device_ranking
 from moeify.ops.moe.kernels.grouped import HAS_GROUPED_MM, grouped_ok
 from moeify.ops.moe.kernels.scatter_gemm import DTYPES as TRITON_DTYPES
 from moeify.ops.moe.kernels.scatter_gemm import triton_available
@@ -86,13 +86,11 @@ def measured_impl(x_MD: torch.Tensor, w_EDF: torch.Tensor, plan: RoutingPlan | N
                   n_pairs: int | None = None) -> str | None:
     """The measured table's choice for this call (moeify.ops.moe.device_table), or None: no
     table for the device, no entry within reach, or no measured kernel that may run here."""
-    table = load_table(device_class(x_MD.device))
-    if table is None:
-        return None
-    M = x_MD.shape[0]
+    M = int(x_MD.shape[0])
     pairs = plan.num_pairs if plan is not None else n_pairs
-    shape = dict(M=M, K=pairs // M if pairs and M else 1, E=w_EDF.shape[0], D=x_MD.shape[1],
-                 F=w_EDF.shape[-1])
+    names = device_ranking(str(x_MD.device), str(x_MD.dtype).removeprefix("torch."), gated, M,
+                           int(pairs) // M if pairs and M else 1, int(w_EDF.shape[0]),
+                           int(x_MD.shape[1]), int(w_EDF.shape[-1]))
 
     def may_run(name: str) -> bool:
         try:
@@ -108,7 +106,7 @@ def measured_impl(x_MD: torch.Tensor, w_EDF: torch.Tensor, plan: RoutingPlan | N
         return not kernel.needs_plan or (plan is not None and plan.group_size is not None
                                          and gated)
 
-    return table_choice(table, shape, x_MD.dtype, gated, may_run)
+    return next((name for name in names if may_run(name)), None)
 
 
 def triton_ok(x: torch.Tensor) -> bool:
