@@ -54,15 +54,8 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=g).to(device, dtype).requires_grad_()
     w = (torch.randn(E, D, F, generator=g) / D**0.5).to(device, dtype).requires_grad_()
-    # SwitchHead's per-head experts, E / H per head: with groups = H a row picks K / H of each
-    # head's; with sum_rows = H row m is a (token, head) unit and picks K of head m % H's.
     E_g = E // n_groups
-    if sum_rows > 1:
-        local = torch.rand(M, E_g, generator=g).topk(K, -1).indices
-        idx = (local + (torch.arange(M) % sum_rows)[:, None] * E_g).to(device)
-    else:
-        local = torch.rand(M, n_groups, E_g, generator=g).topk(K // n_groups, -1).indices
-        idx = (local + torch.arange(n_groups)[:, None] * E_g).reshape(M, K).to(device)
+    idx = _routing(M, K, E_g, groups, sum_rows, g).to(device)
     gates = torch.rand(M, K, generator=g).to(device).requires_grad_()
     out_shape = (M // sum_rows, F) if groups == 1 else (M, groups, F)
     grad_out = torch.randn(*out_shape, generator=g).to(device, dtype)
@@ -100,35 +93,9 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
         return fn
 
     fns = {ROUTE: dense(x_route, w_route, grad_route), CONCAT: dense(x, w_concat, grad_concat)}
-    errors = {}
-    with torch.no_grad():
-        ref = expert_matmul(x.float(), idx, w.float(), gates, impl="reference", **kw)
-
-        def error(out):
-            return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-        for impl in impls:
-            plan = None if planless(impl) else make_plan(idx, E, group_size=E_g)
-            errors[impl] = error(expert_matmul(x, idx, w, gates, impl=impl, plan=plan, **kw))
-            if not errors[impl] <= TOLERANCE[dtype]:
-                raise ValueError(f"kernel {impl!r} differs from the reference by "
-                                 f"{errors[impl]:.2e} (tolerance {TOLERANCE[dtype]:.0e} in "
-                                 f"{dtype}) at M={M} K={K} E={E} D={D} F={F}: a kernel bug; "
-                                 "its timing is not reported")
-            fns[impl] = run_impl(impl)
-        for name, peer in (peers or {}).items():
-            if sum_rows != 1 or groups != 1:
-                raise ValueError("peers take the [M, F] contract: run them with groups and "
-                                 "sum_rows 1")
-            try:
-                out = peer(x, idx, w, gates)
-            except Exception as e:  # noqa: BLE001 - foreign code: any failure, one line
-                hint = " (it runs on CUDA only: add --device cuda)" if x.device.type != \
-                    "cuda" else ""
-                raise ValueError(f"the peer {name} failed on these inputs{hint}: "
-                                 f"{type(e).__name__}: {e}") from None
-            errors[f"{name} (peer)"] = error(out)
-            fns[f"{name} (peer)"] = run_peer(peer)
+    errors = _errors(x, idx, w, gates, impls, peers or {}, E_g, kw)
+    fns.update({impl: run_impl(impl) for impl in impls})
+    fns.update({f"{name} (peer)": run_peer(peer) for name, peer in (peers or {}).items()})
     times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
     base, base_concat = times[ROUTE], times[CONCAT]
     rows = [{"implementation": name, "fwd+bwd ms": t * 1e3, "x dense": t / base,
@@ -155,6 +122,50 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
         **({"peer_errors": peer_errors} if peer_errors else {}),
         **({"profile": profiles} if profiles is not None else {}),
     }
+
+
+def _routing(M: int, K: int, E_g: int, groups: int, sum_rows: int, g) -> torch.Tensor:
+    """[M, K] ids of SwitchHead's per-head experts, E_g per head: with groups = H a row picks
+    K / H distinct experts of each head's; with sum_rows = H row m is a (token, head) unit and
+    picks K of head m % H's."""
+    if sum_rows > 1:
+        local = torch.rand(M, E_g, generator=g).topk(K, -1).indices
+        return local + (torch.arange(M) % sum_rows)[:, None] * E_g
+    local = torch.rand(M, groups, E_g, generator=g).topk(K // groups, -1).indices
+    return (local + torch.arange(groups)[:, None] * E_g).reshape(M, K)
+
+
+def _errors(x, idx, w, gates, impls, peers, E_g, kw) -> dict:
+    """Each kernel's and peer's largest difference from the float32 reference, relative to its
+    largest value; a kernel beyond ``TOLERANCE`` or a peer that fails raises ValueError."""
+    errors = {}
+    with torch.no_grad():
+        ref = expert_matmul(x.float(), idx, w.float(), gates, impl="reference", **kw)
+
+        def error(out):
+            return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+        for impl in impls:
+            plan = None if planless(impl) else make_plan(idx, w.shape[0], group_size=E_g)
+            errors[impl] = error(expert_matmul(x, idx, w, gates, impl=impl, plan=plan, **kw))
+            if not errors[impl] <= TOLERANCE[x.dtype]:
+                raise ValueError(f"kernel {impl!r} differs from the reference by "
+                                 f"{errors[impl]:.2e} (tolerance {TOLERANCE[x.dtype]:.0e} in "
+                                 f"{x.dtype}) at {tuple(x.shape)} x {tuple(w.shape)}: a kernel "
+                                 "bug; its timing is not reported")
+        for name, peer in peers.items():
+            if kw["sum_rows"] != 1 or kw["groups"] != 1:
+                raise ValueError("peers take the [M, F] contract: run them with groups and "
+                                 "sum_rows 1")
+            try:
+                out = peer(x, idx, w, gates)
+            except Exception as e:  # noqa: BLE001 - foreign code: any failure, one line
+                hint = " (it runs on CUDA only: add --device cuda)" if x.device.type != \
+                    "cuda" else ""
+                raise ValueError(f"the peer {name} failed on these inputs{hint}: "
+                                 f"{type(e).__name__}: {e}") from None
+            errors[f"{name} (peer)"] = error(out)
+    return errors
 
 
 def table(result: dict) -> str:
