@@ -84,9 +84,12 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2
 # (n) the 2024-2025 layers (MoH, Mixture-of-Recursions, ReMoE) in RUNS_DIR/wiki-newlayers, with
-# their own runs of stage m's baselines (same recipe, 1000 steps, 3 seeds, gaps paired by seed):
+# their own runs of the dense RoPE baseline (same recipe, 1000 steps, 3 seeds, gaps paired by seed;
+# SwitchHead at RoPE against the same baseline is stage m's row):
+# repro-moh is repro-rope-dense's 8 heads as MoH (arXiv 2410.11842), 4 shared + 2 of 4 routed
+# per token (75% of the heads, the paper's main setting), the same parameters (+0.6%: routers);
 # repro-mor is repro-rope-dense built as Mixture-of-Recursions (Middle-Cycle, N_r = 2,
 # expert-choice), the paper's own comparison (fewer parameters, same shape).
 stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
-    --out "$N" --presets repro-rope-dense,repro-rope-switchhead,repro-mor --budgets 1000 --seeds 0-2
+    --out "$N" --presets repro-rope-dense,repro-mor,repro-moh --budgets 1000 --seeds 0-2
 true

@@ -12,10 +12,12 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.depth import MoDConfig
 from moeify.layers.feedforward import DenseFFConfig, SigmaMoEConfig, SwitchFFConfig
 from moeify.layers.moa import MoAConfig
+from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
 from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_MOE_ROWS
+from moeify.models.moh_presets import MOH_PAPER_PRESETS
 from moeify.models.mosa_presets import MOSA_PAPER_PRESETS
 from moeify.models.mor_presets import MOR_PRESETS
 from moeify.models.presets import PRESETS, get_preset
@@ -23,10 +25,11 @@ from moeify.models.presets import PRESETS, get_preset
 # MoEUT's table rows (MoEUT, its dense baselines and the hyperparameter table's sigma-MoE runs)
 # have their own tests against the #params labels, one per size
 # (tests/models/test_moeut_presets.py); so have MoSA's
-# (tests/models/test_mosa_paper_rows.py), and Mixture-of-Recursions' (tests/models/test_mor.py).
+# (tests/models/test_mosa_paper_rows.py), Mixture-of-Recursions' (tests/models/test_mor.py) and
+# MoH's (tests/models/test_moh_presets.py).
 PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
          and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS and n not in SIGMA_MOE_ROWS
-         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOR_PRESETS}]
+         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOR_PRESETS + MOH_PAPER_PRESETS}]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
@@ -168,6 +171,7 @@ TINY_FAMILY = {  # name -> (attention type, feedforward type, MoD on blocks)
     "tiny-mode-integrated": (DenseAttentionConfig, SwitchFFConfig, False),
     "tiny-moeut": (SwitchHeadConfig, SigmaMoEConfig, False),
     "tiny-mosa": (MoSAConfig, DenseFFConfig, False),
+    "tiny-moh": (MoHConfig, DenseFFConfig, False),
 }
 
 
@@ -227,6 +231,7 @@ def test_every_preset_name_is_written_in_the_source():
     from pathlib import Path
 
     import moeify.models.moeut_presets as moeut_module
+    import moeify.models.moh_presets as moh_module
     import moeify.models.mor_presets as mor_module
     import moeify.models.mosa_presets as mosa_module
     import moeify.models.presets as presets_module
@@ -234,7 +239,7 @@ def test_every_preset_name_is_written_in_the_source():
 
     text = "".join(Path(m.__file__).read_text()
                    for m in (presets_module, repro_module, moeut_module, mosa_module,
-                             mor_module))
+                             mor_module, moh_module))
     assert [n for n in PRESETS if f'"{n}"' not in text] == []
 
 

@@ -164,6 +164,11 @@ def _errors(x, idx, w, gates, impls, peers, E_g, kw) -> dict:
                     "cuda" else ""
                 raise ValueError(f"the peer {name} failed on these inputs{hint}: "
                                  f"{type(e).__name__}: {e}") from None
+            if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"the peer {name} returned {got} where the gated sum is "
+                                 f"{tuple(ref.shape)} (rows x F): is it the kernel its "
+                                 "adapter expects (moeify.bench.peers), unmodified?")
             errors[f"{name} (peer)"] = error(out)
     return errors
 

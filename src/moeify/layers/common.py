@@ -15,7 +15,7 @@ Parameter (and in each file's shape legend), not spelled into the name:
                                  no-decay group must still load).
                                  SwitchHead's two sides: ``w_router_src`` (source side, serves V
                                  and K) and ``w_router_dst`` (destination side, serves O and Q).
-                                 A router bias is ``bias_router`` [X] (MoD's scalar one: []).
+                                 A router bias is ``bias_router`` [X] (MoD's single one: [1]).
     stacked expert weights       ``w_<role>`` with the expert (or head) first: the feedforward
                                  MoEs' ``w_in`` [E, D, G], ``w_gate`` [E, D, G] (gated experts)
                                  and ``w_out`` [E, G, D]; the attention projections ``w_q``,
@@ -32,7 +32,7 @@ Checkpoints written with earlier names still load: every layer that renamed a Pa
 registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
 ``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
 reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
-themselves carry the same renames: sharded checkpoints (moeify.train.sharded) and transformers'
+themselves carry the same renames: sharded checkpoints (moeify.rundir.sharded) and transformers'
 loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
 convention (earlier name -> current):
 
@@ -44,6 +44,12 @@ convention (earlier name -> current):
     MixtureOfDepths      router_D -> w_router, router_bias -> bias_router
     MoSAAttention        w_r -> w_router
     attention layers     w_pos, bias_u, bias_v, scale -> core.* (the attention core's)
+
+No Parameter is 0-dim (FSDP2 shards dim 0 of every parameter): a learned scalar is a vector of
+one element, and a state dict that holds it 0-dim (written before) loads through
+``load_scalars_as_vectors`` (the attention core's ``scale``, MoD's ``bias_router``); the
+optimizer state of such a parameter is reshaped the same way by whoever restores it
+(moeify.rundir.checkpoints.reshape_like).
 
 Shape legend: X rows of a selection matrix (one per expert), D d_model.
 """
@@ -65,7 +71,7 @@ from moeify.ops.routing import count_selections
 
 ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\u03c3-MoE experts",
                  "switch": "Switch experts", "mod": "MoD fraction routed",
-                 "mor": "MoR recursion depths"}
+                 "moh": "MoH routed heads", "mor": "MoR recursion depths"}
 
 
 class RoutingStats:
@@ -357,6 +363,18 @@ def _rename_into(state_dict, prefix: str, table: dict) -> None:
             state_dict[prefix + new] = value if fn is None else fn(value)
 
 
+def load_scalars_as_vectors(module: nn.Module, *names: str) -> None:
+    """Let ``module`` load a state dict that holds its one-element vectors ``names`` as 0-dim
+    tensors (a load_state_dict pre-hook; module docstring)."""
+    def hook(state_dict, prefix, *args):
+        for n in names:
+            t = state_dict.get(prefix + n)
+            if isinstance(t, torch.Tensor) and t.dim() == 0:
+                state_dict[prefix + n] = t.reshape(1)
+
+    module._register_load_state_dict_pre_hook(hook)
+
+
 def upgrade_legacy_keys(model: nn.Module, state_dict: dict) -> dict:
     """A copy of ``state_dict`` (a state dict of ``model``, perhaps written with earlier names)
     with every legacy key renamed as ``model.load_state_dict`` would rename it: for code that
@@ -457,8 +475,23 @@ def trunc_normal_exact_std_(w: torch.Tensor, std: float) -> torch.Tensor:
 @torch.no_grad()
 def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
     """Rescale every row of a selection matrix to the same L2 norm while keeping the overall
-    standard deviation (switchhead.md §3; the authors' renorm_keep_std): no expert starts with a
-    larger router norm than another."""
+    standard deviation: no expert starts with a larger router norm than another. sigma-MoE's
+    expert selection (the authors' ``renorm_keep_std(expert_sel, dim=1)``, in
+    github.com/RobertCsordas/moe and in ``SigmaMoE`` of github.com/RobertCsordas/moeut;
+    sigma-MoE arXiv 2310.10837)."""
     std = w_XD.std()
     w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return w_XD.mul_(std / w_XD.std())
+
+
+@torch.no_grad()
+def renorm_rows_keep_row_std_(w_XD: torch.Tensor) -> torch.Tensor:
+    """SwitchHead's selection matrices (the authors' ``SwitchHeadCore.renorm_rows`` in
+    github.com/RobertCsordas/moeut, moeut.py, the rule of ``renorm_rows`` in
+    github.com/RobertCsordas/moe_attention; SwitchHead arXiv 2312.07987): row i becomes its
+    unit vector times its own standard deviation sigma_i (unbiased, before the change), the
+    whole then divided by the standard deviation of the unit rows. Row norms stay
+    proportional to the rows' own spreads (a few percent apart), unlike ``renorm_rows_``."""
+    std_X1 = w_XD.std(dim=-1, keepdim=True)
+    w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return w_XD.mul_(std_X1 / w_XD.std())

@@ -37,6 +37,7 @@ LAYER_CONFIG_MODULES = (
     "moeify.layers.mlp",
     "moeify.layers.norm",
     "moeify.layers.mosa",
+    "moeify.layers.moh",
     "moeify.layers.recursion",
 )
 

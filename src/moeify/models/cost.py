@@ -21,6 +21,7 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.moa import MoAConfig
+from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig, tokens_kept
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM, build_block
@@ -38,9 +39,12 @@ PROJECTIONS = ("q", "k", "v", "o")
 
 def format_count(x: int | float) -> str:
     """The paper's print format: x/1e9 with one decimal and "G" above 1000M, else x/1e6 with one
-    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M")."""
+    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M"); below 50,000, where that would
+    print "0.0M", x/1e3 with one decimal and "K" (12,345 -> "12.3K")."""
     if x / 1e6 > 1000:
         return f"{x / 1e9:.1f}G"
+    if abs(x) < 50_000:
+        return f"{x / 1e3:.1f}K"
     return f"{x / 1e6:.1f}M"
 
 
@@ -155,6 +159,30 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
     return AttentionCost(macs, mem)
 
 
+def moh_cost(cfg: MoHConfig, *, T: int, C: int) -> AttentionCost:
+    """MoH (arXiv 2410.11842), in the terms of ``dense_attention_cost`` with the A = h_s + K
+    heads a token activates: their Q and O projections (2·d·A·d_h per token) and attention
+    (2·A·d_h·C·T per token), every head's K and V (2·d·Hk·d_h: a later token may activate any
+    head), the routers (W_r, W_s, W_h: (R + h_s + 2)·d when all exist; the query-norm router
+    R·d_h) and the gates (A·d_h). XL replaces H by A in the dense layer's position term. This
+    counts what a head-sparse kernel executes, the paper's activated heads; moeify's layer
+    computes every head (moeify.layers.moh), i.e. the dense layer's MACs plus the routers'. Our
+    accounting: the paper prints no MAC formula."""
+    d, H, Hk, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_head
+    _positive(d_model=d, n_heads=H, d_head=dh, T=T, C=C)
+    A = cfg.active_heads
+    shapes = cfg.router_shapes()
+    router = sum(rows for rows, _ in shapes.values()) * d if cfg.router == "learned" \
+        else cfg.n_routed * dh
+    macs = 2 * A * dh * C * T * T + 2 * d * (A + Hk) * dh * T + router * T + A * dh * T
+    mem = 2 * A * C * T * T + 2 * (A + Hk) * dh * T + (sum(r for r, _ in shapes.values())
+                                                       or cfg.n_routed) * T
+    if cfg.pos == "xl":
+        macs += 2 * A * d * T * dh * C
+        mem += 2 * A * T * dh * C
+    return AttentionCost(macs, mem)
+
+
 def mosa_paper_flops(*, n_layers: int, d_model: int, d_head: int, T: int, n_dense_heads: int,
                      n_mosa_heads: int = 0, k: int = 1, d_ff: int | None = None) -> int:
     """The forward-pass FLOPs of a model as MoSA's paper counts them (arXiv 2505.00315, Sec. 3.2
@@ -228,10 +256,12 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
 
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
-    GroupedQueryAttentionConfig)."""
+    GroupedQueryAttentionConfig, MoSAConfig, MoHConfig)."""
     if isinstance(cfg, MoSAConfig):
         return mosa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
                          k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads)
+    if isinstance(cfg, MoHConfig):
+        return moh_cost(cfg, T=T, C=C)
     if isinstance(cfg, GroupedQueryAttentionConfig):
         return gqa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                         d_head=cfg.d_head, T=T, C=C)
@@ -249,7 +279,7 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
                         n_experts=cfg.n_experts, T=T, C=C, xl=xl)
     raise ValueError(f"no cost formula for attention config {type(cfg).__name__}; "
                      "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig, "
-                     "GroupedQueryAttentionConfig, MoSAConfig")
+                     "GroupedQueryAttentionConfig, MoSAConfig, MoHConfig")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -345,6 +375,10 @@ def attention_summary(cfg: Any) -> str:
     if name == "MoSA":
         return (f"MoSA H={cfg.n_heads} d_h={cfg.d_head} rho={cfg.sparsity} "
                 f"+{cfg.n_dense_heads} dense {cfg.pos}")
+    if name == "MoH":
+        return (f"MoH H={cfg.n_heads} d_h={cfg.d_head} shared={cfg.n_shared} "
+                f"k={cfg.k}/{cfg.n_routed}"
+                + ("" if cfg.router == "learned" else f" {cfg.router}") + f" {cfg.pos}")
     parts = [name]
     if hasattr(cfg, "n_experts") and name == "MoA":
         parts += [f"H={cfg.k}/{cfg.n_experts}", f"d_h={cfg.d_head}"]

@@ -45,6 +45,21 @@ def switch_balance_loss(
     return E * (f_E.detach() * P_E).sum()
 
 
+def topk_balance_loss(probs_ME: torch.Tensor, idx_MK: torch.Tensor,
+                      valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """The Switch loss with k choices per token: E * sum_i f_i * P_i, f_i the fraction of tokens
+    that have expert i among their top-k (no gradient; sums to k over the experts), P_i the mean
+    router probability of expert i. The load-balance loss of MoH's authors' code (arXiv
+    2410.11842, Sec. 3.2). In float32, or float64 for float64 probabilities."""
+    E = probs_ME.shape[-1]
+    dt = torch.promote_types(probs_ME.dtype, torch.float32)
+    chosen_ME = torch.zeros(probs_ME.shape, dtype=dt, device=probs_ME.device).scatter_(
+        -1, idx_MK.long(), 1.0)
+    f_E = _masked_rows_mean(chosen_ME, valid_M)
+    P_E = _masked_rows_mean(probs_ME.to(dt), valid_M)
+    return E * (f_E.detach() * P_E).sum()
+
+
 def global_balance_loss(probs_ME: torch.Tensor, counts_E: torch.Tensor,
                         valid_M: torch.Tensor | None = None) -> torch.Tensor:
     """Global-batch load-balancing loss (Qiu et al. 2025, "Demons in the Detail", arXiv
