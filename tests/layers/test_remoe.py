@@ -24,8 +24,9 @@ def reference(m, x_BTD, valid_BT=None):
     route = torch.clamp(x @ m.w_router.T, min=0)
     if valid_BT is not None:
         route = route * valid_BT.reshape(-1, 1)
-    up = m.w_up if m.config.gated else None
-    y = ref_varlen_expert_mlp(x, route, m.w_in, m.w_out, up, m.config.activation)
+    ex = m.experts  # SwiGLU: SiLU(x · w_gate) ⊙ (x · w_in)
+    w1, up = (ex.w_gate, ex.w_in) if m.config.gated else (ex.w_in, None)
+    y = ref_varlen_expert_mlp(x, route, w1, ex.w_out, up, m.config.activation)
     keep = route if valid_BT is None else route[valid_BT.reshape(-1)]
     return y.view(B, T, D), m.l1_coef.double() * ref_remoe_l1(keep, m.config.k), route
 
@@ -71,3 +72,19 @@ def test_bad_config_is_a_one_line_error():
         ReMoEConfig(d_model=8, n_experts=4, expert_size=4, k=5)
     with pytest.raises(ValueError, match="alpha"):
         ReMoEConfig(d_model=8, n_experts=4, expert_size=4, l1_multiplier=1.0)
+
+
+def test_the_experts_are_the_shared_routed_experts_module():
+    """The expert weights live in moeify.layers.experts.RoutedExperts (keys ``experts.*``, as
+    sigma-MoE's and Switch's), whose variable-k entry refuses experts with biases."""
+    from moeify.layers.experts import RoutedExperts
+
+    m = layer()
+    assert isinstance(m.experts, RoutedExperts)
+    assert set(m.state_dict()) == {"w_router", "l1_coef", "experts.w_gate", "experts.w_in",
+                                   "experts.w_out"}
+    assert set(layer(gated=False).state_dict()) == {"w_router", "l1_coef", "experts.w_in",
+                                                    "experts.w_out"}
+    biased = RoutedExperts(4, 8, 5, bias=True)
+    with pytest.raises(ValueError, match="without biases"):
+        biased.forward_variable_k(torch.randn(3, 8), torch.rand(3, 4))

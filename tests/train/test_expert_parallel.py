@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from moeify.layers.remoe import ReMoEConfig
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.rundir import checkpoints as ckr
@@ -27,6 +28,8 @@ LAYERS = {
     # Dropless, with two no-op experts (integrated MoDE): their choices compute nothing.
     "switch": lambda: SwitchFFConfig(d_model=D, d_ff=6, n_experts=4, k=2, dropless=True,
                                      noop_experts=2, balance_coef=0.0, z_coef=0.0),
+    # ReLU routing: a variable number of experts per token (none included), SwiGLU experts.
+    "remoe": lambda: ReMoEConfig(d_model=D, n_experts=4, expert_size=6, k=2, init_std=0.3),
 }
 ROWS = (3, 7)  # tokens per process: uneven
 
@@ -115,6 +118,11 @@ def test_one_layer_equals_the_single_process_layer_outputs_and_every_gradient(tm
     for name in LAYERS:
         y, x_grad, grads, counts = _reference(name)
         assert counts[3] == 0 and (counts[:3] > 0).sum() >= 2  # an expert with no token
+        if name == "remoe":  # ReLU routing: tokens with different numbers of experts
+            layer = _layer(name)
+            _bias_out_expert3(layer, name, _inputs()[0])
+            per_token = (_inputs()[0][0] @ layer.w_router.detach().T > 0).sum(1)
+            assert per_token.min() < per_token.max()
         torch.testing.assert_close(torch.cat([ranks[r][name]["y"] for r in range(2)], 1), y)
         torch.testing.assert_close(torch.cat([ranks[r][name]["x_grad"] for r in range(2)], 1),
                                    x_grad)

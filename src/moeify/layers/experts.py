@@ -24,6 +24,11 @@ are dropped after), so the expert matmuls never see more rows than the capacity 
 host sync is needed. Without ``rows`` every pair is computed where it is, a pair not kept with
 expert 0 and gate 0 (static shapes).
 
+A variable number of experts per row (ReLU routing, ReMoE: any number of experts per token,
+none included) enters through ``forward_variable_k(x_MD, gates_ME)``: the routing is a gate
+matrix [M, E], zero exactly where a row is not routed, run by the variable-k expert MLP
+(moeify.ops.moe.mask_expert_mlp: its pairs are the nonzeros, no row padded to a fixed k).
+
 Shape legend: M tokens, K choices per token, N = M·K pairs, P packed pairs, D d_model, G expert
 hidden width, E experts.
 """
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 
 from moeify.layers.ff_common import ACTIVATIONS, expert_activation
-from moeify.ops.moe import expert_mlp, gated_expert_mlp, make_plan
+from moeify.ops.moe import expert_mlp, gated_expert_mlp, make_plan, mask_expert_mlp
 
 
 # The state-dict keys of the expert weights relative to their layer when the layer held them
@@ -94,6 +99,19 @@ class RoutedExperts(nn.Module):
         packed_N = pos_N < P
         y_ND = y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
         return y_ND.view(M, K, -1).sum(1)
+
+    def forward_variable_k(self, x_MD: torch.Tensor, gates_ME: torch.Tensor) -> torch.Tensor:
+        """y[m] = Σ_{e: gates[m, e] ≠ 0} gates[m, e] · expert_e(x[m]), [M, D]: any number of
+        experts per row, zero included (module docstring). Expert parallelism replaces this
+        method as it replaces ``forward``."""
+        if "bias_in" in self._parameters:
+            raise ValueError("RoutedExperts.forward_variable_k runs experts without biases; "
+                             "build the experts with bias=False")
+        # The variable-k MLP's w1 is the activation's input, w_up the linear half.
+        w1, up = (self.w_gate, self.w_in) if self.gated else (self.w_in, None)
+        return mask_expert_mlp(x_MD, gates_ME, w1, self.w_out, w_up_EDG=up,
+                               activation=self.activation, impl=self.impl,
+                               dropout=self.dropout, training=self.training)
 
     def run(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, gates_RK: torch.Tensor,
             weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

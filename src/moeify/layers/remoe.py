@@ -8,9 +8,12 @@ Per token x (Sec. 3, ReLU routing):
     y    = Σ_{e: R(x)_e > 0} R(x)_e · expert_e(x)       any number of experts, none included
 
 ``expert_e`` is the authors' SwiGLU MLP (their LLaMA runs, ``--swiglu``):
-(SiLU(x · W_in,e) ⊙ x · W_up,e) · W_out,e; ``gated=False`` gives the two-layer ReLU (or
-``activation``) expert of sigma-MoE. The routed pairs are the nonzeros of R, run by the
-variable-k expert MLP (moeify.ops.moe.pairs): no row is padded to a fixed k.
+(SiLU(x · W_gate,e) ⊙ x · W_in,e) · W_out,e; ``gated=False`` gives the two-layer ReLU (or
+``activation``) expert of sigma-MoE. The experts are the shared routed-experts module
+(``self.experts``, moeify.layers.experts.RoutedExperts, state-dict keys ``experts.*``); the
+routed pairs are the nonzeros of R, run by its ``forward_variable_k`` (the variable-k expert
+MLP, moeify.ops.moe.pairs): no row is padded to a fixed k. Expert parallelism
+(moeify.train.expert_parallel) shards that module and moves the pairs as for any other layer.
 
 Sparsity control (Sec. 3, adaptive L1 regularisation with load balancing). The loss adds
 lambda · L_reg, returned as the aux loss "l1":
@@ -33,10 +36,11 @@ never counts a token twice. Those records count E + 1 columns: the experts, then
 
 Weight mapping to the authors' Megatron module (``ReLURouter`` + ``GroupedMLP``/
 ``SequentialMLP`` with ``--swiglu``): ``w_router`` [E, D] is ``router.weight``; expert e's
-``linear_fc1.weight`` [2G, D] is [``w_in[e]ᵀ``; ``w_up[e]ᵀ``] (Megatron's SwiGLU chunks fc1's
-output into the SiLU half, then the linear half); ``linear_fc2.weight`` [D, G] is
-``w_out[e]ᵀ``. Init as theirs: N(0, init_std²) for the router and fc1, N(0, init_std² / (2L))
-for fc2 (Megatron's scaled output init), init_std = 0.01 in their scripts.
+``linear_fc1.weight`` [2G, D] is [``experts.w_gate[e]ᵀ``; ``experts.w_in[e]ᵀ``] (Megatron's
+SwiGLU chunks fc1's output into the SiLU half, then the linear half); ``linear_fc2.weight``
+[D, G] is ``experts.w_out[e]ᵀ``. Init as theirs: N(0, init_std²) for the router and fc1,
+N(0, init_std² / (2L)) for fc2 (Megatron's scaled output init), init_std = 0.01 in their
+scripts.
 
 Deviations, documented: the authors' router jitter (``moe_input_jitter_eps``, off in their
 scripts) is not implemented; the L1 term is computed in evaluation too (the authors only add it
@@ -65,8 +69,8 @@ from moeify.layers.common import (
     register_usage,
     routing_record,
 )
+from moeify.layers.experts import RoutedExperts
 from moeify.layers.ff_common import check_activation
-from moeify.ops.moe import mask_expert_mlp
 from moeify.ops.routing import router_logits
 
 
@@ -149,20 +153,19 @@ class ReMoE(nn.Module):
         self.config = config
         E, D, G = config.n_experts, config.d_model, config.expert_size
         self.w_router = nn.Parameter(torch.empty(E, D))  # [E, D]: the authors' router.weight
-        self.w_in = nn.Parameter(torch.empty(E, D, G))  # [E, D, G]
-        if config.gated:
-            self.w_up = nn.Parameter(torch.empty(E, D, G))  # [E, D, G]
-        self.w_out = nn.Parameter(torch.empty(E, G, D))  # [E, G, D]
+        self.experts = RoutedExperts(E, D, G, gated=config.gated, activation=config.activation,
+                                     dropout=config.dropout, impl=config.expert_impl)
         self.register_buffer("l1_coef", torch.tensor(config.l1_coef_init, dtype=torch.float32))
         register_usage(self, "usage", (E,))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        c = self.config
-        for w in (self.w_router, self.w_in) + ((self.w_up,) if c.gated else ()):
+        c, ex = self.config, self.experts
+        # The authors' fc1 (SiLU half, then linear half), then fc2 (module docstring).
+        for w in (self.w_router,) + ((ex.w_gate, ex.w_in) if c.gated else (ex.w_in,)):
             nn.init.normal_(w, std=c.init_std)
-        nn.init.normal_(self.w_out, std=c.init_std / (2 * c.n_layers) ** 0.5)
+        nn.init.normal_(ex.w_out, std=c.init_std / (2 * c.n_layers) ** 0.5)
         self.l1_coef.fill_(c.l1_coef_init)
 
     def _apply(self, fn, recurse=True):
@@ -202,10 +205,7 @@ class ReMoE(nn.Module):
         if valid_M is not None:  # padding routes nowhere: no expert runs for it
             route_ME = route_ME * valid_M[:, None].to(route_ME.dtype)
         active_ME = route_ME > 0
-        y_MD = mask_expert_mlp(x_MD, route_ME, self.w_in, self.w_out,
-                               w_up_EDG=self.w_up if c.gated else None,
-                               activation=c.activation, impl=c.expert_impl, dropout=c.dropout,
-                               training=self.training)
+        y_MD = self.experts.forward_variable_k(x_MD, route_ME)
         aux = Aux()
         aux.losses["l1"] = self.l1_coef.to(route_ME.dtype) * remoe_l1(route_ME, active_ME, c.k,
                                                                       valid_M)

@@ -1,9 +1,9 @@
-"""Expert parallelism for the routed experts of the feedforward MoEs (sigma-MoE, Switch: every
-``moeify.layers.experts.RoutedExperts``), applied from outside the model, as torchtitan applies
-its ExpertParallel style to ``moe.experts``: expert weights are DTensors placed ``Shard(0)`` over
-an "ep" mesh dimension, token counts are exchanged first, tokens dispatched by all-to-all, the
-local experts run, results combined. The layers know nothing of it: they call their ``experts``
-module with their routing decisions, whatever runs it.
+"""Expert parallelism for the routed experts of the feedforward MoEs (sigma-MoE, Switch, ReMoE:
+every ``moeify.layers.experts.RoutedExperts``), applied from outside the model, as torchtitan
+applies its ExpertParallel style to ``moe.experts``: expert weights are DTensors placed
+``Shard(0)`` over an "ep" mesh dimension, token counts are exchanged first, tokens dispatched by
+all-to-all, the local experts run, results combined. The layers know nothing of it: they call
+their ``experts`` module with their routing decisions, whatever runs it.
 
 Mesh. W processes form a 2-D DeviceMesh ("dp", "ep") of shape (W / P, P), P = expert_parallel.
 ``distribute_experts`` turns every parameter of a RoutedExperts module (all stacked with the
@@ -20,7 +20,8 @@ local experts through the module's own ``run`` with the local shards.
 One MoE forward on each process (``dispatch``):
 
  1. its routed (token, expert) pairs, the pairs not kept left out, sorted by expert: counts per
-    expert;
+    expert (a variable number of experts per token, ReMoE's ReLU routing, is the same with
+    K = E: the pairs are the nonzero gates);
  2. the counts are exchanged (all_to_all_single): each process learns how many rows every peer
     sends to each of its local experts; the host reads the splits (the one sync of EP);
  3. the rows travel to their experts' process: ``all_to_all_single_autograd`` with uneven
@@ -121,17 +122,24 @@ class ExpertParallel:
             prefix = names[id(experts)]
             for name, p in distribute_experts(experts, self.ep_mesh).items():
                 self.params[f"{prefix}.{name}" if prefix else name] = p
-            experts.forward = self._forward_of(experts)
+            experts.forward, experts.forward_variable_k = self._forwards_of(experts)
         if not self.params:
-            raise ValueError("expert_parallel > 1 needs a model with routed experts (sigma-MoE "
-                             "or Switch feedforwards)")
+            raise ValueError("expert_parallel > 1 needs a model with routed experts (sigma-MoE, "
+                             "Switch or ReMoE feedforwards)")
 
-    def _forward_of(self, experts: RoutedExperts):
-        """The forward that replaces ``experts``' own (RoutedExperts.forward's signature; the
-        capacity's packing is left out: only kept pairs travel)."""
+    def _forwards_of(self, experts: RoutedExperts):
+        """The two entries that replace ``experts``' own: ``forward`` (its signature; the
+        capacity's packing is left out: only kept pairs travel) and ``forward_variable_k``,
+        whose gate matrix [M, E] is the fixed-k routing with K = E (every expert a choice of
+        every row), kept where the gate is nonzero."""
         def forward(x_MD, ids_MK, gates_MK, keep_MK=None, *, rows=None):
             return self.dispatch(experts, x_MD, ids_MK, gates_MK, keep_MK)
-        return forward
+
+        def forward_variable_k(x_MD, gates_ME):
+            M, E = gates_ME.shape
+            ids_ME = torch.arange(E, device=gates_ME.device).expand(M, E)
+            return self.dispatch(experts, x_MD, ids_ME, gates_ME, gates_ME != 0)
+        return forward, forward_variable_k
 
     # ------------------------------------------------------------------ forward
 
