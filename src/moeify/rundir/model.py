@@ -37,7 +37,9 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
     reads the weights only: a single-file checkpoint's optimizer state is never loaded, its
     weights are memory-mapped and keep their dtype (a bfloat16 checkpoint gives a bfloat16
     model; ``checkpoint.train_state`` is empty). A sharded checkpoint (FSDP, expert
-    parallelism) is read shard by shard into the plain model, in this one process."""
+    parallelism) is read shard by shard into the plain model, in this one process. A run's
+    checkpoint that its training prunes while it is read is replaced by the run's new latest
+    (``PRUNED_RETRIES``); a checkpoint named itself gives a one-line error saying so."""
     ckpt_dir = resolve_checkpoint(path)
     run_dir = run_dir_of(ckpt_dir)
     model_cfg = read_model_config(run_dir)
@@ -46,16 +48,51 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
         raise MoeifyError(f"{run_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                           f"model {model_cfg.vocab_size}; the run directory is inconsistent")
     config = model_config_dict(model_cfg)
-    if is_sharded_checkpoint(ckpt_dir):
-        model = model_cfg.build()
-        ckpt = load_model_checkpoint(ckpt_dir, model, model_config=config)
-    else:  # weights only, memory-mapped, in their stored dtype: no optimizer, no second copy
-        ckpt = load_weights(ckpt_dir, model_config=config)
-        model = build_without_weights(model_cfg)
-        load_model_state(model, ckpt, assign=True)
+    for _ in range(PRUNED_RETRIES):
+        try:
+            model, ckpt = _read_weights(ckpt_dir, model_cfg, config)
+            break
+        except (MoeifyError, OSError):
+            if ckpt_dir.is_dir():  # the checkpoint is there: what the reader said stands
+                raise
+            ckpt_dir = _after_pruning(path, ckpt_dir, run_dir)
+    else:
+        raise MoeifyError(f"{run_dir}: its newest checkpoint was removed while it was being "
+                          f"read {PRUNED_RETRIES} times in a row (the training run prunes "
+                          "checkpoints faster than they can be read); read it when training "
+                          "has finished, or train with a larger keep_checkpoints")
     model.to(device).eval()
     train_cfg = read_train_config_dict(run_dir) if (run_dir / CONFIG_FILE).is_file() else None
     return TrainedModel(model, tokenizer, model_cfg, train_cfg, ckpt, run_dir)
+
+
+# A reader of a live run can lose the checkpoint it found to the trainer's pruning
+# (keep_checkpoints) before it has read it: it then reads the run's new latest, at most this
+# many times in all.
+PRUNED_RETRIES = 3
+
+
+def _read_weights(ckpt_dir: Path, model_cfg: ModelConfig, config: dict[str, Any]
+                  ) -> tuple[torch.nn.Module, Checkpoint]:
+    """The model of ``model_cfg`` holding checkpoint ``ckpt_dir``'s weights (load_trained)."""
+    if is_sharded_checkpoint(ckpt_dir):
+        model = model_cfg.build()
+        return model, load_model_checkpoint(ckpt_dir, model, model_config=config)
+    # weights only, memory-mapped, in their stored dtype: no optimizer, no second copy
+    ckpt = load_weights(ckpt_dir, model_config=config)
+    model = build_without_weights(model_cfg)
+    load_model_state(model, ckpt, assign=True)
+    return model, ckpt
+
+
+def _after_pruning(path: str | Path, ckpt_dir: Path, run_dir: Path) -> Path:
+    """The checkpoint to read after ``ckpt_dir`` vanished while it was read (its run pruned
+    it): the run's new latest when ``path`` named the run, else a one-line error."""
+    if Path(path) == ckpt_dir:
+        raise MoeifyError(f"checkpoint {ckpt_dir} was removed while it was being read (its "
+                          "training run pruned it, keeping only its newest checkpoints); give "
+                          f"the run directory {run_dir} to read its newest checkpoint") from None
+    return resolve_checkpoint(run_dir)
 
 
 def weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
