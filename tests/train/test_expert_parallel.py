@@ -361,6 +361,32 @@ def _assert_trains_like(two, single, steps):
             assert err <= (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7, (s, k, err)
 
 
+def test_remoe_trains_expert_parallel_like_one_process(setup):
+    """ReMoE (a variable number of experts per token) at expert_parallel=2: 4 steps equal one
+    process (losses and every gradient), and so does each layer's L1 coefficient, updated from
+    the sparsity of both processes' tokens (moeify.train.balancing)."""
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="repro-remoe", data=str(corpus), tokenizer="byte256", steps=4,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                      eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                      model_overrides=TINY)
+    single = _fit(cfg, tmp / "one")
+    two = _train_two(tmp, "ep", {**cfg.to_dict(), "expert_parallel": 2})
+    sharded = sorted(k for k, v in two["kinds"].items() if v)  # ReMoE's experts, over "ep"
+    assert {two["kinds"][k][0] for k in sharded} == {"ep"}
+    assert sharded == [f"blocks.{i}.feedforward.experts.{w}" for i in (0, 1)
+                       for w in ("w_in", "w_out")]
+    _assert_trains_like(two, single, 4)
+    runs = [load_trained(tmp / d) for d in ("one", "ep")]
+    coefs = [{k: v for k, v in r.model.state_dict().items() if k.endswith("l1_coef")}
+             for r in runs]
+    init = torch.tensor(runs[0].model.blocks[0].feedforward.config.l1_coef_init,
+                        dtype=torch.float32)
+    assert len(coefs[0]) == 2 and coefs[0].keys() == coefs[1].keys()
+    for k in coefs[0]:
+        assert coefs[1][k] == coefs[0][k] != init, k  # updated, alike
+
+
 def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_degree_one(setup):
     """parallel=fsdp with expert_parallel=2 on 2 processes: the non-expert parameters are FSDP2
     shards over both processes, the experts Shard(0) DTensors over "ep"; 10 steps equal one
