@@ -301,6 +301,24 @@ def ref_moh(x_BTD, w_q_HDC, w_k_GDC, w_v_GDC, w_o_HCD, *, n_shared, k, router="l
     return y, (R * (f * P).sum() if R else None)
 
 
+def ref_switchhead_selection_init(w_XD):
+    """SwitchHead's selection-matrix initialisation as the authors' code defines it
+    (``SwitchHeadCore.renorm_rows``, github.com/RobertCsordas/moeut; arXiv 2312.07987), one row
+    at a time: row i is its unit vector u_i times its own unbiased standard deviation s_i,
+    divided by the unbiased standard deviation of the matrix of unit vectors."""
+    X, D = w_XD.shape
+    units, stds = [], []
+    for i in range(X):
+        row = w_XD[i]
+        mean = row.sum() / D
+        stds.append((((row - mean) ** 2).sum() / (D - 1)).sqrt())
+        units.append(row / (row * row).sum().sqrt())
+    u = torch.stack(units)
+    mu = u.sum() / (X * D)
+    sigma = (((u - mu) ** 2).sum() / (X * D - 1)).sqrt()
+    return torch.stack([units[i] * stds[i] / sigma for i in range(X)])
+
+
 def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=None):
     """Mixture-of-Recursions expert-choice routing, one sequence and one step at a time.
     ``f(x_1KD, pos_1K, r)`` is the shared stack as step r. Returns (out, the summed auxiliary

@@ -61,6 +61,8 @@ def test_switchhead_selection_count():
 
 
 def test_format_count_switches_to_g_above_1000m():
+    assert format_count(12_345) == "12.3K"  # a tiny model's count was printed "0.0M"
+    assert format_count(49_999) == "50.0K" and format_count(50_000) == "0.1M"
     assert format_count(999_949_999) == "999.9M"
     assert format_count(2_400_000_000) == "2.4G"
     assert format_count(1_000_000_001) == "1.0G"

@@ -102,10 +102,12 @@ def _final_weights(run_dir):
     return ckr.load_checkpoint(run_dir).model_state
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(env):
+def test_resume_reproduces_the_uninterrupted_run_exactly(env, capsys):
     tmp, corpus = env
     cfg = tiny_cfg(corpus, grad_accum=2, warmup_steps=2)  # XL memory, accumulation, warm-up
     full = train(cfg, tmp / "a", quiet=True)
+    err = capsys.readouterr().err  # quiet: not even the corpus preparation and tokenising lines
+    assert "[moeify]" not in err, err
     first = train(cfg, tmp / "b", quiet=True, stop_after=4)  # "preempted" after step 4
     assert sorted(first.losses) == [1, 2, 3, 4]
     assert layout.latest_checkpoint(tmp / "b").name == "step-00000004"

@@ -98,6 +98,10 @@ def run(args) -> int:
     cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
                               model=model.config.to_dict(), **explicit
                               ).with_overrides(args.overrides)
+    from moeify.cli.train import apply_finetune_defaults, with_data_identity
+
+    cfg = with_data_identity(cfg, None if args.data else src_dir)
+    cfg = apply_finetune_defaults(cfg, args, context=model.config.context_length)
     # Written beside --out and renamed at the end: a failure (a full disk) or a kill leaves no
     # half-made run directory; a killed attempt's temporary directory is swept by the next.
     with atomic_directory(out, "upcycle") as tmp:

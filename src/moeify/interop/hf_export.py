@@ -29,10 +29,11 @@ exported (they are not part of a checkpoint either).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-from moeify.data.cache import atomic_directory, sweep_stale_directories
+from moeify.data.cache import atomic_directory, default_file_mode, sweep_stale_directories
 from moeify.data.gpt2_bpe import bytes_to_unicode
 from moeify.data.hf_tokenizer import import_tokenizers
 from moeify.errors import MoeifyError, install_hint, os_error_of
@@ -162,6 +163,8 @@ def _save_weights(state: dict, tmp: Path, out: Path | None) -> None:
 
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates its file 0600: give it the mode of the export's other files.
+        os.chmod(tmp / "model.safetensors", default_file_mode())
     except Exception as e:  # safetensors' own error type, also for a full disk
         os_error = os_error_of(e, (out or tmp) / "model.safetensors")
         if os_error is None:

@@ -453,8 +453,23 @@ def trunc_normal_exact_std_(w: torch.Tensor, std: float) -> torch.Tensor:
 @torch.no_grad()
 def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
     """Rescale every row of a selection matrix to the same L2 norm while keeping the overall
-    standard deviation (switchhead.md §3; the authors' renorm_keep_std): no expert starts with a
-    larger router norm than another."""
+    standard deviation: no expert starts with a larger router norm than another. sigma-MoE's
+    expert selection (the authors' ``renorm_keep_std(expert_sel, dim=1)``, in
+    github.com/RobertCsordas/moe and in ``SigmaMoE`` of github.com/RobertCsordas/moeut;
+    sigma-MoE arXiv 2310.10837)."""
     std = w_XD.std()
     w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return w_XD.mul_(std / w_XD.std())
+
+
+@torch.no_grad()
+def renorm_rows_keep_row_std_(w_XD: torch.Tensor) -> torch.Tensor:
+    """SwitchHead's selection matrices (the authors' ``SwitchHeadCore.renorm_rows`` in
+    github.com/RobertCsordas/moeut, moeut.py, the rule of ``renorm_rows`` in
+    github.com/RobertCsordas/moe_attention; SwitchHead arXiv 2312.07987): row i becomes its
+    unit vector times its own standard deviation sigma_i (unbiased, before the change), the
+    whole then divided by the standard deviation of the unit rows. Row norms stay
+    proportional to the rows' own spreads (a few percent apart), unlike ``renorm_rows_``."""
+    std_X1 = w_XD.std(dim=-1, keepdim=True)
+    w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return w_XD.mul_(std_X1 / w_XD.std())

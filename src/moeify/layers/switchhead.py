@@ -70,7 +70,7 @@ from moeify.layers.common import (
     register_usage,
     rename_legacy_keys,
     routing_record,
-    renorm_rows_,
+    renorm_rows_keep_row_std_,
 )
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import sequence_prob_sums
@@ -213,7 +213,8 @@ class SwitchHeadAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """Spec §3: W_Q, W_K, W_V, W_S and the position projection ~ N(0, (s/sqrt(d))²), W_O ~
-        N(0, (s/sqrt(H·d_h))²), s = sqrt(2/L); selection rows then renormalised to equal norm."""
+        N(0, (s/sqrt(H·d_h))²), s = sqrt(2/L); selection rows then rescaled as the authors'
+        code does (``renorm_rows_keep_row_std_``: each row's norm proportional to its std)."""
         c = self.config
         s = init_scale(c.n_layers)
         std_in, std_out = s / math.sqrt(c.d_model), s / math.sqrt(c.n_heads * c.d_head)
@@ -221,7 +222,7 @@ class SwitchHeadAttention(nn.Module):
             for name, p in self.named_parameters(recurse=False):
                 p.normal_(0.0, std_out if name == "w_o" else std_in)
                 if name.startswith("w_router"):
-                    renorm_rows_(p)
+                    renorm_rows_keep_row_std_(p)
             if c.pos == "xl":
                 self.core.w_pos.normal_(0.0, std_in)
 

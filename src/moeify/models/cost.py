@@ -39,9 +39,12 @@ PROJECTIONS = ("q", "k", "v", "o")
 
 def format_count(x: int | float) -> str:
     """The paper's print format: x/1e9 with one decimal and "G" above 1000M, else x/1e6 with one
-    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M")."""
+    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M"); below 50,000, where that would
+    print "0.0M", x/1e3 with one decimal and "K" (12,345 -> "12.3K")."""
     if x / 1e6 > 1000:
         return f"{x / 1e9:.1f}G"
+    if abs(x) < 50_000:
+        return f"{x / 1e3:.1f}K"
     return f"{x / 1e6:.1f}M"
 
 

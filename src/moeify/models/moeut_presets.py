@@ -36,9 +36,8 @@ experts; 728 is still the nearest label); the tests hold them to these counts an
 printed figures.
 
 The regularisers are the authors' (SigmaMoEConfig.entropy_pool = "sequence", SwitchHeadConfig
-.entropy_coef), pooled per sequence over the applications of a shared block. Deviation (README
-"The layers", MoEUT): the untied output layer is initialised N(0, 1/d) with a zero bias (the
-library's output layer), where the authors keep PyTorch's default Linear init.
+.entropy_coef), pooled per sequence over the applications of a shared block. The
+initialisation, and its one deviation (the output layer), are said in moeify.layers.moeut.
 
 ``tiny-moeut`` is the tiny family's shape (byte vocabulary, d = 128, T = 128) with 4 layers in
 2 groups; ``repro-moeut`` is its CPU-study counterpart, parameter-matched to ``repro-rope-dense``

@@ -9,6 +9,7 @@ the reading lives here so that analysis and interop load checkpoints without imp
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,9 @@ def verify_sharded(ckpt: Path, *, model_config: dict[str, Any] | None = None) ->
     return meta
 
 
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
 def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = None) -> None:
     """Fill ``state`` ({"model": ..., "optim": ...} as DCP's ``get_state_dict`` gives them,
     keyed by parameter name, sharded or not) from ``ckpt/dcp``. With ``model``, a checkpoint
@@ -218,7 +222,11 @@ def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = 
         renames = _legacy_names(dcp, ckpt, state, model) if model is not None else {}
         _rename_state(state, renames)
         try:
-            dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+            with warnings.catch_warnings():
+                # Reading in one process is the intent here (eval, generate, export, plot):
+                # torch says so in a warning on every load.
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+                dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
         finally:
             _rename_state(state, {old: new for new, old in renames.items()})
     except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own

@@ -27,6 +27,7 @@ from typing import Any
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig, known_fields
 from moeify.models.presets import find_preset
+from moeify.rundir.data import data_difference
 from moeify.rundir.files import read_json
 from moeify.rundir.layout import CONFIG_FILE
 from moeify.train.overrides import (  # noqa: F401  (re-exported: the override API)
@@ -60,7 +61,11 @@ class TrainConfig:
     model:            a whole ModelConfig as a dict (ModelConfig.to_dict), used instead of the
                       preset's: models that are not presets (``moeify upcycle`` writes one);
                       ``preset`` is then only a name.
-    data:             corpus name or local path (moeify.data.corpora).
+    data:             corpus name or local path (moeify.data.corpora); ``moeify train``
+                      records a path made absolute (moeify.rundir.data).
+    data_sha256:      the fingerprint of the corpus's content (corpus_fingerprint), recorded
+                      by ``moeify train``: a resume accepts any path to the same content.
+                      A record, not an input; None in runs that did not record it.
     tokenizer:        "auto" = bytes for byte-level corpora (enwik8 convention: the byte values
                       occurring in the train split) and for byte-level presets (a vocabulary of
                       at most 256, such as the tiny-* and repro-* ones) on any corpus,
@@ -109,6 +114,7 @@ class TrainConfig:
     model_overrides: tuple[str, ...] = ()
     model: dict[str, Any] | None = None
     data: str = "wiki-excerpt"
+    data_sha256: str | None = None
     tokenizer: str = "auto"
     vocab_size: int = 8000
     steps: int = 300
@@ -273,12 +279,14 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None = None,
 # Written to JSON only when they differ from their default, so that config.json, checkpoint
 # records and compare/sweep run specs of runs without them read exactly as before they existed
 # (a sweep refuses a run directory whose recorded settings differ from its own).
-OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None, "expert_parallel": 1}
+OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None, "expert_parallel": 1,
+                   "data_sha256": None}
 
 # Fields moeify writes itself, with what writes them.
 WRITTEN_BY_MOEIFY = {"lr_extensions": "moeify train --resume RUN --steps N --schedule extend|"
                                       "stretch",
-                     "init_from": "moeify train --init-from RUN"}
+                     "init_from": "moeify train --init-from RUN",
+                     "data_sha256": "moeify train, from the content of --data"}
 
 
 # The largest float32: settings become float32 tensors inside the optimizer and the scheduler.
@@ -318,12 +326,17 @@ RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_ba
                      "parallel", "expert_parallel")
 # The schedule's shape after the warm-up: it may change on resume for the steps still to come.
 SCHEDULE_FIELDS = ("cosine_steps", "lr_extensions")
+# Compared by what they identify: the model above, the data by content (data_difference).
+_IDENTITY_FIELDS = ("preset", "model_overrides", "data", "data_sha256")
 
 
 def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
-                            weights_only: bool = False) -> None:
+                            weights_only: bool = False, run_dir: str | Path | None = None
+                            ) -> None:
     """Raise if ``requested`` changes something a resumed run cannot change. From a checkpoint
-    that holds only weights (an imported model: nothing trained yet) only the model is fixed."""
+    that holds only weights (an imported model: nothing trained yet) only the model is fixed.
+    The data may be given by any path to the same content (moeify.rundir.data; ``run_dir``
+    finds a relative path recorded as typed)."""
     if (saved.preset != requested.preset or saved.model_overrides != requested.model_overrides
             or saved.model != requested.model):
         raise ValueError(f"the checkpoint is from another preset: the run was trained as "
@@ -334,13 +347,17 @@ def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
     if weights_only:
         return
     bad = [f.name for f in dataclasses.fields(TrainConfig)
-           if f.name not in RESUMABLE_CHANGES + SCHEDULE_FIELDS + ("preset", "model_overrides")
+           if f.name not in RESUMABLE_CHANGES + SCHEDULE_FIELDS + _IDENTITY_FIELDS
            and getattr(saved, f.name) != getattr(requested, f.name)]
     if bad:
         raise ValueError(f"cannot change {', '.join(bad)} when resuming (the run was trained with "
                          + ", ".join(f"{b}={getattr(saved, b)!r}" for b in bad)
                          + "); only " + ", ".join(RESUMABLE_CHANGES) + " may change. Start a "
                          "new run with --out to train with different settings")
+    problem = data_difference(saved.data, saved.data_sha256, requested.data,
+                              requested.data_sha256, run_dir)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def read_train_config(run_dir: str | Path) -> TrainConfig:

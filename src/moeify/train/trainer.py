@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeify.data.cache import quiet_progress
 from moeify.data.corpora import load_corpus
 from moeify.data.stream import StreamBatcher, tokenize_split
 from moeify.data.tokenizers import build_tokenizer, load_tokenizer
@@ -320,7 +321,7 @@ class Trainer:
         self.weights_only = bool(ckpt_read.read_meta(ckpt).get("weights_only"))
         trained = self._trained_config(ckpt)
         check_resume_compatible(trained, self.cfg,
-                                weights_only=self.weights_only)
+                                weights_only=self.weights_only, run_dir=self.run_dir)
         step = int(ckpt_read.read_meta(ckpt)["step"])
         if step >= self.cfg.steps:
             raise MoeifyError(
@@ -345,7 +346,7 @@ class Trainer:
         except (TypeError, ValueError):
             return on_disk
         try:
-            check_resume_compatible(trained, on_disk)
+            check_resume_compatible(trained, on_disk, run_dir=self.run_dir)
         except ValueError as e:
             raise MoeifyError(
                 f"{self.run_dir / 'config.json'} was edited after checkpoint {ckpt.name} was "
@@ -766,12 +767,13 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool | str | Path = 
     """Train ``cfg`` into ``run_dir`` (resuming its latest checkpoint, or the checkpoint
     ``resume`` names, when ``resume`` is given; ``schedule``: keep, extend or stretch, what the
     learning-rate schedule does when a resume changes ``steps``)."""
-    trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream,
-                      schedule=schedule)
-    try:
-        return trainer.fit(stop_after)
-    finally:
-        trainer.close()
+    with quiet_progress(quiet):  # the corpus and tokeniser lines too
+        trainer = Trainer(cfg, run_dir, resume=resume, quiet=quiet, stream=stream,
+                          schedule=schedule)
+        try:
+            return trainer.fit(stop_after)
+        finally:
+            trainer.close()
 
 
 def _is_peer_error(e: BaseException) -> bool:
@@ -849,6 +851,7 @@ def train_from(cfg: TrainConfig, run_dir: str | Path, source: str | Path, *, qui
                           f"describe ({first}); change only settings that keep the weights' "
                           "shapes, or use moeify upcycle to convert the architecture") from None
     cfg = dataclasses.replace(cfg, model=model_cfg.to_dict(), model_overrides=())
-    start_run_from_model(cfg, run_dir, model, src.tokenizer, validate=False, quiet=True,
-                         stream=stream)
+    with quiet_progress(quiet):
+        start_run_from_model(cfg, run_dir, model, src.tokenizer, validate=False, quiet=True,
+                             stream=stream)
     return train(cfg, run_dir, resume=True, quiet=quiet, stream=stream)
