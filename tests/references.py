@@ -37,19 +37,57 @@ Shape legend: B batch, H heads (MoA: experts), T queries, S keys / sources, C he
 D sinusoid width (d_model for the attention layers).
 """
 
+import math
+
 import torch
 
 f64 = torch.float64
 
 
-def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0):
-    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64."""
+def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0, freq=None, scale=1.0):
+    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64;
+    ``freq`` replaces the frequencies and ``scale`` multiplies the rotation (YaRN)."""
     half = n_rot // 2
     z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
-    freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
+    if freq is None:
+        freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
     theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
+    z = z * torch.exp(1j * theta) * scale
     return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
+
+
+def ref_llama3_freq(n_rot, base, factor, low, high, original):
+    """Llama 3.1's frequencies one at a time: wavelength 2π/ω above original/low is
+    interpolated (ω / factor), below original/high kept, and blended linearly in
+    original/wavelength between."""
+    out = []
+    for i in range(n_rot // 2):
+        w = base ** (-2.0 * i / n_rot)
+        wavelen = 2 * math.pi / w
+        if wavelen < original / high:
+            out.append(w)
+        elif wavelen > original / low:
+            out.append(w / factor)
+        else:
+            s = (original / wavelen - low) / (high - low)
+            out.append((1 - s) * w / factor + s * w)
+    return torch.tensor(out, dtype=f64)
+
+
+def ref_yarn_freq(n_rot, base, factor, original, beta_fast, beta_slow):
+    """YaRN's frequencies one at a time (Peng et al. 2023, Eq. 17-18 with transformers'
+    floor / ceil of the correction range): dimension i keeps ω_i above the range, ω_i / factor
+    below it, and a linear ramp in i between."""
+    def dim(rotations):
+        return n_rot * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), n_rot - 1)
+    out = []
+    for i in range(n_rot // 2):
+        w = base ** (-2.0 * i / n_rot)
+        ramp = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: extrapolate, 1: interpolate
+        out.append(w * (1 - ramp) + w / factor * ramp)
+    return torch.tensor(out, dtype=f64)
 
 
 def ref_sinusoid(dist, D):

@@ -199,3 +199,17 @@ def test_tests_mirror_src():
     assert folders <= set(ALLOWED), f"test folders without a src package: {folders - set(ALLOWED)}"
     top = sorted(p.name for p in tests.glob("test_*.py"))
     assert top == ["test_layering.py", "test_readme.py"], top
+
+
+def test_the_run_directory_package_owns_checkpoint_writing_and_the_run_lock():
+    """Checkpoints are written (single-file and sharded) and runs locked in rundir/ only, so
+    interop, upcycling and sweep write and lock runs without importing train."""
+    owned = {"save_checkpoint", "save_sharded", "publish_checkpoint", "restore_sharded",
+             "RunLock", "sweep_stale", "set_aside"}
+    found = []
+    for f in ROOT.rglob("*.py"):
+        for node in ast.parse(f.read_text()).body:  # top level only (Trainer has methods)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in owned:
+                found.append((f.relative_to(ROOT).parts[0], node.name))
+    assert {name for _, name in found} == owned
+    assert {pkg for pkg, _ in found} == {"rundir"}, found

@@ -97,7 +97,7 @@ def _continue(dense: Path, out: Path, steps: int) -> None:
 
     from moeify.rundir import load_trained
     from moeify.train.config import read_train_config
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     if not (out / "checkpoints").is_dir():
         print(f"# start {out} from the weights of {dense} (fresh optimizer)")

@@ -199,9 +199,9 @@ def test_long_work_reports_progress(corpus, tmp_path, capsys, monkeypatch):
     p.t0 -= 100.0                       # the first step took 100 s (compiling)
     p.restart(1)
     assert p.eta(2) < 5.0
-    import moeify.train.parallel as parallel
+    import moeify.train.plans as plans
 
-    monkeypatch.setattr(parallel, "parallelize", lambda model, *a, **k: model)  # no compiler
+    monkeypatch.setattr(plans, "compile_blocks", lambda model, **k: model)  # no compiler
     from moeify.train.config import TrainConfig
     from moeify.train.trainer import train
 

@@ -314,7 +314,7 @@ def _native_moeify_model(kind: str):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
     from moeify.data.tokenizers import ByteTokenizer
-    from moeify.train.checkpoint import save_checkpoint
+    from moeify.rundir.write import save_checkpoint
     from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
     from moeify.rundir.files import model_config_dict, write_run_files
 
@@ -340,7 +340,7 @@ def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
 
 def _preset_run(root: Path, preset: str, *overrides: str) -> Path:
     from moeify.data.tokenizers import ByteTokenizer
-    from moeify.train.checkpoint import save_checkpoint
+    from moeify.rundir.write import save_checkpoint
     from moeify.train.config import TrainConfig, resolve_model_config
     from moeify.rundir.files import model_config_dict, write_run_files
 

@@ -89,6 +89,7 @@ def _mod(d=6, capacity=0.125, ff=None, **kw):
 
 def _r(x_BTD, w_D, b=0.0):
     # The router logit r = wᵀx + b, computed in float32 like the layer does.
+    b = b.float() if isinstance(b, torch.Tensor) else b  # the bias is [1]: it would promote
     return (x_BTD.float() @ w_D.float() + b).to(x_BTD.dtype)
 
 

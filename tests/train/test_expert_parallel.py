@@ -385,7 +385,7 @@ def _killed_worker(rank, world, init_file, cfg_dict, run_dir, dies, out_file):
 
     import torch.distributed as dist
 
-    from moeify.train import sharded
+    from moeify.rundir import sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -490,7 +490,7 @@ def _compile_worker(rank, world, init_file, out_file):
     from torch.distributed.tensor import DTensor
 
     from moeify.train.expert_parallel import ExpertParallel
-    from moeify.train.parallel import allow_data_dependent_shapes
+    from moeify.train.plans import allow_data_dependent_shapes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -556,7 +556,7 @@ def test_the_compiled_expert_parallel_layer_is_one_graph_and_equals_eager(tmp_pa
 def _init_from_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
     import torch.distributed as dist
 
-    from moeify.train.trainer import train_from
+    from moeify.train.start import train_from
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -573,7 +573,7 @@ def _start_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
     import torch.distributed as dist
 
     from moeify.rundir.model import load_trained as load
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -601,7 +601,7 @@ def test_a_run_started_from_a_model_validates_expert_parallel(setup):
     so both processes validate (process 0 alone would wait forever) and get the loss one
     process gets."""
     from moeify.rundir.model import load_trained as load
-    from moeify.train.trainer import init_config, start_run_from_model
+    from moeify.train.start import init_config, start_run_from_model
 
     tmp, corpus = setup
     _source_run(tmp, corpus)
@@ -622,7 +622,7 @@ def test_a_run_started_from_a_model_validates_expert_parallel(setup):
 def test_init_from_a_one_process_run_trains_expert_parallel(setup):
     """--init-from (train_from) with expert_parallel=2: the new run's step-0 checkpoint holds the
     source's full weights split over the ep group, and it trains as the one-process run does."""
-    from moeify.train.trainer import init_config, train_from
+    from moeify.train.start import init_config, train_from
 
     tmp, corpus = setup
     _source_run(tmp, corpus)

@@ -24,8 +24,8 @@ def _earlier(key: str) -> str:
     return f"{head}.{EARLIER.get(last, last)}"
 
 
-def _trained(seed: int):
-    cfg = apply_model_overrides(get_preset("tiny-switchall"),
+def _trained(seed: int, preset: str = "tiny-switchall"):
+    cfg = apply_model_overrides(get_preset(preset),
                                 ("model.d_model=32", "model.n_layers=2", "model.context_length=16"))
     torch.manual_seed(seed)
     model = cfg.build()
@@ -73,7 +73,8 @@ def test_a_sharded_checkpoint_with_the_current_names_needs_no_renaming(tmp_path)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / DCP_DIR))
     fresh, _ = _trained(1)
     state = {"model": fresh.state_dict()}
-    assert _legacy_names(dcp, tmp_path, state, fresh) == {}
+    saved = dcp.FileSystemReader(str(tmp_path / DCP_DIR)).read_metadata().state_dict_metadata
+    assert _legacy_names(saved, state, fresh) == {}
     import warnings
 
     with warnings.catch_warnings():  # one process reads a sharded checkpoint without torch's
@@ -81,3 +82,71 @@ def test_a_sharded_checkpoint_with_the_current_names_needs_no_renaming(tmp_path)
         load_dcp(tmp_path, state, fresh)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state["model"][key], value, rtol=0, atol=0)
+
+
+# Learned scalars (the dense attention core's logit scale, Mixture-of-Depths' router bias) were
+# 0-dim parameters; they are one-element vectors now (FSDP2 shards dim 0).
+SCALARS = (".scale", ".bias_router")
+
+
+def _as_scalars(sd: dict) -> dict:
+    return {k: (v.reshape(()) if k.endswith(SCALARS) else v) for k, v in sd.items()}
+
+
+def _moments_as_scalars(st: dict) -> dict:
+    return {k: (v if k == "step" else v.reshape(())) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-mod"])
+def test_a_sharded_checkpoint_with_0_dim_scalars_restores_weights_and_adamw_state(tmp_path,
+                                                                                 preset):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _trained(0, preset)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    scalars = [k for k in model_sd if k.endswith(SCALARS)]
+    assert scalars and all(model_sd[k].shape == (1,) for k in scalars)
+    old_optim = {"state": {k: (_moments_as_scalars(st) if k.endswith(SCALARS) else st)
+                           for k, st in optim_sd["state"].items()},
+                 "param_groups": optim_sd["param_groups"]}
+    assert old_optim["state"][scalars[0]]["exp_avg"].dim() == 0
+    dcp.save({"model": _as_scalars(model_sd), "optim": old_optim},
+             checkpoint_id=str(tmp_path / DCP_DIR))
+
+    fresh, fresh_opt = _trained(1, preset)
+    state_model, state_optim = get_state_dict(fresh, fresh_opt)
+    state = {"model": state_model, "optim": state_optim}
+    load_dcp(tmp_path, state, fresh)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
+    _, got = get_state_dict(fresh, fresh_opt)
+    for key in scalars:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert got["state"][key][name].shape == (1,)
+            torch.testing.assert_close(got["state"][key][name], optim_sd["state"][key][name],
+                                       rtol=0, atol=0)
+
+
+def test_a_single_file_state_with_0_dim_scalars_loads(tmp_path):
+    from moeify.rundir.checkpoints import reshape_scalar_state
+
+    model, opt = _trained(0, "tiny-mod")
+    fresh, fresh_opt = _trained(1, "tiny-mod")
+    fresh.load_state_dict(_as_scalars(model.state_dict()))  # the layers' load hook
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
+    names = [n for n, _ in model.named_parameters()]
+    old = opt.state_dict()
+    old["state"] = {i: (_moments_as_scalars(st) if names[i].endswith(SCALARS) else st)
+                    for i, st in old["state"].items()}
+    reshape_scalar_state(old, list(fresh.parameters()))
+    fresh_opt.load_state_dict(old)
+    ids = torch.randint(0, 256, (2, 13))
+    out = fresh(ids[:, :-1], ids[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    fresh_opt.step()  # AdamW's in-place moment updates need the moments' shape to fit
+    bias = [p for n, p in fresh.named_parameters() if n.endswith(".bias_router")][0]
+    assert fresh_opt.state[bias]["exp_avg"].shape == (1,)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from moeify.errors import MoeifyError
 from moeify.rundir import layout
 from moeify.rundir import checkpoints as ckr
-from moeify.train import checkpoint as ck
+from moeify.rundir import write as ck
 from moeify.train.config import TrainConfig
 from moeify.train.metrics import read_metrics
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
@@ -158,7 +158,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
     tmp, corpus = env
     cfg = tiny_cfg(corpus, steps=4, checkpoint_every=2)
     reference = train(cfg, tmp / "ref", quiet=True)
-    real_save = ck._save_state
+    real_save = ck.save_state
     calls = []
 
     def dies_on_second_save(state, path):
@@ -168,7 +168,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
             raise OSError("killed")
         real_save(state, path)
 
-    monkeypatch.setattr(ck, "_save_state", dies_on_second_save)
+    monkeypatch.setattr(ck, "save_state", dies_on_second_save)
     with pytest.raises(MoeifyError, match="step 4.*last good checkpoint .*step-00000002 is intact"):
         train(cfg, tmp / "run", quiet=True)
     monkeypatch.undo()

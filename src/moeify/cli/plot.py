@@ -67,7 +67,7 @@ def run_attention(args) -> int:
     from moeify.rundir import load_trained
 
     _check_out(args.out)
-    run = load_trained(args.run, single_file_only=True)
+    run = load_trained(args.run)
     ids = run.tokenizer.encode(args.text)
     T = run.model_config.context_length
     if len(ids) > T:
@@ -92,7 +92,7 @@ def run_experts(args) -> int:
     _check_out(args.out)
     if args.tokens < 1 or args.batch_size < 1:
         raise ValueError("--tokens and --batch-size must be positive")
-    run = load_trained(args.run, single_file_only=True)
+    run = load_trained(args.run)
     from moeify.rundir.data import run_corpus_spec
 
     data = args.data or run_corpus_spec((run.train_config or {}).get("data"), run.run_dir)

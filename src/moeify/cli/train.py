@@ -127,8 +127,11 @@ def run(args) -> int:
         from moeify.train.distributed import configure_cpu_threads
 
         configure_cpu_threads()
-    result = train(cfg, run_dir, resume=resume if resume is not None else False,
-                   quiet=args.quiet, schedule=args.schedule)
+    from moeify.train.distributed import device_type, process_group
+
+    with process_group(device_type(cfg.device)):  # one per process (train.distributed)
+        result = train(cfg, run_dir, resume=resume if resume is not None else False,
+                       quiet=args.quiet, schedule=args.schedule)
     return _report(result)
 
 
@@ -137,7 +140,7 @@ def _init_from(args, explicit: dict) -> int:
     from pathlib import Path
 
     from moeify.rundir.layout import default_run_dir
-    from moeify.train.trainer import init_config, train_from
+    from moeify.train.start import init_config, train_from
 
     from moeify.rundir.layout import resolve_checkpoint, run_dir_of
 

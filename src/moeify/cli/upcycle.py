@@ -67,7 +67,7 @@ def run(args) -> int:
     from moeify.train.config import TrainConfig, read_train_config
     from moeify.train.distributed import configure_cpu_threads
     from moeify.rundir import load_trained
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
@@ -135,7 +135,7 @@ def run(args) -> int:
 def _drop_stale_lock(out: Path) -> None:
     """An --out that holds nothing but the .lock of a dead process (a kill -9 of an upcycle by
     an earlier version, which wrote into --out directly) is empty for every purpose."""
-    from moeify.train.lock import LOCK_FILE, live_holder
+    from moeify.rundir.lock import LOCK_FILE, live_holder
 
     if out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_FILE] and \
             live_holder(out) is None:

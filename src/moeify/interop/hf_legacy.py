@@ -5,10 +5,8 @@ without help, such a directory would load with the renamed parameters left unini
 
 ``register_legacy_key_renames`` registers the renames with transformers
 (``register_checkpoint_conversion_mapping`` for the remote-code class ``MoeifyForCausalLM``),
-so ``from_pretrained`` reads both names. moeify's package init calls it when transformers is
-already imported, which is the case when an exported directory's remote code (the copy written
-at export time, which imports the installed moeify) is loaded by a process that had not
-imported moeify yet; a process that imported moeify before transformers calls it itself.
+so ``from_pretrained`` reads both names. The exported remote code (hf_remote/modeling_moeify.py)
+calls it when a directory is loaded; importing moeify changes nothing in transformers.
 The renames apply on loading only: transformers would otherwise revert them in
 ``save_pretrained``, writing earlier names (even for a model built in the process, where it
 reverts every registered rename); here their reverse renames nothing, so whatever is saved

@@ -56,7 +56,9 @@ def core_config(cfg, *, n_heads: int, n_kv_heads: int | None = None, xl_heads: i
     return AttentionCoreConfig(d_model=cfg.d_model, n_heads=n_heads, d_head=cfg.d_head,
                                n_kv_heads=n_kv_heads, pos=cfg.pos, xl_heads=xl_heads,
                                xl_biases=xl_biases, rope_fraction=cfg.rope_fraction,
-                               rope_base=cfg.rope_base, attn_dropout=cfg.attn_dropout,
+                               rope_base=cfg.rope_base,
+                               rope_scaling=getattr(cfg, "rope_scaling", None),
+                               attn_dropout=cfg.attn_dropout,
                                attn_impl=cfg.attn_impl)
 
 

@@ -15,7 +15,7 @@ Parameter (and in each file's shape legend), not spelled into the name:
                                  no-decay group must still load).
                                  SwitchHead's two sides: ``w_router_src`` (source side, serves V
                                  and K) and ``w_router_dst`` (destination side, serves O and Q).
-                                 A router bias is ``bias_router`` [X] (MoD's scalar one: []).
+                                 A router bias is ``bias_router`` [X] (MoD's single one: [1]).
     stacked expert weights       ``w_<role>`` with the expert (or head) first: the feedforward
                                  MoEs' ``w_in`` [E, D, G], ``w_gate`` [E, D, G] (gated experts)
                                  and ``w_out`` [E, G, D]; the attention projections ``w_q``,
@@ -32,7 +32,7 @@ Checkpoints written with earlier names still load: every layer that renamed a Pa
 registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
 ``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
 reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
-themselves carry the same renames: sharded checkpoints (moeify.train.sharded) and transformers'
+themselves carry the same renames: sharded checkpoints (moeify.rundir.sharded) and transformers'
 loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
 convention (earlier name -> current):
 
@@ -44,6 +44,12 @@ convention (earlier name -> current):
     MixtureOfDepths      router_D -> w_router, router_bias -> bias_router
     MoSAAttention        w_r -> w_router
     attention layers     w_pos, bias_u, bias_v, scale -> core.* (the attention core's)
+
+No Parameter is 0-dim (FSDP2 shards dim 0 of every parameter): a learned scalar is a vector of
+one element, and a state dict that holds it 0-dim (written before) loads through
+``load_scalars_as_vectors`` (the attention core's ``scale``, MoD's ``bias_router``); the
+optimizer state of such a parameter is reshaped the same way by whoever restores it
+(moeify.rundir.checkpoints.reshape_like).
 
 Shape legend: X rows of a selection matrix (one per expert), D d_model.
 """
@@ -351,6 +357,18 @@ def _rename_into(state_dict, prefix: str, table: dict) -> None:
         if prefix + old in state_dict and prefix + new not in state_dict:
             value = state_dict.pop(prefix + old)
             state_dict[prefix + new] = value if fn is None else fn(value)
+
+
+def load_scalars_as_vectors(module: nn.Module, *names: str) -> None:
+    """Let ``module`` load a state dict that holds its one-element vectors ``names`` as 0-dim
+    tensors (a load_state_dict pre-hook; module docstring)."""
+    def hook(state_dict, prefix, *args):
+        for n in names:
+            t = state_dict.get(prefix + n)
+            if isinstance(t, torch.Tensor) and t.dim() == 0:
+                state_dict[prefix + n] = t.reshape(1)
+
+    module._register_load_state_dict_pre_hook(hook)
 
 
 def upgrade_legacy_keys(model: nn.Module, state_dict: dict) -> dict:

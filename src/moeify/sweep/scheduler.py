@@ -28,7 +28,7 @@ from moeify.rundir.layout import latest_checkpoint
 from moeify.runtime import MALLOC_ENV
 from moeify.sweep.protocol import (CHILD_LOG, CHILD_RESULT, PARENT_ENV, SPEC_FILE,
                                    failure_line, max_rss_bytes, spec_steps, write_json)
-from moeify.train.lock import RunLock, describe_holder, live_holder
+from moeify.rundir.lock import RunLock, describe_holder, live_holder
 
 # The module a child runs (``python -m CHILD_MODULE --child SPEC``).
 CHILD_MODULE = "moeify.sweep.child"

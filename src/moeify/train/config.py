@@ -38,7 +38,7 @@ from moeify.train.overrides import (  # noqa: F401  (re-exported: the override A
 from moeify.train.values import parse_value, split_override  # noqa: F401
 
 AMP_MODES = ("auto", "fp32", "bf16", "fp16")
-PARALLEL_MODES = ("ddp", "fsdp")  # moeify.train.parallel
+PARALLEL_MODES = ("ddp", "fsdp")  # moeify.train.plans
 TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
 
 
@@ -89,10 +89,10 @@ class TrainConfig:
     checkpoint_every: steps between checkpoints (0 = only at the end); keep_checkpoints: how many
                       complete checkpoints stay on disk.
     tensorboard:      also write TensorBoard scalars (the tensorboard extra).
-    compile:          torch.compile every block (moeify.train.parallel).
+    compile:          torch.compile every block (moeify.train.plans).
     parallel:         with several processes (torchrun): "ddp" replicates the model, "fsdp"
                       shards parameters, gradients and optimizer state per block (FSDP2) and
-                      writes sharded checkpoints (moeify.train.sharded); "fsdp" also works in one
+                      writes sharded checkpoints (moeify.rundir.sharded); "fsdp" also works in one
                       process.
     expert_parallel:  the expert-parallel degree P (moeify.train.expert_parallel): the processes
                       form a 2-D mesh (data-parallel W/P x expert-parallel P); the experts of

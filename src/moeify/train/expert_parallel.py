@@ -46,7 +46,7 @@ over all processes. DDP ignores the expert shards, FSDP2 is told to. ``clip_grad
 the squared norms of plain gradients once, of FSDP shards over all processes and of expert
 shards over an ep group (one all-reduce).
 
-Checkpoints are DCP sharded checkpoints (moeify.train.sharded): each tensor is stored with its
+Checkpoints are DCP sharded checkpoints (moeify.rundir.sharded): each tensor is stored with its
 global shape and the offsets of every shard, so one written at any (dp, ep) layout loads at any
 other, into FSDP or DDP runs, and into one plain process (eval, generate, export). Single-file
 checkpoints of full tensors (written by one process, or by an expert-parallel run of an earlier
