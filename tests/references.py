@@ -1,18 +1,20 @@
 """Independent transcriptions of the papers' equations, which the tests compare the library
 against. There is one copy of each, so a fix to a reference reaches every test that relies on it.
 
-- RoPE (RoFormer; SwitchHead spec /work/shared/spec/switchhead.md §2): the first n_rot channels
+- RoPE (RoFormer, arXiv 2104.09864, §3.2; as SwitchHead uses it): the first n_rot channels
   of each head, taken as pairs (i, i + n_rot/2), are rotated as the complex number
   x_i + j·x_{i+n_rot/2} multiplied by exp(j·p·base^(-2i/n_rot)). The remaining channels are
   left as they are.
-- Transformer-XL relative positions (Dai et al. 2019; spec §2): the sinusoid of every pairwise
+- Transformer-XL relative positions (Dai et al. 2019; SwitchHead appendix): the sinusoid of every
+pairwise
   distance p_i - p_j, with a sin block followed by a cos block, projected by W and dotted with
   the query one pair at a time. There is no relative shift and no identity trick.
-- Routed two-layer experts (sigma-MoE, Switch; moe-family.md): each token's output is the
+- Routed two-layer experts (sigma-MoE, arXiv 2310.10837; Switch, Fedus et al. 2022): each token's
+output is the
   gate-weighted sum over its chosen experts of act(x · W_in,e + b_in,e) · W_out,e, plus an
   ungated output bias, one (token, choice) pair at a time. GELU (tanh) is written out from its
   formula 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))) (Hendrycks & Gimpel 2016).
-- Default positions (spec §1, XL memory): queries are the last T of the S sources
+- Default positions (SwitchHead Eq. 7-10, XL memory): queries are the last T of the S sources
   [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
 - MoH (Jin et al., ICML 2025, arXiv 2410.11842, Sec. 3.2, Eqs. 4-7): y_t = Σ_i g_i H^i_t W_O^i,
   every head written out on its own; the gates of Eqs. 5-6 one token at a time (shared heads

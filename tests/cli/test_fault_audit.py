@@ -332,9 +332,6 @@ def test_upcycle_is_all_or_nothing_and_sweeps_a_killed_attempt(tiny_run, tmp_pat
     killed = tmp_path / f".up.upcycle-{_dead_pid()}"
     killed.mkdir()
     (killed / ".lock").write_text("{}")
-    # ... and an earlier version's, which wrote into --out directly, left only its .lock there.
-    out.mkdir()
-    (out / ".lock").write_text(json.dumps({"pid": _dead_pid(), "host": "x"}))
     assert main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]
     assert (out / "checkpoints" / "latest").is_file() and not (out / ".lock").exists()

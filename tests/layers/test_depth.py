@@ -1,5 +1,6 @@
 """Mixture-of-Depths and staged MoDE against a per-sequence reference written from the paper
-(moe-family.md, Mixture-of-Depths): pick the top-C tokens of each sequence by router score, run the
+(Raposo et al. 2024, arXiv 2404.02258): pick the top-C tokens of each sequence by router score, run
+the
 block on them alone at their original positions, add r · (f(x) - x), leave the rest untouched.
 
 The blocks are moeify TransformerBlocks around a small attention written here (single head,

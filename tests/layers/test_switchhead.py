@@ -1,4 +1,4 @@
-"""SwitchHead against an independent transcription of the paper's Eq. 7-10 (spec switchhead.md §1):
+"""SwitchHead against an independent transcription of the paper's Eq. 7-10 (arXiv 2312.07987):
 every expert matrix applied densely to every token, the top-k choice expressed as a 0/1 mask over
 the E experts of each head. Attention is written out here as well; RoPE, XL and the default
 positions come from references.py.
@@ -331,7 +331,7 @@ def test_param_count_formula(experts, pos):
 
 
 def test_paper_47m_layer_params():
-    # WT103 47M SwitchHead (spec §4): the authors' model total 47,247,416 minus embedding
+    # WT103 47M SwitchHead (SwitchHead Table 9): the authors' model total 47,247,416 minus embedding
     # (8000·412), output (412·8000 + 8000), final LN (824) and 16 x (FFN 412·2080·2 + 2080 + 412
     # and two LNs 1648) leaves 16 x 822,352 for attention.
     cfg = SwitchHeadConfig(d_model=412, n_heads=2, d_head=76, n_experts=5, k=2, pos="xl",
@@ -401,7 +401,8 @@ def test_config_normalises_experts_and_builds():
 
 
 def test_runs_under_autocast():
-    # Mixed precision (spec §3 trains under autocast): expert matmuls take the autocast dtype.
+    # Mixed precision (the SwitchHead appendix trains under autocast): expert matmuls take the
+    # autocast dtype.
     torch.manual_seed(8)
     m = SwitchHeadConfig(d_model=32, n_heads=2, d_head=8, n_experts=4, k=2, pos="xl",
                          experts=frozenset("qkvo")).build()
@@ -416,7 +417,8 @@ def test_runs_under_autocast():
 
 
 def test_selection_scores_stay_float32_under_autocast():
-    # spec §1: selection scores are computed in float32; bf16 autocast must not round them.
+    # SwitchHead Eq. 7-10: selection scores are computed in float32; bf16 autocast must not round
+    # them.
     from moeify.layers.switchhead import SwitchHeadConfig
 
     torch.manual_seed(0)

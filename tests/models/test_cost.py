@@ -1,4 +1,5 @@
-"""Cost accounting against the numbers the SwitchHead paper printed (switchhead.md §4, §6), and
+"""Cost accounting against the numbers the SwitchHead paper printed (Table 9 and the MACs / memory
+tables), and
 parameter counts against a hand transcription of the modules' weight shapes."""
 
 import json

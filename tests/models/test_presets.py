@@ -1,5 +1,5 @@
 """Presets: every one builds on the meta device, lands on its paper row's parameter count, and its
-name says what it builds. The expectations are transcribed from switchhead.md §4 (Table 9),
+name says what it builds. The expectations are transcribed from SwitchHead Table 9,
 §8 (Table 6) and §6 (MoA: d_h = 88, E = 10), independently of moeify.models.presets."""
 
 import json
@@ -99,7 +99,7 @@ def test_paper_preset_builds_on_meta_and_rounds_to_its_row(name):
 
 
 def test_wt103_47m_pair_matches_the_authors_counts():
-    # switchhead.md §4: the authors' modules give these exact counts.
+    # Table 9: the authors' modules give these exact counts.
     dense = model_parameters(get_preset("wt103-47m-dense"))["total"]
     sh = model_parameters(get_preset("wt103-47m-switchhead"))["total"]
     assert abs(dense - 47_260_136) / 47_260_136 < 1e-3
@@ -215,7 +215,7 @@ def test_repro_family_is_registered_with_the_others_and_parameter_matched(capsys
     dense = get_preset("repro-dense")
     sh, moa = get_preset("repro-switchhead"), get_preset("repro-moa")
     a = sh.attention_layers()[0]
-    # spec §5: H·E equals the baseline's head count; the parameter budget is matched.
+    # SwitchHead §3: H·E equals the baseline's head count; the parameter budget is matched.
     assert isinstance(a, SwitchHeadConfig) and a.n_heads * a.n_experts == 8
     assert isinstance(moa.attention_layers()[0], MoAConfig)
     total = {n: model_parameters(get_preset(n))["total"] for n in REPRO}

@@ -182,7 +182,7 @@ def panel_titles(maps: AttentionMaps) -> list[str]:
     return titles + [f"layer {maps.layer} max over {heads}s"]
 
 
-# Over 60 lines: one figure, panel by panel; splitting it would scatter the layout.
+# One figure, panel by panel, so that its layout reads in one place.
 def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = None) -> Path:
     """One panel per head plus the max over heads. SwitchHead panels carry the destination-side
     expert gates as a strip left of the rows and the source-side gates as a strip under the

@@ -1,4 +1,4 @@
-"""``moeify count``: parameters, and per attention layer MACs and memory (SwitchHead spec §6)."""
+"""``moeify count``: parameters, and per attention layer MACs and memory (moeify.models.cost)."""
 
 from __future__ import annotations
 

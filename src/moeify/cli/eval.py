@@ -9,7 +9,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="evaluate a run: perplexity/bpc, LAMBADA, BLiMP or CBT",
         description="Evaluate the latest checkpoint of a run (or a given checkpoint) as the "
-        "SwitchHead authors scored each task (spec evaluation.md). ppl: perplexity, and bits per "
+        "SwitchHead authors scored each task (their code). ppl: perplexity, and bits per "
         "character for byte-level models, over a split of the run's corpus with XL memory "
         "carried. lambada / blimp / cbt: zero-shot, every item scored on its own; their data is "
         "found under --data-dir or $MOEIFY_DATA_DIR (blimp/, lambada/, cbt/) or at --data.")

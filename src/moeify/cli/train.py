@@ -58,7 +58,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-# Over 60 lines: the command's steps in order (argument checks, config, trainer, report).
+# The command's steps in order: argument checks, config, trainer, report.
 def run(args) -> int:
     import dataclasses
     import os

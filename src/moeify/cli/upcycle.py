@@ -84,7 +84,6 @@ def run(args) -> int:
         raise MoeifyError("--out is the source run; the source is never modified, choose a new "
                           "directory")
     sweep_stale_directories(out)  # what a killed upcycle into --out left beside it
-    _drop_stale_lock(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"--out {out} already exists and is not empty; choose a new directory")
     configure_cpu_threads()
@@ -130,16 +129,6 @@ def run(args) -> int:
         print(f"  validation {name}: {was}upcycled {valid[name]:.4f}")
     print(f"continue with: moeify train --resume {out}")
     return 0
-
-
-def _drop_stale_lock(out: Path) -> None:
-    """An --out that holds nothing but the .lock of a dead process (a kill -9 of an upcycle by
-    an earlier version, which wrote into --out directly) is empty for every purpose."""
-    from moeify.rundir.lock import LOCK_FILE, live_holder
-
-    if out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_FILE] and \
-            live_holder(out) is None:
-        (out / LOCK_FILE).unlink(missing_ok=True)
 
 
 def _summary(args, src, model, valid, out, exact, model_cost) -> dict:

@@ -1,4 +1,4 @@
-"""BLiMP: minimal pairs, scored as the SwitchHead authors did (spec evaluation.md).
+"""BLiMP: minimal pairs, scored as the SwitchHead authors did (their evaluation code).
 
 Each sentence scores the summed log-probability of all its tokens after the first (no length
 normalisation, no memory); a pair is correct when the good sentence scores strictly higher. The

@@ -231,7 +231,8 @@ def _llama_links(kind: str, cfg) -> list[Link]:
         block, (g, u, d) = moe_block(kind)
         experts = [f"{h}{block}experts.{e}." for e in range(f.n_experts)]
         out.append(_same(ff + "w_router", h + block + "gate.weight"))
-        out += [Link((ff + ours,), tuple(x + f"{theirs}.weight" for x in experts), "stack_t")
+        out += [Link((ff + "experts." + ours,), tuple(x + f"{theirs}.weight" for x in experts),
+                     "stack_t")
                 for ours, theirs in (("w_gate", g), ("w_in", u), ("w_out", d))]
         if f.shared is not None:
             out += _swiglu_links(ff + "shared.", h + block + "shared_expert.", False)

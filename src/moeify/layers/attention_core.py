@@ -6,7 +6,7 @@ Shape legend
     B batch    T query (destination) tokens    S source tokens (keys/values; memory + current)
     D d_model  H query heads    Hk key/value heads (dividing H)    C d_head
 
-Positional variants (SwitchHead spec §2):
+Positional variants (SwitchHead appendix):
     "xl"        Transformer-XL relative positions: logits = scale · ((q + u)·k + (q + v)·P(p_i -
                 p_j)), P the projection of sinusoidal distance embeddings ``w_pos`` (d_model ->
                 ``xl_heads`` x d_head; one head broadcasts over the query heads, as MoA). With

@@ -1,6 +1,6 @@
 """What every layer shares: the Aux record it returns beside its output, the training-only usage
 buffers of routed layers, the config checks, the initialisers of the papers' recipes, and the
-load-time renaming of legacy state-dict keys.
+load-time mapping of moved state-dict keys.
 
 Parameter names (they are state-dict keys: checkpoints, Hugging Face key maps, expert
 parallelism and upcycling name them). Names say the role; the shape is documented beside the
@@ -28,22 +28,12 @@ G is the expert's hidden width (sigma-MoE's expert_size, Switch's d_ff). Buffers
 own names (``usage*``, ``expert_bias`` of loss-free balancing), as do nn.Linear sub-modules
 (``shared_gate.weight``, dense MLPs' ``w1`` / ``w_up``, ...), whose names follow torch's.
 
-Checkpoints written with earlier names still load: every layer that renamed a Parameter
-registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
-``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
-reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
-themselves carry the same renames: sharded checkpoints (moeify.rundir.sharded) and transformers'
-loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
-convention (earlier name -> current):
-
-    SwitchHeadAttention  w_sel -> w_router, w_sel_src -> w_router_src, w_sel_dst -> w_router_dst
-    SigmaMoE             w_sel_ED -> w_router, keys_EDG -> w_in, values_EGD -> w_out,
-                         bias_EG -> bias_in, bias_D -> bias_out
-    SwitchFeedForward    w_router_RD -> w_router, w_in_EDF -> w_in, w_gate_EDF -> w_gate,
-                         w_out_EFD -> w_out, bias_EF -> bias_in, bias_D -> bias_out
-    MixtureOfDepths      router_D -> w_router, router_bias -> bias_router
-    MoSAAttention        w_r -> w_router
-    attention layers     w_pos, bias_u, bias_v, scale -> core.* (the attention core's)
+The routed experts of the feedforward MoEs live in their ``experts`` sub-module
+(moeify.layers.experts): ``experts.w_in`` and so on. Runs whose layers held those weights
+themselves (``w_in`` on the layer) still load: the layers register the move with
+``rename_legacy_keys`` (a load_state_dict pre-hook), ``upgrade_legacy_keys`` applies it to a
+whole model's state dict for code that reads a checkpoint by key before loading it (expert
+parallelism), and sharded checkpoints read it too (moeify.rundir.sharded).
 
 No Parameter is 0-dim (FSDP2 shards dim 0 of every parameter): a learned scalar is a vector of
 one element, and a state dict that holds it 0-dim (written before) loads through
@@ -62,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moeify.ops.aux_losses import pooled_entropy_loss
+from moeify.ops.aux_losses import balance_from_counts, pooled_entropy_loss
 from moeify.ops.dropout import dropout
 from moeify.ops.moe import implementations
 from moeify.ops.memo import stamps
@@ -204,6 +194,26 @@ class PooledEntropy:
         return self.coef * pooled_entropy_loss(self.psum, self.count)
 
 
+@dataclass(frozen=True)
+class GlobalBalance:
+    """A balance loss whose f_i may come from a larger batch than one forward's: the global-batch
+    balance loss (Qiu et al. 2025, arXiv 2501.11873; Switch with ``balance_scope="global"``).
+    ``probs`` [E]: the mean router probability over this forward's valid tokens (it carries the
+    gradient); ``counts`` [E]: this forward's top-1 counts (float32, no gradient). ``loss()``
+    takes f_i from this forward's counts (the per-batch Switch loss); the trainer passes the
+    update's counts, every micro-batch and process (moeify.train.balancing). The loss is taken
+    outside the layer, so a forward that is run again (activation recomputation) counts
+    nothing twice."""
+
+    coef: float
+    probs: torch.Tensor
+    counts: torch.Tensor
+
+    def loss(self, counts: torch.Tensor | None = None) -> torch.Tensor:
+        return self.coef * balance_from_counts(self.probs, self.counts if counts is None
+                                               else counts)
+
+
 @dataclass
 class Aux:
     """Auxiliary outputs of a layer, returned (never stored in globals).
@@ -215,12 +225,15 @@ class Aux:
     pooled:  losses not yet taken (``PooledEntropy``): the model pools them over the
              applications of a shared block and adds ``loss()`` to its losses under the same
              name (MoEUT's regularisers).
+    balance: losses whose batch statistics a trainer may widen (``GlobalBalance``): the model
+             adds ``loss()`` to its losses under the same name and returns the record too.
     """
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     routing: dict[str, RoutingStats] = field(default_factory=dict)
     pooled: dict[str, PooledEntropy] = field(default_factory=dict)
+    balance: dict[str, GlobalBalance] = field(default_factory=dict)
 
     def update(self, other: "Aux", prefix: str = "") -> "Aux":
         for k, v in other.losses.items():
@@ -231,11 +244,14 @@ class Aux:
             self.routing[prefix + k] = v
         for k, v in other.pooled.items():
             self.pooled[prefix + k] = v
+        for k, v in other.balance.items():
+            self.balance[prefix + k] = v
         return self
 
     def total_loss(self) -> torch.Tensor | None:
         """The weighted losses, pooled ones taken over this one application."""
-        terms = list(self.losses.values()) + [p.loss() for p in self.pooled.values()]
+        terms = (list(self.losses.values()) + [p.loss() for p in self.pooled.values()]
+                 + [b.loss() for b in self.balance.values()])
         return sum(terms) if terms else None
 
 
@@ -326,11 +342,12 @@ def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> to
 
 
 # ----------------------------------------------------------------------------------------------
-# Legacy state-dict keys.
+# Moved state-dict keys.
 
 
 def rename_legacy_keys(module: nn.Module, renames: dict) -> None:
-    """Let ``module`` load state dicts written with earlier names of its own entries:
+    """Let ``module`` load state dicts that hold its entries under the keys they had before they
+    moved (moeify.layers.experts.EXPERT_KEYS):
     ``renames`` maps an old key (relative to the module) to the current one, or to
     ``(current, fn)`` where the tensor also changed form (``fn(old_tensor)``). Applied by a
     load_state_dict pre-hook, so ``load_state_dict`` of the module or of any model holding it
@@ -372,8 +389,8 @@ def load_scalars_as_vectors(module: nn.Module, *names: str) -> None:
 
 
 def upgrade_legacy_keys(model: nn.Module, state_dict: dict) -> dict:
-    """A copy of ``state_dict`` (a state dict of ``model``, perhaps written with earlier names)
-    with every legacy key renamed as ``model.load_state_dict`` would rename it: for code that
+    """A copy of ``state_dict`` (a state dict of ``model``, perhaps with moved keys at their old
+    places) with every such key renamed as ``model.load_state_dict`` would rename it: for code that
     indexes a checkpoint by the current names before loading it."""
     out = dict(state_dict)
     for name, module in model.named_modules():
@@ -439,16 +456,8 @@ def check_token_input(who: str, x_BTD: torch.Tensor, d_model: int,
 
 def init_scale(n_layers: int) -> float:
     """s = sqrt(2 / L), the depth scale of the SwitchHead and sigma-MoE initialisation
-    (switchhead.md §3, moe-family.md)."""
+    (SwitchHead appendix; sigma-MoE, arXiv 2310.10837, its initialisation)."""
     return math.sqrt(2.0 / n_layers)
-
-
-@torch.no_grad()
-def later_option(default):
-    """A layer-config field added after run directories were written: a dataclass field whose
-    default is left out of the config's JSON (moeify.models.config), so that model.json and the
-    checkpoints of existing runs, written without it, still read back equal."""
-    return field(default=default, metadata={"omit_default": True})
 
 
 def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:

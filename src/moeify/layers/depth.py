@@ -1,7 +1,8 @@
 """Mixture-of-Depths (Raposo et al. 2024): a scalar router decides which tokens of each sequence a
 whole block (attention + feedforward) processes; the others skip it unchanged.
 
-Training and teacher-forced evaluation (no cache), per sequence of T tokens (moe-family.md, MoD):
+Training and teacher-forced evaluation (no cache), per sequence of T tokens
+(Raposo et al. 2024, arXiv 2404.02258):
 
     r_t    = wᵀ x_t + b                              scalar router, float32
     sel    = top-C tokens by r, C = ceil(capacity · T) (at least 1), in ascending position
@@ -63,7 +64,6 @@ from moeify.layers.common import (
     init_scale,
     load_scalars_as_vectors,
     register_usage,
-    rename_legacy_keys,
 )
 from moeify.ops.depth_routing import (
     causal_route,
@@ -132,7 +132,6 @@ class MixtureOfDepths(nn.Module):
                 nn.Linear(config.d_model, config.predictor_hidden), nn.ReLU(),
                 nn.Linear(config.predictor_hidden, 1))
         register_usage(self, "usage", (2,))
-        rename_legacy_keys(self, {"router_D": "w_router", "router_bias": "bias_router"})
         load_scalars_as_vectors(self, "bias_router")
         self.reset_parameters()
 

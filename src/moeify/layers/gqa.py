@@ -38,7 +38,7 @@ from torch import nn
 
 from moeify.layers.attention import check_inputs, core_config
 from moeify.layers.attention_core import AttentionCore, RopeScaling, check_core_fields
-from moeify.layers.common import (Aux, check_positive, init_scale, later_option,
+from moeify.layers.common import (Aux, check_positive, init_scale,
                                   trunc_normal_exact_std_)
 from moeify.layers.kv_cache import KVCache
 from moeify.layers.norm import RMSNorm
@@ -66,9 +66,9 @@ class GroupedQueryAttentionConfig:
     n_layers: int = 1
     attn_dropout: float = 0.0
     attn_impl: str = "auto"
-    qk_norm: str = later_option("none")
-    qk_norm_eps: float = later_option(1e-6)
-    rope_scaling: RopeScaling | None = later_option(None)
+    qk_norm: str = "none"
+    qk_norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "n_kv_heads", "d_head", "n_layers")
@@ -120,7 +120,7 @@ class GroupedQueryAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """As the dense baseline: trunc-normal rescaled to std sqrt(2 / (L · fan_in))
-        (switchhead.md §3), biases zero."""
+        (SwitchHead appendix), biases zero."""
         s = init_scale(self.config.n_layers)
         for lin in (self.w_q, self.w_k, self.w_v, self.w_o):
             trunc_normal_exact_std_(lin.weight, s / lin.in_features ** 0.5)

@@ -75,7 +75,7 @@ from torch import nn
 
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.attention_core import check_core_fields
-from moeify.layers.common import Aux, check_positive, init_scale, rename_legacy_keys
+from moeify.layers.common import Aux, check_positive, init_scale
 from moeify.ops.positional import apply_rope, rope_dims
 from moeify.ops.routing import selection_logits, top_indices
 
@@ -180,7 +180,6 @@ class MoSAAttention(nn.Module):
         dense = c.dense_config()
         self.dense = None if dense is None else dense.build()
         self.n_rot = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
-        rename_legacy_keys(self, {"w_r": "w_router"})
         self.reset_parameters()
 
     @torch.no_grad()

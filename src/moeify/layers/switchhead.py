@@ -1,4 +1,5 @@
-"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024; spec switchhead.md §1-3).
+"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024,
+arXiv 2312.07987: Eq. 7-10 and the appendix).
 
 Shape legend
     B batch     T destination (query) tokens    S source (key/value) tokens, memory included
@@ -54,7 +55,6 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
-    rename_legacy_core_keys,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -65,10 +65,8 @@ from moeify.layers.common import (
     check_positive,
     destination_validity,
     init_scale,
-    later_option,
     project_by_input,
     register_usage,
-    rename_legacy_keys,
     routing_record,
     renorm_rows_keep_row_std_,
 )
@@ -93,7 +91,7 @@ class SwitchHeadConfig:
     experts: which projections are experts, a subset of {"q", "k", "v", "o"} (default V and O).
     shared_selection: one selection matrix for both sides (Tables 4 and 8); needs experts on both
         sides (V or K, and O or Q).
-    n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
+    n_layers: model depth L for the init s = sqrt(2 / L) (SwitchHead appendix).
     attn_dropout: dropout on attention probabilities (never used in the paper).
     entropy_coef: MoEUT's attention entropy regulariser delta (0.001 in MoEUT; 0 = none, as the
         SwitchHead paper), pooled per sequence over a shared layer's applications.
@@ -115,7 +113,7 @@ class SwitchHeadConfig:
     rope_base: float = 10000.0
     attn_impl: str = "auto"
     expert_impl: str = "auto"
-    entropy_coef: float = later_option(0.0)
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         check_positive(self, "n_heads", "n_experts", "k")
@@ -157,7 +155,7 @@ class SwitchHeadConfig:
 
     def param_count(self) -> int:
         """Per projection: H·E·d·d_h as experts, d·H·d_h dense; d·H·E per selection matrix;
-        d·H·d_h for the XL position projection (spec §1; §6's n_sels)."""
+        d·H·d_h for the XL position projection (SwitchHead Eq. 7-10; §6's n_sels)."""
         D, H, C, E = self.d_model, self.n_heads, self.d_head, self.n_experts
         n = sum(H * E * D * C if p in self.experts else D * H * C for p in EXPERT_NAMES)
         n += self.n_selections * D * H * E
@@ -203,9 +201,6 @@ class SwitchHeadAttention(nn.Module):
                 self.w_router_dst = nn.Parameter(torch.empty(X, D))
         self.core = AttentionCore(core_config(c, n_heads=H))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos",))
-        rename_legacy_keys(self, {"w_sel": "w_router", "w_sel_src": "w_router_src",
-                                  "w_sel_dst": "w_router_dst"})
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
             register_usage(self, f"usage_{p}", (H, E))

@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from moeify.errors import MoeifyError
 from moeify.layers.common import check_positive, check_probability
 from moeify.layers.feedforward import SigmaMoEConfig
 from moeify.layers.norm import NormConfig
@@ -50,7 +51,7 @@ BLOCKS = ("pre_ln", "peri_ln")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only language model (switchhead.md §3).
+    """A decoder-only language model (SwitchHead appendix).
 
     vocab_size:     tokens in the vocabulary (8000 BPE for the paper's text presets).
     d_model:        residual width d.
@@ -270,15 +271,22 @@ def known_fields(cls: type, data: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------- layer-config codec
 
 def layer_config_class(tag: str) -> type:
-    """The layer config dataclass named ``tag`` in one of LAYER_CONFIG_MODULES."""
+    """The layer config dataclass named ``tag`` in one of LAYER_CONFIG_MODULES. A module that
+    fails to import is named in the error when ``tag`` is found nowhere else (it may be the one
+    that defines it), never taken for a module without it."""
+    broken = []
     for mod_name in LAYER_CONFIG_MODULES:
         try:
             mod = importlib.import_module(mod_name)
-        except ImportError:
+        except ImportError as e:
+            broken.append(f"{mod_name} failed to import ({type(e).__name__}: {e})")
             continue
         cls = getattr(mod, tag, None)
         if isinstance(cls, type) and dataclasses.is_dataclass(cls):
             return cls
+    if broken:
+        raise MoeifyError(f"cannot read layer config type {tag!r}: {'; '.join(broken)}; fix "
+                          "that module (or the installation) and try again")
     raise ValueError(f"unknown layer config type {tag!r}; expected a config class from one of "
                      f"{', '.join(LAYER_CONFIG_MODULES)}")
 
@@ -289,10 +297,7 @@ def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {"type": type(value).__name__}
         for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if f.metadata.get("omit_default") and v == f.default:
-                continue  # moeify.layers.common.later_option: JSON as before the field existed
-            out[f.name] = _encode(v)
+            out[f.name] = _encode(getattr(value, f.name))
         return out
     if isinstance(value, (set, frozenset)):
         return sorted(_encode(v) for v in value)

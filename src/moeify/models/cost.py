@@ -1,9 +1,9 @@
-"""Exact cost accounting: parameter counts, and MACs / memory per attention layer (spec §6).
+"""Exact cost accounting: parameter counts, and MACs / memory per attention layer.
 
 Parameters are counted on the meta device: the real modules are constructed, so the count is the
 count of the model that trains, but no weight is ever allocated.
 
-MACs and memory use the formulas that printed the SwitchHead paper's tables (switchhead.md §6;
+MACs and memory use the formulas that printed the SwitchHead paper's tables (the authors' code;
 they differ from the paper's Eq. 13). All quantities are per attention layer, per sequence,
 batch 1. Symbols: d = d_model, H = heads, d_h = d_head, E = experts, k = active experts,
 T = chunk length, C = 1 + memory chunks (2 with XL memory, 1 without).
@@ -31,7 +31,7 @@ from moeify.ops.routing import expert_choice_count
 if TYPE_CHECKING:
     from moeify.models.config import ModelConfig
 
-# The projections SwitchHead may turn into experts (spec §1).
+# The projections SwitchHead may turn into experts (SwitchHead Eq. 7-10).
 PROJECTIONS = ("q", "k", "v", "o")
 
 
@@ -85,7 +85,7 @@ def dense_attention_cost(*, d_model: int, n_heads: int, d_head: int, T: int, C: 
 def switchhead_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, k: int, T: int,
                     C: int, experts: frozenset[str] | tuple[str, ...] = ("v", "o"), xl: bool,
                     shared_selection: bool = False) -> AttentionCost:
-    """SwitchHead (spec §6): n_exp expert projections among Q, K, V, O cost k matmuls each,
+    """SwitchHead (module docstring): n_exp expert projections among Q, K, V, O cost k matmuls each,
     the dense ones one each; n_sels selection matrices are evaluated over the C·T source tokens.
 
     ``shared_selection`` (one W_S for V and O) counts a single selection; the paper's cost
@@ -112,7 +112,7 @@ def switchhead_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, 
 
 def moa_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, T: int, C: int,
              xl: bool, k_term: int = 2) -> AttentionCost:
-    """MoA (spec §6) with H = the number of selected heads (MoA's top-k).
+    """MoA (module docstring) with H = the number of selected heads (MoA's top-k).
 
     ``k_term`` is the k of the H·k·T·d_h term: 2 in every MoA row the SwitchHead paper printed
     (the authors' accounting read it from an unrelated setting); with it, d_h = 88 and E = 10
@@ -413,7 +413,7 @@ def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any
 
 
 def model_cost(config: "ModelConfig") -> ModelCost:
-    """Total parameters and, per attention layer, MACs and memory (spec §6).
+    """Total parameters and, per attention layer, MACs and memory (module docstring).
 
     A block under Mixture-of-Depths runs its attention only on the ceil(capacity · T) tokens it
     routes (they attend only to each other), so its row uses that token count; this extends the

@@ -1,4 +1,4 @@
-"""TransformerLM: the decoder-only language model of switchhead.md §3, assembled from layers.
+"""TransformerLM: the decoder-only language model of the SwitchHead appendix, assembled from layers.
 
     x = Drop(Embed(ids) [+ Pos(p)])           embedding std 1/sqrt(d); Pos: learned absolute
                                               positions when max_positions > 0 (GPT-2)
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
-from moeify.layers.common import Dropout, PooledEntropy, RoutingStats
+from moeify.layers.common import Dropout, GlobalBalance, PooledEntropy, RoutingStats
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.moeut import PeriNormBlock
 from moeify.layers.norm import NormConfig
@@ -81,6 +81,9 @@ class LMOutput:
               ops per routing record and token).
     routing:  the routing records (RoutingStats, ``layer`` set), keyed "layers.{i}.{record}"
               (e.g. "layers.0.attn.src", "layers.1.ff.router", "layers.1.mod").
+    balance:  the global-batch balance losses (``GlobalBalance``), keyed as in ``losses``, where
+              each is taken over this forward's tokens; a trainer retakes them with the counts
+              of its whole update (moeify.train.balancing).
     memory:   the XL memory for the next call (list of [B, T, D], detached), or None.
     """
 
@@ -91,6 +94,7 @@ class LMOutput:
     layer_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     memory: list[torch.Tensor] | None = None
     routing: dict[str, RoutingStats] = field(default_factory=dict)
+    balance: dict[str, GlobalBalance] = field(default_factory=dict)
 
     @property
     def total_loss(self) -> torch.Tensor | None:
@@ -140,7 +144,7 @@ class TransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """Embedding and output layer only; every layer initialises itself (§3)."""
         d = self.config.d_model
-        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # switchhead.md §3
+        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # SwitchHead appendix
         if self.config.max_positions:  # not in the papers: the token embedding's scale
             nn.init.normal_(self.pos_embedding.weight, std=d ** -0.5)
         if self.output is None:
@@ -183,6 +187,7 @@ class TransformerLM(nn.Module):
         stats: dict[str, torch.Tensor] = {}
         routing: dict[str, RoutingStats] = {}
         pooled: dict[str, PooledEntropy] = {}
+        balance: dict[str, GlobalBalance] = {}
         for i, block in enumerate(self.layer_blocks()):
             if keep_memory:
                 new_memory.append(x_BTD.detach())
@@ -195,6 +200,9 @@ class TransformerLM(nn.Module):
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = r.with_layer(i)
+            for k, b in aux.balance.items():
+                balance[f"layers.{i}.{k}"] = b
+                losses[f"layers.{i}.{k}"] = b.loss()
             # Pooled terms (MoEUT's regularisers) add up over every application of a block
             # (layer i runs block i mod G) and are keyed by its first layer, i mod G.
             for k, p in aux.pooled.items():
@@ -208,7 +216,7 @@ class TransformerLM(nn.Module):
                     else x_BTD.new_zeros((), dtype=torch.float32))
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
                         layer_stats=stats, memory=new_memory if keep_memory else None,
-                        routing=routing)
+                        routing=routing, balance=balance)
 
     def _check_forward_args(self, ids_BT, targets_BT, memory, cache, valid_BT) -> None:
         """ValueError (what to pass instead) for inputs ``forward`` cannot use."""
@@ -289,6 +297,16 @@ def build_block(config: LMConfig, attn, ff, depth) -> nn.Module:
     if depth is None:
         return block
     return MixtureOfDepths(depth, block)
+
+
+def feedforward_of(block: nn.Module) -> nn.Module | None:
+    """The feedforward module of a block, looking through a depth-routing wrapper; None for a
+    step that is not one block (Mixture-of-Recursions' module)."""
+    while not isinstance(block, TransformerBlock):
+        block = getattr(block, "block", None)
+        if block is None:
+            return None
+    return block.feedforward
 
 
 def build_recursion_blocks(config: LMConfig, layers: list) -> nn.ModuleList:

@@ -173,7 +173,7 @@ def repro_rope_dense() -> ModelConfig:
 
 
 def repro_rope_switchhead() -> ModelConfig:
-    # SwitchHead H = 2, E = 4, k = 2 matched to repro-rope-dense (spec §5), so the follow-ups
+    # SwitchHead H = 2, E = 4, k = 2 matched to repro-rope-dense (SwitchHead §3), so the follow-ups
     # are compared with both of their predecessors at the same positional encoding.
     return match_attention(repro_rope_dense(), n_heads=2, n_experts=4, k=2).config
 

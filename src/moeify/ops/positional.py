@@ -10,10 +10,10 @@ the working dtype, so large absolute positions (long decoding) lose no precision
 On a device without float64 (Apple's MPS) the angles are formed on the CPU and their sines and
 cosines moved to the device (``angle_device``); everywhere else on the tensors' own device.
 
-RoPE (SwitchHead spec §2): only the first ``rope_dims(d_head, 0.5)`` channels of each head are
+RoPE (SwitchHead appendix): only the first ``rope_dims(d_head, 0.5)`` channels of each head are
 rotated, base 10000, rotate-half convention (channel i pairs with channel i + n/2).
 
-Transformer-XL (Dai et al. 2019, §3.3; SwitchHead spec §2): the position logit of query i and key j
+Transformer-XL (Dai et al. 2019, §3.3; SwitchHead appendix): the position logit of query i and key j
 is q_i · P(p_i - p_j), with P(r) = W_pos · emb(r) the projected sinusoidal embedding of the
 distance, emb(r) = [sin(r ω_f) for f < F ; cos(r ω_f) for f < D - F], ω_f = 10000^(-2f / D).
 Two evaluations of the same quantity:

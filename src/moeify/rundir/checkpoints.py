@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from moeify.errors import MoeifyError, read_utf8
 from moeify.rundir.atomic import sha256_file
+from moeify.rundir.files import same_model_config
 from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, MODEL_FILE,
                                   SHARDED_KIND, STATE_FILE, resolve_checkpoint)
 
@@ -128,7 +129,8 @@ def _verified(path: str | Path, model_config: dict[str, Any] | None) -> tuple[Pa
     if meta.get("format") != FORMAT_VERSION:
         raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
                           f"reads format {FORMAT_VERSION}")
-    if model_config is not None and meta.get("model_config") != model_config:
+    if model_config is not None and not same_model_config(meta.get("model_config"),
+                                                              model_config):
         diff = _config_diff(meta.get("model_config"), model_config)
         raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
                           f"{meta.get('preset')!r}): {diff}. "
@@ -258,7 +260,8 @@ def verify_sharded(ckpt: Path, *, model_config: dict[str, Any] | None = None) ->
     if meta.get("format") != FORMAT_VERSION:
         raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
                           f"reads format {FORMAT_VERSION}")
-    if model_config is not None and meta.get("model_config") != model_config:
+    if model_config is not None and not same_model_config(meta.get("model_config"),
+                                                              model_config):
         raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
                           f"{meta.get('preset')!r}); load it with its own run's configuration")
     for f, want in meta["sha256"].items():

@@ -39,12 +39,13 @@ from moeify.train.values import parse_value, split_override  # noqa: F401
 
 AMP_MODES = ("auto", "fp32", "bf16", "fp16")
 PARALLEL_MODES = ("ddp", "fsdp")  # moeify.train.plans
+AC_MODES = ("none", "block")  # moeify.train.activation_checkpointing
 TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """A training run (switchhead.md §3), with defaults adapted to the tiny CPU presets.
+    """A training run (SwitchHead appendix), with defaults adapted to the tiny CPU presets.
 
     The paper's recipe is Adam(W) lr 2.5e-4, betas (0.9, 0.999), no weight decay, cosine decay
     (T_max = 100k) after an optional linear warm-up, 100k steps of batch 64, gradient clipping
@@ -102,6 +103,10 @@ class TrainConfig:
                       replicated) and parallel=fsdp (the other parameters sharded over all
                       processes). Checkpoints are sharded (DCP) and resume at another degree,
                       another process count or in one process.
+    activation_checkpointing: "none" or "block" (moeify.train.activation_checkpointing): every
+                      block's forward runs again in backward instead of keeping its
+                      activations. Composes with compile, parallel=ddp / fsdp and
+                      expert_parallel; the same losses, gradients and balancing statistics.
     lr_extensions:    written by a resume with ``--schedule extend|stretch``, not set by hand:
                       each (start, end, factor, phase) replaces the schedule from update
                       ``start`` on by a cosine decay to the floor at update ``end``
@@ -140,6 +145,7 @@ class TrainConfig:
     compile: bool = False
     parallel: str = "ddp"
     expert_parallel: int = 1
+    activation_checkpointing: str = "none"
     lr_extensions: tuple[tuple[int, int, float, float], ...] = ()
     init_from: str | None = None
 
@@ -182,6 +188,9 @@ class TrainConfig:
                 or self.expert_parallel < 1):
             raise ValueError(f"expert_parallel must be a positive integer (1 = every process "
                              f"holds every expert), got {self.expert_parallel!r}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, "
+                             f"got {self.activation_checkpointing!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.tokenizer not in TOKENIZER_CHOICES:
@@ -280,7 +289,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None = None,
 # records and compare/sweep run specs of runs without them read exactly as before they existed
 # (a sweep refuses a run directory whose recorded settings differ from its own).
 OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None, "expert_parallel": 1,
-                   "data_sha256": None}
+                   "data_sha256": None, "activation_checkpointing": "none"}
 
 # Fields moeify writes itself, with what writes them.
 WRITTEN_BY_MOEIFY = {"lr_extensions": "moeify train --resume RUN --steps N --schedule extend|"
@@ -303,7 +312,7 @@ def check_finite_number(name: str, value: Any) -> None:
 
 
 def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
-    """The published training recipe for a paper preset (switchhead.md §3): Adam lr 2.5e-4,
+    """The published training recipe for a paper preset (SwitchHead appendix): Adam lr 2.5e-4,
     100k steps of cosine decay, fp16; batch size, warm-up and clipping from the preset's row."""
     row = find_preset(preset)
     if row.recipe is None:
@@ -323,7 +332,7 @@ def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
 # moeify.train.schedule.resume_schedule's decision, which also checks SCHEDULE_FIELDS).
 RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_batch_size",
                      "checkpoint_every", "keep_checkpoints", "tensorboard", "device", "compile",
-                     "parallel", "expert_parallel")
+                     "parallel", "expert_parallel", "activation_checkpointing")
 # The schedule's shape after the warm-up: it may change on resume for the steps still to come.
 SCHEDULE_FIELDS = ("cosine_steps", "lr_extensions")
 # Compared by what they identify: the model above, the data by content (data_difference).

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warm-up, then cosine decay (switchhead.md §3), and what a
+"""Learning-rate schedule: linear warm-up, then cosine decay (SwitchHead appendix), and what a
 resumed run with a new length does to it.
 
 The paper: "cosine schedule with T_max = 100k steps, offset by a linear warm-up of 4000 steps"

@@ -46,6 +46,8 @@ TRAIN_HELP = {
     "expert_parallel": "under torchrun (parallel=ddp or fsdp): split the sigma-MoE / Switch "
                        "experts over this many processes (a divisor of the process count and "
                        "of n_experts; 1 = off); checkpoints are sharded (DCP)",
+    "activation_checkpointing": "none, or block: every block's activations are recomputed in "
+                                "backward instead of kept (less memory, one more forward)",
 }
 
 # Fields several layer configs share, where their docstrings say nothing.

@@ -1,4 +1,4 @@
-"""The training loop (switchhead.md §3): AdamW, warm-up + cosine, clipping, accumulation,
+"""The training loop (SwitchHead appendix): AdamW, warm-up + cosine, clipping, accumulation,
 autocast, XL memory across steps, validation, atomic checkpoints, exact resume, data parallel.
 
 Shape legend: B rows of this process per update, b rows per micro-batch (B / grad_accum),
@@ -39,6 +39,7 @@ from moeify.rundir.layout import CONFIG_FILE
 from moeify.rundir import write as ckpt_io
 from moeify.rundir.lock import RunLock, lock_run_dir
 from moeify.train.config import TrainConfig, resolve_model_config
+from moeify.train.activation_checkpointing import apply_activation_checkpointing
 from moeify.train.balancing import Balancing
 from moeify.train.distributed import (DistEnv, collective_failure, device_type, pick_device,
                                       exit_at, resume_command, setup_distributed)
@@ -161,6 +162,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + self.env.rank)  # per-process dropout randomness
         self.plan = make_plan(cfg.parallel, cfg.expert_parallel, self.env, self.device,
                               compile=cfg.compile, origin=origin)
+        apply_activation_checkpointing(self.model, cfg.activation_checkpointing)  # in place
         self.train_model: torch.nn.Module = self.plan.wrap(self.model)
         # Sharded (DCP) checkpoints, and a forward that is collective: FSDP or EP.
         self.sharded = self.plan.sharded
@@ -295,10 +297,10 @@ class Trainer:
                 with autocast_context(self.device, self.amp_dtype):
                     out = self.train_model(w_bT[:, :-1], w_bT[:, 1:], memory=mem,
                                            return_logits=False)
-                self.balancing.after_forward(out)
-                total = (out.loss + out.aux_loss) / cfg.grad_accum
+                aux_loss = self.balancing.after_forward(out)  # global-batch losses retaken
+                total = (out.loss + aux_loss) / cfg.grad_accum
                 self.scaler.scale(total).backward()
-            sums_2 += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
+            sums_2 += torch.stack([out.loss.detach().float(), aux_loss.detach().float()])
             if out.memory is not None:
                 new_memory.append(out.memory)
         self.plan.after_backward()

@@ -23,20 +23,6 @@ from moeify.models.config import ModelConfig
 from .configuration_moeify import MoeifyConfig
 
 
-def _register_weight_renames() -> None:
-    """Let transformers read the parameter names of directories exported before moeify's
-    naming convention: registered here, when an exported directory is loaded, and nowhere
-    else (importing moeify leaves transformers untouched)."""
-    try:
-        from moeify.interop.hf_legacy import register_legacy_key_renames
-    except ImportError:  # a moeify without earlier names to read
-        return
-    register_legacy_key_renames()
-
-
-_register_weight_renames()
-
-
 class MoeifyCacheLayer(CacheLayerMixin):
     """One block's moeify KVCache (keys, values, positions, validity) as a transformers layer."""
 

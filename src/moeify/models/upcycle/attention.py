@@ -3,7 +3,7 @@
 Dense (layers/attention.py), heads j = 0..H_d-1 of width C:
     y = Σ_j softmax(q_j k_jᵀ · scale [+ XL terms]) (x W_V,j) W_O,j
 
-SwitchHead (H kept heads, E experts each, H · E = H_d, the same C; spec §5 matches H·E to the
+SwitchHead (H kept heads, E experts each, H · E = H_d, the same C; SwitchHead §3 matches H·E to the
 dense head count): dense heads are grouped by index, group h = {h·E, ..., h·E + E-1}.
     kept head h:          Q / K (and the XL position projection) of dense head h·E
     V / O expert (h, e):  W_V and W_O of dense head h·E + e

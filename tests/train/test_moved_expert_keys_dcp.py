@@ -1,7 +1,8 @@
-"""Sharded (DCP) checkpoints written before the parameter-naming convention of
-moeify.layers.common: the weights and the AdamW state stored under the earlier names load into
-the current model and optimizer (the single-file checkpoints go through load_state_dict, whose
-renaming tests/layers/test_legacy_keys.py checks)."""
+"""Sharded (DCP) checkpoints whose feedforward MoEs held their expert weights themselves
+(``feedforward.w_in``, before the experts became a sub-module, moeify.layers.experts): the
+weights and the AdamW state load into the current model and optimizer (single-file checkpoints
+go through load_state_dict, tests/layers/test_moved_expert_keys.py); and checkpoints that hold the
+learned scalars 0-dim (the attention scale, MoD's router bias), one-element vectors now."""
 
 import pytest
 import torch
@@ -13,15 +14,15 @@ from moeify.train.config import apply_model_overrides
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# current name -> earlier name, by the last component of the key (tiny-switchall: SwitchHead
-# attention with two selections, sigma-MoE feedforward)
-EARLIER = {"w_router_src": "w_sel_src", "w_router_dst": "w_sel_dst", "w_in": "keys_EDG",
-           "w_out": "values_EGD", "w_router": "w_sel_ED"}
+FLAT = {"experts.w_in": "w_in", "experts.w_out": "w_out", "experts.w_gate": "w_gate",
+        "experts.bias_in": "bias_in"}
 
 
-def _earlier(key: str) -> str:
-    head, _, last = key.rpartition(".")
-    return f"{head}.{EARLIER.get(last, last)}"
+def _flat(key: str) -> str:
+    for new, old in FLAT.items():
+        if key.endswith("." + new):
+            return key[:len(key) - len(new)] + old
+    return key
 
 
 def _trained(seed: int, preset: str = "tiny-switchall"):
@@ -37,19 +38,18 @@ def _trained(seed: int, preset: str = "tiny-switchall"):
     return model, opt
 
 
-def test_a_sharded_checkpoint_with_the_earlier_names_restores_weights_and_adamw_state(tmp_path):
+def test_a_sharded_checkpoint_with_flat_expert_keys_restores_weights_and_adamw_state(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model, opt = _trained(0)
     model_sd, optim_sd = get_state_dict(model, opt)
-    old_model = {_earlier(k): v for k, v in model_sd.items()}
-    assert any(k.endswith(".keys_EDG") for k in old_model)
-    old_optim = {"state": {_earlier(k): v for k, v in optim_sd["state"].items()},
-                 "param_groups": [{**g, "params": [_earlier(k) for k in g["params"]]}
+    old_model = {_flat(k): v for k, v in model_sd.items()}
+    assert "blocks.0.feedforward.w_in" in old_model
+    old_optim = {"state": {_flat(k): v for k, v in optim_sd["state"].items()},
+                 "param_groups": [{**g, "params": [_flat(k) for k in g["params"]]}
                                   for g in optim_sd["param_groups"]]}
-    dcp.save({"model": old_model, "optim": old_optim},
-             checkpoint_id=str(tmp_path / DCP_DIR))
+    dcp.save({"model": old_model, "optim": old_optim}, checkpoint_id=str(tmp_path / DCP_DIR))
 
     fresh, fresh_opt = _trained(1)
     state_model, state_optim = get_state_dict(fresh, fresh_opt)
@@ -66,7 +66,7 @@ def test_a_sharded_checkpoint_with_the_earlier_names_restores_weights_and_adamw_
             torch.testing.assert_close(got["state"][key][name], value, rtol=0, atol=0)
 
 
-def test_a_sharded_checkpoint_with_the_current_names_needs_no_renaming(tmp_path):
+def test_a_sharded_checkpoint_with_the_current_keys_needs_no_renaming(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     model, _ = _trained(0)
