@@ -31,6 +31,16 @@ output is the
   i = argmax; the token runs f i + 1 times (ungated in between) among the tokens still running,
   and ends as H^1 + g_i * f(...); balance loss N_r * sum_i f_i P_i (f_i the share of tokens at
   depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2.
+- ReMoE (Wang et al., ICLR 2025, arXiv 2412.14711, Sec. 3): ReLU routing, R(x) = ReLU(x W_r),
+  y = Σ_e R(x)_e · expert_e(x) over the experts with R(x)_e > 0, any number per token; the
+  load-balanced L1 regulariser: L_reg = Σ_e f_e · mean_t R(x_t)_e with
+  f_e = E / (k · T) · #{t: R(x_t)_e > 0}; the adaptive coefficient's update:
+  lambda <- lambda · alpha^sign((1 - k/E) - S), S the fraction of zero routing outputs,
+  dividing when S reaches the target.
+- MoSA's local heads (arXiv 2505.00315 Sec. 3.4, as the authors' code runs them with the
+  local-attention package): a query at position i attends to the keys j <= i with
+  j // w >= i // w - 1, softmax scale 1/sqrt(C), every channel rotated by RoPE; each head its own
+  W_Q, W_K, W_V, W_O, the outputs summed.
 
 Nothing here imports moeify. A reference built on the library's own positional code would test
 that code against itself.
@@ -191,6 +201,7 @@ def ref_softmax_attention(logits_BHTS, v_BHSC, pos_q, pos_k, causal, valid_k=Non
 
 REF_ACTIVATIONS = {
     "relu": lambda h: torch.clamp(h, min=0),
+    "silu": lambda h: h / (1 + torch.exp(-h)),
     "gelu_tanh": lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5
                                                       * (h + 0.044715 * h ** 3))),
 }
@@ -210,6 +221,69 @@ def ref_expert_mlp(x, idx, w1, w2, gates, activation="relu", b1=None, b2=None):
             y = y + gates[m, k].to(x.dtype) * (act(h if b1 is None else h + b1[e]) @ w2[e])
         rows.append(y if b2 is None else y + b2)
     return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])
+
+
+def ref_varlen_expert_mlp(x, gates_ME, w1, w2, w_up=None, activation="relu"):
+    """A variable number of experts per row, one (row, expert) pair at a time: y[m] = Σ over the
+    e with gates[m, e] != 0 of gates[m, e] · h @ w2[e], h = act(x[m] @ w1[e]) (⊙ x[m] @ w_up[e]
+    in the gated form)."""
+    act = REF_ACTIVATIONS[activation]
+    M, E = gates_ME.shape
+    rows = []
+    for m in range(M):
+        y = x.new_zeros(w2.shape[-1])
+        for e in range(E):
+            if gates_ME[m, e] != 0:
+                h = act(x[m] @ w1[e])
+                if w_up is not None:
+                    h = h * (x[m] @ w_up[e])
+                y = y + gates_ME[m, e].to(x.dtype) * (h @ w2[e])
+        rows.append(y)
+    return torch.stack(rows) if M else x.new_zeros(0, w2.shape[-1])
+
+
+def ref_local_heads(x_BTD, w_q, w_k, w_v, w_o, window, rope=True, valid_BT=None):
+    """MoSA's local heads, one (sequence, head, query) at a time (module docstring): [B, T, D].
+    A padded key is never attended to; a padded query attends to itself."""
+    import math
+
+    B, T, D = x_BTD.shape
+    H, _, C = w_q.shape
+    out = torch.zeros_like(x_BTD)
+    pos = torch.arange(T)
+    for b in range(B):
+        for h in range(H):
+            q, k, v = x_BTD[b] @ w_q[h], x_BTD[b] @ w_k[h], x_BTD[b] @ w_v[h]
+            if rope:
+                n = C - C % 2
+                q = ref_rope(q[None, None], pos[None], n)[0, 0]
+                k = ref_rope(k[None, None], pos[None], n)[0, 0]
+            rows = []
+            for i in range(T):
+                js = [j for j in range(i + 1) if j // window >= i // window - 1
+                      and (valid_BT is None or valid_BT[b, j] or j == i)]
+                logits = torch.stack([q[i] @ k[j] for j in js]) / math.sqrt(C)
+                rows.append(torch.softmax(logits, -1) @ v[js])
+            out[b] = out[b] + torch.stack(rows) @ w_o[h]
+    return out
+
+
+def ref_remoe_l1(route_ME, k):
+    """ReMoE's load-balanced L1 regulariser (Sec. 3) of the ReLU outputs [T, E] at target
+    k: Σ_e f_e · (1/T) Σ_t R_te, f_e = E / (k · T) · (tokens with R_te > 0); f_e is a count
+    (no gradient)."""
+    T, E = route_ME.shape
+    total = route_ME.new_zeros(())
+    for e in range(E):
+        f_e = E / (k * T) * float((route_ME[:, e] > 0).sum())
+        total = total + f_e * route_ME[:, e].sum() / T
+    return total
+
+
+def ref_remoe_coef_update(lam, sparsity, k, E, alpha):
+    """ReMoE's adaptive coefficient update (Sec. 3): lambda · alpha if the sparsity is below
+    1 - k/E, else lambda / alpha."""
+    return lam * alpha if sparsity < 1 - k / E else lam / alpha
 
 
 # ---------------------------------------------------------------------------- tiny corpora

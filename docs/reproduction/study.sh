@@ -91,5 +91,6 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
 # repro-mor is repro-rope-dense built as Mixture-of-Recursions (Middle-Cycle, N_r = 2,
 # expert-choice), the paper's own comparison (fewer parameters, same shape).
 stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
-    --out "$N" --presets repro-rope-dense,repro-mor,repro-moh --budgets 1000 --seeds 0-2
+    --out "$N" --presets repro-rope-dense,repro-mor,repro-moh,repro-remoe --budgets 1000 \
+    --seeds 0-2
 true

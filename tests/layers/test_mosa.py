@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moeify.layers.mosa import MoSAConfig
-from references import ref_rope
+from references import ref_local_heads, ref_rope
 
 f64 = torch.float64
 D, H, C, RHO = 8, 3, 4, 3
@@ -74,6 +74,10 @@ def mosa_reference(m, x, valid=None):
                 v = (x[b] @ w.w_v[:, sl])[keep]
                 a = ref_attention(q, k, v, keep, keep)
                 out[b].index_add_(0, keep, a @ w.w_o[sl])
+    if m.local is not None:  # the long-sequence hybrid's local heads (Sec. 3.4)
+        lo = m.local
+        out = out + ref_local_heads(x, lo.w_q, lo.w_k, lo.w_v, lo.w_o, c.local_window, rope,
+                                    valid)
     return out
 
 
@@ -152,10 +156,61 @@ def test_cached_decoding_is_the_full_forward_of_each_prefix(n_dense, include_fir
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("pos,window,T", [("rope", 3, 10), ("none", 4, 8), ("rope", 16, 10)])
+def test_local_hybrid_matches_the_transcription(pos, window, T):
+    """Sec. 3.4's hybrid: MoSA heads plus local heads of window w (blocks of w, the current and
+    the previous block), T a multiple of w or not, w longer than the sequence."""
+    check(make(pos=pos, n_local_heads=2, local_window=window, n_dense_heads=1), inputs(T=T))
+
+
+def test_local_hybrid_with_padding_and_decoding():
+    m = make(n_local_heads=2, local_window=3)
+    x = inputs(B=2, T=10)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, 7:] = False
+    lo = m.local  # the local heads alone, in float64 throughout (no float32 router)
+    y = lo(x, torch.arange(10).expand(2, 10), valid) * valid[..., None]
+    ref = ref_local_heads(x, lo.w_q, lo.w_k, lo.w_v, lo.w_o, 3, True, valid) * valid[..., None]
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(y)
+    params = [x] + list(lo.parameters())
+    for a, b in zip(torch.autograd.grad((y * g).sum(), params),
+                    torch.autograd.grad((ref * g).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    m.eval()
+    x = x.detach()
+    with torch.no_grad():
+        cache = m.new_cache()
+        got = torch.cat([m(x[:, :4], cache=cache)[0]] + [m(x[:, t:t + 1], cache=cache)[0]
+                                                         for t in range(4, 9)], 1)
+        want = torch.stack([m(x[:, :t + 1])[0][:, t] for t in range(9)], 1)
+    # the MoSA heads' router score is float32 (r = σ(X W_r)): a float64 logit one ulp apart
+    # between the one-token and the whole-prefix matmul can round to another float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
 def test_config_is_validated():
+    with pytest.raises(ValueError, match="local_window"):
+        MoSAConfig(d_model=D, n_heads=H, d_head=C, sparsity=RHO, n_local_heads=1)
+    cfg = MoSAConfig(d_model=D, n_heads=H, d_head=C, sparsity=RHO, n_local_heads=2,
+                     local_window=4)
+    assert cfg.param_count() == sum(p.numel() for p in cfg.build().parameters())
     with pytest.raises(ValueError, match="pos"):
         MoSAConfig(d_model=D, n_heads=H, d_head=C, sparsity=RHO, pos="xl")
     with pytest.raises(ValueError, match="self-attention"):
         make()(inputs().detach(), inputs().detach())
     cfg = MoSAConfig(d_model=D, n_heads=H, d_head=C, sparsity=RHO, n_dense_heads=2)
     assert cfg.param_count() == sum(p.numel() for p in cfg.build().parameters())
+
+
+def test_local_hybrid_compiles_as_one_graph_equal_to_eager():
+    torch._dynamo.reset()
+    m = make(n_local_heads=2, local_window=3)
+    x = inputs(T=10)
+    y = m(x)[0]
+    yc = torch.compile(lambda t: m(t)[0], fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(yc, y, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(y)
+    params = [x] + list(m.local.parameters())
+    for a, b in zip(torch.autograd.grad(yc, params, g), torch.autograd.grad(y, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

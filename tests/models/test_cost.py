@@ -175,3 +175,22 @@ def test_meta_count_equals_the_real_model(name):
     assert parts["total"] == sum(p.numel() for p in real.parameters())
     assert parts["attention"] == sum(p.numel() for n, p in real.named_parameters()
                                      if ".attention." in n)
+
+
+def test_mosa_local_heads_by_hand():
+    """The long-sequence hybrid's local heads (w = 3): per head 4·d·h'·T projections and
+    2·h'·T·2w attention MACs (blocked: every query against 2w keys); MoSA's paper FLOPs have
+    no term for them, so a model with them has none."""
+    import dataclasses
+
+    from moeify.models.cost import model_paper_flops, mosa_cost
+    from moeify.models.presets import get_preset
+
+    base = mosa_cost(d_model=8, n_heads=3, d_head=4, k=4, T=12)
+    hyb = mosa_cost(d_model=8, n_heads=3, d_head=4, k=4, T=12, n_local_heads=2, local_window=3)
+    assert hyb.macs - base.macs == 2 * (4 * 8 * 4 * 12 + 2 * 4 * 12 * 6)
+    assert hyb.memory - base.memory == 2 * (2 * 12 * 6 + 4 * 4 * 12)
+    cfg = get_preset("repro-mosa-paper")
+    assert model_paper_flops(cfg) is not None
+    attn = dataclasses.replace(cfg.attention_layers()[0], n_local_heads=1, local_window=32)
+    assert model_paper_flops(dataclasses.replace(cfg, attention=attn)) is None

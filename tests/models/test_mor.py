@@ -3,7 +3,6 @@ the paper's parameter counts, Middle-Cycle / Cycle assembly, cost rows, JSON and
 decoding equal to the full forward, torch.compile(fullgraph) equal to eager, and a few training
 steps that lower the loss."""
 
-import copy
 import dataclasses
 
 import pytest
@@ -15,6 +14,7 @@ from moeify.models.config import ModelConfig
 from moeify.models.cost import model_cost, model_parameters
 from moeify.models.presets import PRESETS, get_preset
 from moeify.train.overrides import apply_model_overrides
+from lm_checks import compiled_blocks_match_eager, train_steps
 
 SMALL = ("model.d_model=32", "model.context_length=16", "model.attention.n_heads=2",
          "model.feedforward.d_ff=64")
@@ -102,45 +102,17 @@ def test_cached_decoding_equals_the_full_forward(extra):
 
 
 @pytest.mark.parametrize("routing", ["expert", "token"])
-def test_compiled_fullgraph_matches_eager(routing, backend="aot_eager"):
+def test_compiled_fullgraph_matches_eager(routing):
     # expert-choice's gathers have static shapes (K_r from T), token-choice masks: both trace
-    # as one graph per module (fullgraph raises on a break). aot_eager traces forward and
-    # backward as inductor does, without its code generation (minutes per model on a busy CPU)
-    torch._dynamo.reset()
-    cfg = _small("repro-mor", f"model.recursion.routing={routing}")
-    torch.manual_seed(0)
-    eager = cfg.build().train()
-    compiled = copy.deepcopy(eager)
-    for block in compiled.blocks:
-        block.compile(fullgraph=True, backend=backend)  # raises on a graph break
-    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-    outs = []
-    for m in (eager, compiled):
-        out = m(ids[:, :-1], ids[:, 1:])
-        (out.loss + out.aux_loss).backward()
-        outs.append((out, {n: p.grad for n, p in m.named_parameters()}))
-    (oe, ge), (oc, gc) = outs
-    torch.testing.assert_close(oc.loss, oe.loss, rtol=0, atol=1e-5)
-    torch.testing.assert_close(oc.aux_loss, oe.aux_loss, rtol=0, atol=1e-6)
-    for name in ge:
-        torch.testing.assert_close(gc[name], ge[name], rtol=1e-4, atol=1e-5, msg=name)
+    # as one graph per module (fullgraph raises on a break)
+    eager, compiled = compiled_blocks_match_eager(
+        _small("repro-mor", f"model.recursion.routing={routing}"))
     assert torch.equal(compiled.blocks[1].usage, eager.blocks[1].usage)
 
 
 @pytest.mark.parametrize("routing", ["expert", "token"])
 def test_a_few_training_steps_lower_the_loss(routing):
-    cfg = _small("repro-mor", f"model.recursion.routing={routing}")
-    torch.manual_seed(0)
-    model = cfg.build().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(2))
-    losses = []
-    for _ in range(6):
-        out = model(ids[:, :-1], ids[:, 1:])
-        opt.zero_grad()
-        out.total_loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    model, out, losses = train_steps(_small("repro-mor", f"model.recursion.routing={routing}"))
     assert losses[-1] < losses[0] - 0.2
     key = "layers.1.mor.router_bce" if routing == "expert" else "layers.1.mor.balance"
     assert key in out.losses and model.blocks[1].w_router.grad.abs().sum() > 0

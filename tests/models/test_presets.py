@@ -20,16 +20,18 @@ from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_M
 from moeify.models.moh_presets import MOH_PAPER_PRESETS
 from moeify.models.mosa_presets import MOSA_PAPER_PRESETS
 from moeify.models.mor_presets import MOR_PRESETS
+from moeify.models.remoe_presets import REMOE_PRESETS
 from moeify.models.presets import PRESETS, get_preset
 
 # MoEUT's table rows (MoEUT, its dense baselines and the hyperparameter table's sigma-MoE runs)
 # have their own tests against the #params labels, one per size
 # (tests/models/test_moeut_presets.py); so have MoSA's
-# (tests/models/test_mosa_paper_rows.py), Mixture-of-Recursions' (tests/models/test_mor.py) and
-# MoH's (tests/models/test_moh_presets.py).
+# (tests/models/test_mosa_paper_rows.py), Mixture-of-Recursions' (tests/models/test_mor.py),
+# MoH's (tests/models/test_moh_presets.py) and ReMoE's (tests/models/test_remoe_model.py).
 PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
          and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS and n not in SIGMA_MOE_ROWS
-         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOR_PRESETS + MOH_PAPER_PRESETS}]
+         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOR_PRESETS + MOH_PAPER_PRESETS
+                       + REMOE_PRESETS}]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
@@ -235,11 +237,12 @@ def test_every_preset_name_is_written_in_the_source():
     import moeify.models.mor_presets as mor_module
     import moeify.models.mosa_presets as mosa_module
     import moeify.models.presets as presets_module
+    import moeify.models.remoe_presets as remoe_module
     import moeify.models.repro_presets as repro_module
 
     text = "".join(Path(m.__file__).read_text()
                    for m in (presets_module, repro_module, moeut_module, mosa_module,
-                             mor_module, moh_module))
+                             mor_module, moh_module, remoe_module))
     assert [n for n in PRESETS if f'"{n}"' not in text] == []
 
 

@@ -352,3 +352,32 @@ def test_the_tilings_that_fit_width_76_compute_the_same(monkeypatch):
     monkeypatch.setattr(triton_matmul, "_kernels", lambda: dict(built, autotuned=False))
     x, idx, w, gates, kw = contract_inputs("groups2", 24, 76, f32, seed=3)
     check(x, idx, w, gates, TOL[f32], **kw)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_variable_k_expert_mlp_fp32(gated):
+    """ReMoE's variable number of experts per row (moeify.ops.moe.pairs) with impl="triton":
+    rows with no expert, one and all, against the pair-by-pair float64 definition."""
+    from moeify.ops.moe import mask_expert_mlp
+    from references import ref_varlen_expert_mlp
+
+    g = torch.Generator().manual_seed(3)
+    M, E, D, G = 10, 4, 41, 24
+    x, logits = torch.randn(M, D, generator=g, dtype=f64), torch.randn(M, E, generator=g,
+                                                                         dtype=f64)
+    logits[0], logits[1] = -1.0, 1.0
+    w1, w2, wu = (torch.randn(*s, generator=g, dtype=f64) / 4
+                  for s in ((E, D, G), (E, G, D), (E, D, G)))
+    act = "silu" if gated else "relu"
+    leaves = [t.clone().requires_grad_() for t in (x, logits, w1, w2, wu)]
+    want = ref_varlen_expert_mlp(leaves[0], torch.relu(leaves[1]), leaves[2], leaves[3],
+                                 leaves[4] if gated else None, act)
+    dev = [t.detach().to(DEVICE, f32).requires_grad_() for t in (x, logits, w1, w2, wu)]
+    y = mask_expert_mlp(dev[0], torch.relu(dev[1]), dev[2], dev[3],
+                        w_up_EDG=dev[4] if gated else None, activation=act, impl="triton")
+    assert rel_err(y, want) <= TOL[f32]
+    gy = torch.randn(M, D, generator=g, dtype=f64)
+    n = 5 if gated else 4
+    for a, b in zip(torch.autograd.grad(y, dev[:n], gy.to(DEVICE, f32)),
+                    torch.autograd.grad(want, leaves[:n], gy)):
+        assert rel_err(a, b) <= TOL[f32]

@@ -6,6 +6,8 @@ checkpointing (every block's forward runs again in backward) both hold unchanged
 
 import gc
 
+import pytest
+
 import torch
 import torch.multiprocessing as mp
 
@@ -242,3 +244,33 @@ def test_batch_balance_loss_under_recomputation_is_the_micro_batchs(env):
         want = 0.01 * E * (frac * p.mean(0)).sum()
         got = plain[0]["trained"][j // 2][f"layers.{f['layer']}.ff.balance"]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_remoe_coefficient_follows_the_update_sparsity(setup):
+    """ReMoE (arXiv 2412.14711 Sec. 3): 3 updates of 2 micro-batches through the trainer; after
+    each update lambda moves by alpha toward 1 - k/E from the sparsity of every forward of the
+    update (both layers, both micro-batches), counted from the layer's own routing outputs."""
+    from references import ref_remoe_coef_update
+
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="repro-remoe", data=str(corpus), tokenizer="byte256", steps=3,
+                      batch_size=4, grad_accum=2, warmup_steps=1, lr=3e-3, log_every=1,
+                      eval_every=0, checkpoint_every=0,
+                      model_overrides=TINY + ("model.feedforward.init_std=0.2",))
+    tr = Trainer(cfg, tmp / "run", quiet=True)
+    seen = []
+    for block in tr.model.layer_blocks():
+        block.feedforward.register_forward_hook(
+            lambda mod, args, out: seen.append(
+                (mod.route(args[0].reshape(-1, args[0].shape[-1]).detach()) > 0).double()))
+    lam, c = 1e-8, tr.model.layer_blocks()[0].feedforward.config
+    for _ in range(3):
+        n = len(seen)
+        out = tr.train_step()
+        assert len(seen) - n == 4 and torch.isfinite(torch.as_tensor(out["loss"]))
+        active = torch.cat(seen[n:])
+        lam = ref_remoe_coef_update(lam, 1 - active.mean().item(), c.k, c.n_experts,
+                                    c.l1_multiplier)
+        for block in tr.model.layer_blocks():
+            assert block.feedforward.l1_coef.item() == pytest.approx(lam, rel=1e-5)
+    tr.close()

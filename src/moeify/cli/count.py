@@ -58,6 +58,11 @@ def run(args) -> int:
         print(f"forward pass: {cost.mosa_paper_flops / 1e9:,.2f} GFLOPs as MoSA's paper counts "
               "them (arXiv 2505.00315 App. A: whole model, 2 per multiply-add; its IsoFLOP "
               "rows stay within their dense baseline's)")
+    for r in cost.remoe:
+        print(f"ReMoE feedforward, per token: router {r['router_macs']:,} MACs + "
+              f"{r['macs_per_active_expert']:,} per active expert; the experts per token are "
+              f"measured (the 'experts_per_token' statistic of training), at the target "
+              f"k={r['experts_per_token']:g}: {r['macs_per_token']:,.0f} MACs")
     print(f"per attention layer, one sequence of T={cost.T} (C={cost.C}); memory: values held "
           "and their float32 size:")
     width = max(len(r["attention"]) for r in cost.layers)

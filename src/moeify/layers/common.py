@@ -61,7 +61,8 @@ from moeify.ops.routing import count_selections
 
 ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\u03c3-MoE experts",
                  "switch": "Switch experts", "mod": "MoD fraction routed",
-                 "moh": "MoH routed heads", "mor": "MoR recursion depths"}
+                 "moh": "MoH routed heads", "mor": "MoR recursion depths",
+                 "remoe": "ReMoE experts"}
 
 
 class RoutingStats:

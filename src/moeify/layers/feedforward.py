@@ -1,5 +1,6 @@
 """Feedforward layers: the dense ReLU MLP of the papers' baselines, and (re-exported here) the two
-expert feedforwards, sigma-MoE (``sigma_moe.py``) and Switch (``switch_ff.py``).
+expert feedforwards, sigma-MoE (``sigma_moe.py``), Switch (``switch_ff.py``) and ReMoE
+(``remoe.py``).
 
 Every feedforward has the interface of docs/interfaces.md:
 
@@ -83,6 +84,7 @@ class DenseFeedForward(nn.Module):
 # that docs/interfaces.md names (they do not import this module, so there is no cycle).
 from moeify.layers.sigma_moe import SigmaMoE, SigmaMoEConfig  # noqa: E402
 from moeify.layers.switch_ff import SwitchFeedForward, SwitchFFConfig  # noqa: E402
+from moeify.layers.remoe import ReMoE, ReMoEConfig  # noqa: E402
 
-__all__ = ["DenseFFConfig", "DenseFeedForward", "SigmaMoEConfig", "SigmaMoE",
-           "SwitchFFConfig", "SwitchFeedForward"]
+__all__ = ["DenseFFConfig", "DenseFeedForward", "ReMoE", "ReMoEConfig", "SigmaMoEConfig",
+           "SigmaMoE", "SwitchFFConfig", "SwitchFeedForward"]

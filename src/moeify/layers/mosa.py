@@ -30,7 +30,21 @@ Hybrid: the paper's MoSA models keep a few dense heads beside the sparse ones (S
 "Hybridization": 4 in its main experiments, App. B; the authors' ``MoSA(num_mosa_heads,
 num_other_heads, hybrid_type="dense" | "local")``).
 ``n_dense_heads`` adds that many ordinary RoPE heads (a DenseAttention of the same d_head) whose
-output is added; the "local" (sliding-window) hybrid is not implemented.
+output is added.
+
+Local hybrid (the paper's long-sequence setting, Sec. 3.4: local attention heads beside the MoSA
+heads, so that no head is quadratic in T; the authors' ``hybrid_type="local"``):
+``n_local_heads`` adds that many local heads with window w = ``local_window`` (the authors' w =
+T_train // ρ, the tokens a MoSA head keeps). As the authors' code runs them (the
+``local-attention`` package's ``LocalAttention(dim=h', window_size=w, causal=True)`` with its
+defaults), the sequence is cut into blocks of w positions, and a query at position i attends to
+the keys j <= i of its own block and of the block before (j // w >= i // w - 1): between w and
+2w - 1 keys, never fewer than the last w tokens. Softmax scale 1/sqrt(h'), every channel
+rotated by RoPE (the package's rotary embedding over the whole head, base 10000; ``pos="none"``:
+no rotation), own W_Q, W_K, W_V, W_O per head, no router: the output is added to the MoSA and
+dense heads'. Blocks are counted from position 0, so any T works (the package asserts T a
+multiple of w; for such T the two are identical). The attention runs blocked, O(T·w) per head:
+each block's w queries against its 2w keys.
 
 Padding (``valid_k``): padded tokens are never selected and k is computed from each row's number
 of valid tokens, so a right-padded sequence routes exactly as it would alone.
@@ -90,7 +104,9 @@ def tokens_kept(T: int, sparsity: int) -> int:
 class MoSAConfig:
     """MoSA attention: ``n_heads`` sparse heads of width ``d_head``, each keeping k = T //
     ``sparsity`` tokens (at least 2), plus ``n_dense_heads`` dense RoPE heads (the paper's
-    hybrid; 0 = pure MoSA). ``pos``: "rope" (the paper's) or "none". ``n_layers``: model depth L
+    hybrid; 0 = pure MoSA) and ``n_local_heads`` local heads of window ``local_window`` (the
+    long-sequence hybrid, Sec. 3.4; module docstring). ``pos``: "rope" (the paper's) or "none".
+    ``n_layers``: model depth L
     for the init scale s = sqrt(2 / L)."""
 
     d_model: int
@@ -105,9 +121,18 @@ class MoSAConfig:
     n_layers: int = 1
     attn_dropout: float = 0.0
     attn_impl: str = "auto"
+    n_local_heads: int = 0
+    local_window: int = 0
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "d_head", "sparsity", "n_layers")
+        for name in ("n_local_heads", "local_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"MoSAConfig.{name} must be an integer >= 0, got {v!r}")
+        if self.n_local_heads and not self.local_window:
+            raise ValueError("MoSAConfig.local_window must be positive with local heads: the "
+                             "paper's window is the training context // sparsity")
         check_core_fields(self, ("rope", "none"))
         if self.attn_dropout != 0.0:
             raise ValueError("MoSAConfig.attn_dropout: attention dropout is not implemented "
@@ -131,9 +156,9 @@ class MoSAConfig:
 
     def param_count(self) -> int:
         """Per MoSA head: the router row (d), W_Q, W_K, W_V (d·h' each), W_O (h'·d); plus the
-        dense heads' 4·d·H_dense·h'."""
+        dense and local heads' 4·d·h' each."""
         D, H, C = self.d_model, self.n_heads, self.d_head
-        return H * (D + 4 * D * C) + 4 * D * self.n_dense_heads * C
+        return H * (D + 4 * D * C) + 4 * D * (self.n_dense_heads + self.n_local_heads) * C
 
     def build(self) -> "MoSAAttention":
         return MoSAAttention(self)
@@ -147,6 +172,9 @@ class MoSACache:
     def __init__(self, dense_cache=None) -> None:
         self.scores = self.keys = self.values = self.positions = self.valid = None
         self.dense = dense_cache
+        # the local heads' rotated keys and values [B, H_local, S, C] (the positions and
+        # validity above are shared)
+        self.local_keys = self.local_values = None
 
     def __len__(self) -> int:
         return 0 if self.positions is None else self.positions.shape[1]
@@ -179,6 +207,7 @@ class MoSAAttention(nn.Module):
         self.w_o = nn.Parameter(torch.empty(H, C, D))
         dense = c.dense_config()
         self.dense = None if dense is None else dense.build()
+        self.local = LocalHeads(c) if c.n_local_heads else None
         self.n_rot = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
         self.reset_parameters()
 
@@ -188,7 +217,10 @@ class MoSAAttention(nn.Module):
         s = init_scale(c.n_layers)
         for w in (self.w_router, self.w_q, self.w_k, self.w_v):
             w.normal_(0.0, s / math.sqrt(c.d_model))
-        self.w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads) * c.d_head))
+        self.w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads + c.n_local_heads)
+                                            * c.d_head))
+        if self.local is not None:
+            self.local.reset_parameters()
 
     def new_cache(self) -> MoSACache:
         return MoSACache(None if self.dense is None else self.dense.new_cache())
@@ -268,6 +300,10 @@ class MoSAAttention(nn.Module):
         dense_BTD = None if self.dense is None else self.dense(
             q_BTD, None, causal=True, cache=dense_cache, pos_q=pos_q, pos_k=pos_q,
             valid_k=valid_k)[0]
+        if self.local is not None:
+            local_BTD = (self.local(q_BTD, pos_q, valid_k) if cache is None
+                         else self.local.decode(q_BTD, pos_q, valid_k, cache))
+            dense_BTD = local_BTD if dense_BTD is None else dense_BTD + local_BTD
         r_BHT = self._scores(q_BTD)
         if cache is not None:
             y_BTD = self._decode(q_BTD, r_BHT, pos_q, valid_k, cache)
@@ -287,8 +323,8 @@ class MoSAAttention(nn.Module):
             gate_BHK = gate_BHK * keep_BHK
         a_BHKC = self._attend(q, k, v, allowed) * gate_BHK[..., None].to(q.dtype)
         ys_BHKD = torch.einsum("bhkc,hcd->bhkd", a_BHKC, self.w_o)
-        # Y = scatter(Y_s, I), summed over heads, then the dense heads' output added (under
-        # autocast the two may differ in dtype; the sum promotes)
+        # Y = scatter(Y_s, I), summed over heads, then the dense and local heads' output added
+        # (under autocast the two may differ in dtype; the sum promotes)
         y_BTD = ys_BHKD.new_zeros(B, T, c.d_model).scatter_add(
             1, idx_BHK.reshape(B, H * K, 1).expand(-1, -1, c.d_model),
             ys_BHKD.reshape(B, H * K, c.d_model))
@@ -340,3 +376,99 @@ class MoSAAttention(nn.Module):
             outs.append(torch.einsum("bhc,hcd->bd", a_BHC * gate_BH[..., None].to(a_BHC.dtype),
                                      self.w_o))
         return torch.stack(outs, 1)
+
+
+class LocalHeads(nn.Module):
+    """The local heads of MoSA's long-sequence hybrid (module docstring): per head own W_Q, W_K,
+    W_V [H_l, D, C] and W_O [H_l, C, D]; a query at position i attends to the keys j <= i with
+    j // w >= i // w - 1 (w = ``local_window``), every channel rotated by RoPE."""
+
+    def __init__(self, config: MoSAConfig):
+        super().__init__()
+        self.config = c = config
+        Hl, D, C = c.n_local_heads, c.d_model, c.d_head
+        self.w_q = nn.Parameter(torch.empty(Hl, D, C))
+        self.w_k = nn.Parameter(torch.empty(Hl, D, C))
+        self.w_v = nn.Parameter(torch.empty(Hl, D, C))
+        self.w_o = nn.Parameter(torch.empty(Hl, C, D))
+        self.n_rot = C - C % 2 if c.pos == "rope" else 0
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        c = self.config
+        s = init_scale(c.n_layers)
+        for w in (self.w_q, self.w_k, self.w_v):
+            w.normal_(0.0, s / math.sqrt(c.d_model))
+        self.w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads + c.n_local_heads)
+                                            * c.d_head))
+
+    def _qkv(self, x_BTD, pos_BT):
+        q, k, v = (torch.einsum("btd,hdc->bhtc", x_BTD, w) for w in (self.w_q, self.w_k,
+                                                                       self.w_v))
+        if self.n_rot:
+            q, k = (apply_rope(t, pos_BT, n_rot=self.n_rot, base=self.config.rope_base)
+                    for t in (q, k))
+        return q, k, v
+
+    def forward(self, x_BTD, pos_BT, valid_BT=None):
+        """[B, T, D]: the blocked local attention (w queries of a block against the 2w keys of
+        it and the block before), O(T·w) per head. Positions are taken as 0..T-1 (the layer's
+        full forward); a padded key is never attended to, a padded query only to itself."""
+        c = self.config
+        B, T, D = x_BTD.shape
+        w = c.local_window
+        q, k, v = self._qkv(x_BTD, pos_BT)
+        Hl, C = q.shape[1], q.shape[-1]
+        nb = -(-T // w)
+        pad = nb * w - T
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        qb = q.view(B, Hl, nb, w, C)
+        kb, vb = (torch.cat([F.pad(t.view(B, Hl, nb, w, C), (0, 0, 0, 0, 1, 0))[:, :, :-1],
+                             t.view(B, Hl, nb, w, C)], 3) for t in (k, v))  # [B, Hl, nb, 2w, C]
+        i = torch.arange(w, device=x_BTD.device)
+        j = torch.arange(2 * w, device=x_BTD.device)
+        blk = torch.arange(nb, device=x_BTD.device)
+        key_pos = (blk[:, None] - 1) * w + j  # [nb, 2w]
+        q_pos = blk[:, None] * w + i  # [nb, w]
+        allowed = ((key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] >= 0)
+                   & (key_pos[:, None, :] < T))  # [nb, w, 2w]
+        if valid_BT is not None:
+            vk = F.pad(valid_BT.bool(), (w, pad))  # key validity by look-around position
+            vk = vk.unfold(1, 2 * w, w)  # [B, nb, 2w]
+            allowed = allowed[None] & vk[:, :, None, :]
+            allowed = allowed | (key_pos[:, None, :] == q_pos[:, :, None])[None]
+            allowed = allowed[:, None]  # [B, 1, nb, w, 2w]
+        a = self._attend(qb, kb, vb, allowed).reshape(B, Hl, nb * w, C)[:, :, :T]
+        return torch.einsum("bhtc,hcd->btd", a, self.w_o)
+
+    def _attend(self, q, k, v, allowed):
+        if self.config.attn_impl == "reference":
+            logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    def decode(self, x_BTD, pos_BT, valid_BT, cache: MoSACache):
+        """Cached decoding: the new tokens' keys and values appended (the positions and
+        validity are appended by the MoSA heads' decoding, which runs after this), then each new
+        query attends to the cached keys its window allows."""
+        w = self.config.local_window
+        q, k, v = self._qkv(x_BTD, pos_BT)
+        B, T = x_BTD.shape[:2]
+        valid = (torch.ones(B, T, dtype=torch.bool, device=x_BTD.device) if valid_BT is None
+                 else valid_BT.bool())
+        if cache.local_keys is None:
+            cache.local_keys, cache.local_values = k, v
+            pos_k, valid_k = pos_BT, valid
+        else:
+            cache.local_keys = torch.cat([cache.local_keys, k], -2)
+            cache.local_values = torch.cat([cache.local_values, v], -2)
+            pos_k = torch.cat([cache.positions, pos_BT], -1)
+            valid_k = torch.cat([cache.valid, valid], -1)
+        pk, pq = pos_k[:, None, :], pos_BT[:, :, None]
+        allowed = (pk <= pq) & (torch.div(pk, w, rounding_mode="floor")
+                                >= torch.div(pq, w, rounding_mode="floor") - 1)
+        allowed = (allowed & valid_k[:, None, :]) | (pk == pq)
+        a = self._attend(q, cache.local_keys, cache.local_values, allowed[:, None])
+        return torch.einsum("bhtc,hcd->btd", a, self.w_o)

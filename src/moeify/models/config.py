@@ -59,7 +59,8 @@ class ModelConfig:
                     s = sqrt(2 / L) initialisation depends on it).
     context_length: chunk length T: tokens per training sequence (and XL memory length).
     attention:      attention config(s): DenseAttentionConfig, SwitchHeadConfig, MoAConfig.
-    feedforward:    feedforward config(s): DenseFFConfig, SigmaMoEConfig, SwitchFFConfig.
+    feedforward:    feedforward config(s): DenseFFConfig, SigmaMoEConfig, SwitchFFConfig,
+                    ReMoEConfig.
     depth:          depth routing per block: None (plain block) or MoDConfig.
     xl_memory:      carry the previous chunk's block inputs as memory (Transformer-XL).
     dropout:        on the embeddings, the residual branches and before the output layer

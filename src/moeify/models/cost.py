@@ -23,6 +23,7 @@ from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.moa import MoAConfig
 from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig, tokens_kept
+from moeify.layers.remoe import ReMoEConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM, build_block
 from moeify.ops.recursion_routing import recursion_count
@@ -141,12 +142,16 @@ def gqa_cost(*, d_model: int, n_heads: int, n_kv_heads: int, d_head: int, T: int
 
 
 def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
-              n_dense_heads: int = 0) -> AttentionCost:
+              n_dense_heads: int = 0, n_local_heads: int = 0,
+              local_window: int = 0) -> AttentionCost:
     """MoSA (arXiv 2505.00315), in the terms of ``dense_attention_cost``: per sparse head the
     router over all T tokens (d·T), the Q, K, V and O projections of its k selected tokens
     (4·d·h'·k) and the attention among them (2·h'·k²): O(k² + T) per head. Memory: the k×k
     attention twice, the four k×h' projections and the T router scores. The hybrid's dense heads
-    add ``dense_attention_cost`` (RoPE, no memory). Our accounting: the paper prints no formula
+    add ``dense_attention_cost`` (RoPE, no memory). The long-sequence hybrid's local heads (window
+    w) each project all T tokens (4·d·h'·T) and, blocked as they run, score every query against
+    the 2w keys of its block and the one before (2·h'·T·2w, masked keys included); memory the
+    T×2w scores twice and the four T×h' projections. Our accounting: the paper prints no formula
     in this form."""
     _positive(d_model=d_model, n_heads=n_heads, d_head=d_head, k=k, T=T)
     d, H, dh = d_model, n_heads, d_head
@@ -156,6 +161,10 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
         dense = dense_attention_cost(d_model=d, n_heads=n_dense_heads, d_head=dh, T=T, C=1,
                                      xl=False)
         macs, mem = macs + dense.macs, mem + dense.memory
+    if n_local_heads:
+        w2 = 2 * local_window
+        macs += n_local_heads * (4 * d * dh * T + 2 * dh * T * w2)
+        mem += n_local_heads * (2 * T * w2 + 4 * dh * T)
     return AttentionCost(macs, mem)
 
 
@@ -235,7 +244,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     or dense attention without XL memory (all of the same head width), a dense feedforward, no
     depth routing, no layer sharing; None for any other model. Layers are summed one by one,
     with the k each MoSA layer keeps (``tokens_kept``: T // ρ, the paper's k, at least 2 and at
-    most T, as Sec. 3.5 and the layer have it)."""
+    most T, as Sec. 3.5 and the layer have it). None with local heads (the long-sequence
+    hybrid): the formula has no term for them."""
     if config.xl_memory or config.group_size or config.recursion is not None or any(
             x is not None for x in config.depth_layers()):
         return None
@@ -244,6 +254,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
         if not isinstance(ff, DenseFFConfig):
             return None
         one = dict(n_layers=1, d_model=config.d_model, T=T, d_ff=ff.d_ff)
+        if isinstance(attn, MoSAConfig) and attn.n_local_heads:
+            return None
         if isinstance(attn, MoSAConfig):
             total += mosa_paper_flops(**one, d_head=attn.d_head, n_dense_heads=attn.n_dense_heads,
                                       n_mosa_heads=attn.n_heads, k=attn.tokens_kept(T))
@@ -259,7 +271,8 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     GroupedQueryAttentionConfig, MoSAConfig, MoHConfig)."""
     if isinstance(cfg, MoSAConfig):
         return mosa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
-                         k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads)
+                         k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads,
+                         n_local_heads=cfg.n_local_heads, local_window=cfg.local_window)
     if isinstance(cfg, MoHConfig):
         return moh_cost(cfg, T=T, C=C)
     if isinstance(cfg, GroupedQueryAttentionConfig):
@@ -306,6 +319,8 @@ class ModelCost:
     # a model with MoSA layers: its forward-pass FLOPs as MoSA's paper counts them
     # (``model_paper_flops``), the budget of the paper's IsoFLOP rows; None otherwise
     mosa_paper_flops: int | None = None
+    # ReMoE feedforwards (``remoe_feedforward_cost``), one entry per distinct config
+    remoe: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"params": self.params, "params_str": format_count(self.params),
@@ -313,7 +328,22 @@ class ModelCost:
                "layers": [dict(x) for x in self.layers]}
         if self.mosa_paper_flops is not None:
             out["mosa_paper_flops"] = self.mosa_paper_flops
+        if self.remoe:
+            out["remoe"] = [dict(x) for x in self.remoe]
         return out
+
+
+def remoe_feedforward_cost(cfg: ReMoEConfig, experts_per_token: float | None = None,
+                           ) -> dict[str, Any]:
+    """A ReMoE feedforward's MACs per token: the router's E · D plus, per active expert,
+    (3 if gated else 2) · D · G. ReLU routing gives each token a variable number of experts, so
+    the cost depends on the measured sparsity: ``experts_per_token`` (the layer's
+    ``experts_per_token`` statistic, logged in training) or, when None, the target k."""
+    per_expert = (3 if cfg.gated else 2) * cfg.d_model * cfg.expert_size
+    router = cfg.n_experts * cfg.d_model
+    k = cfg.k if experts_per_token is None else experts_per_token
+    return {"router_macs": router, "macs_per_active_expert": per_expert, "experts_per_token": k,
+            "macs_per_token": router + k * per_expert, "measured": experts_per_token is not None}
 
 
 def model_parameters(config: "ModelConfig") -> dict[str, int]:
@@ -373,8 +403,10 @@ def attention_summary(cfg: Any) -> str:
     if name == "GroupedQuery":
         return f"GQA H={cfg.n_heads} Hk={cfg.n_kv_heads} d_h={cfg.d_head} {cfg.pos}"
     if name == "MoSA":
+        local = (f" +{cfg.n_local_heads} local w={cfg.local_window}" if cfg.n_local_heads
+                 else "")
         return (f"MoSA H={cfg.n_heads} d_h={cfg.d_head} rho={cfg.sparsity} "
-                f"+{cfg.n_dense_heads} dense {cfg.pos}")
+                f"+{cfg.n_dense_heads} dense{local} {cfg.pos}")
     if name == "MoH":
         return (f"MoH H={cfg.n_heads} d_h={cfg.d_head} shared={cfg.n_shared} "
                 f"k={cfg.k}/{cfg.n_routed}"
@@ -439,5 +471,11 @@ def model_cost(config: "ModelConfig") -> ModelCost:
     flops = None
     if any(isinstance(a, MoSAConfig) for a in config.attention_layers()):
         flops = model_paper_flops(config)
+    remoe = []
+    for ff in config.feedforward_layers():
+        if isinstance(ff, ReMoEConfig):
+            row = remoe_feedforward_cost(ff)
+            if row not in remoe:
+                remoe.append(row)
     return ModelCost(params=parts.pop("total"), params_by_part=parts, T=T, C=C, layers=layers,
-                     mosa_paper_flops=flops)
+                     mosa_paper_flops=flops, remoe=remoe)

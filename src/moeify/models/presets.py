@@ -61,6 +61,7 @@ from moeify.models.moeut_presets import MOEUT_PRESETS
 from moeify.models.mor_presets import MOR_PRESETS
 from moeify.models.mosa_presets import MOSA_PRESETS
 from moeify.models.moh_presets import MOH_PRESETS
+from moeify.models.remoe_presets import REMOE_PRESETS
 from moeify.models.repro_presets import REPRO_PRESETS
 
 # ---------------------------------------------------------------------------- tiny presets
@@ -444,7 +445,7 @@ TINY_PRESETS: tuple[Preset, ...] = (
 
 PRESETS: dict[str, Preset] = {p.name: p for p in PAPER_PRESETS + TINY_PRESETS + REPRO_PRESETS
                               + MOEUT_PRESETS + MOSA_PRESETS + MOR_PRESETS
-                              + MOH_PRESETS}
+                              + MOH_PRESETS + REMOE_PRESETS}
 
 
 def register(name: str, description: str, **facts: Any) -> Callable:

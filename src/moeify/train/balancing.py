@@ -27,6 +27,12 @@ micro-batches (the paper's buffer over gradient-accumulation steps), and the los
 them: the last micro-batch of an update sees the counts of the whole global batch. The counts
 carry no gradient. Validation, which never comes here, takes the per-batch loss.
 
+ReMoE's adaptive L1 coefficient (Wang et al., ICLR 2025, arXiv 2412.14711, Sec. 3;
+moeify.layers.remoe): after each optimizer step the sparsity S of every ReMoE layer's routing
+over the update (its records' last column counts the (token, expert) pairs not routed; summed
+over micro-batches, processes and ReMoE layers, in the same all-reduce) moves each layer's
+lambda by alpha toward the target 1 - k/E (``ReMoE.update_l1_coef``, on the device).
+
 Shape legend: E router outputs of a layer.
 """
 
@@ -39,7 +45,7 @@ from moeify.ops.aux_losses import loss_free_bias_update
 from moeify.train.distributed import DistEnv
 
 # The routing kinds (RoutingStats.kind) of the feedforward MoEs' routers.
-FEEDFORWARD_KINDS = ("sigma_moe", "switch")
+FEEDFORWARD_KINDS = ("sigma_moe", "switch", "remoe")
 
 
 def _lossfree(module) -> bool:
@@ -58,6 +64,7 @@ class Balancing:
             raise ValueError("loss-free balancing (lossfree_rate > 0) works on the feedforwards "
                              "of the model's blocks, not inside Mixture-of-Recursions; set "
                              "model.feedforward.lossfree_rate=0 for this model")
+        self.remoe = {ff for ff in self.feedforwards if hasattr(ff, "update_l1_coef")}
         self._counts: dict[str, torch.Tensor] = {}  # routing key -> the update's counts so far
         self._owner: dict[str, torch.nn.Module] = {}  # routing key -> its feedforward
         self._global: dict[str, torch.Tensor] = {}  # balance key -> the update's top-1 counts
@@ -79,10 +86,10 @@ class Balancing:
             self._counts[key] = c if key not in self._counts else self._counts[key] + c
             self._owner[key] = ff = self.feedforwards[rec.layer]
             seen.add(ff)
-        missing = self.lossfree - seen
+        missing = (self.lossfree | self.remoe) - seen
         if missing:
-            raise RuntimeError(f"loss-free balancing: the model returned no routing record of "
-                               f"{type(next(iter(missing))).__name__}")
+            raise RuntimeError(f"loss-free balancing / ReMoE: the model returned no routing "
+                               f"record of {type(next(iter(missing))).__name__}")
         if not out.balance:
             return out.aux_loss
         keys = sorted(out.balance)
@@ -98,7 +105,8 @@ class Balancing:
     def after_optimizer_step(self) -> dict[str, torch.Tensor]:
         """Once per optimizer step: the update's per-expert counts of every feedforward router
         summed over micro-batches and processes (one all-reduce), the loss-free bias updates
-        from them; returns the counts by routing key (the trainer logs them)."""
+        and ReMoE's coefficient updates from them; returns the counts by routing key (the
+        trainer logs them)."""
         keys = sorted(self._counts)
         if not keys:
             return {}
@@ -110,5 +118,11 @@ class Balancing:
             cfg = m.config
             m.expert_bias.copy_(loss_free_bias_update(m.expert_bias, c, cfg.lossfree_rate,
                                                       centre=cfg.lossfree_centre))
+        remoe_keys = [k for k in keys if self._owner[k] in self.remoe]
+        if remoe_keys:
+            c = sum(total[k] for k in remoe_keys)  # [E + 1]: the experts, then not routed
+            sparsity = c[-1] / c.sum().clamp_min(1)
+            for m in self.remoe:
+                m.update_l1_coef(sparsity)
         self._counts.clear()
         return total

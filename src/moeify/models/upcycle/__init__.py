@@ -72,7 +72,7 @@ DEPTH = {
 
 
 MOE_CONFIGS = ("SwitchHeadConfig", "MoAConfig", "SigmaMoEConfig", "SwitchFFConfig",
-               "MoSAConfig", "MoHConfig")
+               "MoSAConfig", "MoHConfig", "ReMoEConfig")
 
 
 # Dense components that no conversion takes, and why (named in the error).

@@ -11,6 +11,7 @@ the registered ops that torch.compile keeps whole.
     function.py    the autograd Function over every slot-layout kernel
     matmul.py      expert_matmul, the entry point
     mlp.py         expert_mlp, gated_expert_mlp
+    pairs.py       pair_expert_mlp, mask_expert_mlp: a variable number of experts per row
     policy.py      what "auto" runs, for every layer, decoding included
     compiled.py    moeify::expert_matmul (torch.library) for torch.compile
 """
@@ -20,7 +21,8 @@ from moeify.ops.moe import cpu  # noqa: F401  (registers "pairs", "all", "padded
 from moeify.ops.moe.kernels import scatter_gemm  # noqa: F401  (registers "triton")
 from moeify.ops.moe.matmul import TRACE_PREFIX, expert_matmul
 from moeify.ops.moe.mlp import expert_mlp, gated_expert_mlp
-from moeify.ops.moe.plan import RoutingPlan, make_plan
+from moeify.ops.moe.pairs import mask_expert_mlp, pair_expert_mlp
+from moeify.ops.moe.plan import RoutingPlan, make_pair_plan, make_plan
 from moeify.ops.moe.policy import choose_impl, resolved_impl
 from moeify.ops.moe.registry import ExpertKernel, WholeKernel, get_kernel, implementations, register
 
@@ -29,4 +31,5 @@ IMPLEMENTATIONS = implementations()
 
 __all__ = ["ExpertKernel", "IMPLEMENTATIONS", "RoutingPlan", "TRACE_PREFIX", "WholeKernel",
            "choose_impl", "expert_matmul", "expert_mlp", "gated_expert_mlp", "get_kernel",
-           "implementations", "make_plan", "register", "resolved_impl"]
+           "implementations", "make_pair_plan", "make_plan", "mask_expert_mlp",
+           "pair_expert_mlp", "register", "resolved_impl"]

@@ -41,6 +41,17 @@ class SlotLayout:
             v = self._memo[per] = torch.div(self.pair_P, per, rounding_mode="floor")
         return v
 
+    def input_rows(self, k: int | None) -> torch.Tensor:
+        """[P]: the input row of each slot's pair: pair // k for ``k`` experts per row, or, with
+        k None, its row under a variable-k plan (``plan.row_N``); padding slots read the row of
+        pair 0 (``gather_rows`` zeroes them)."""
+        if k is not None:
+            return self.rows(k)
+        v = self._memo.get("pair_rows")
+        if v is None:
+            v = self._memo["pair_rows"] = self.plan.row_N.index_select(0, self.pair_P)
+        return v
+
 
 def sorted_layout(plan: RoutingPlan) -> SlotLayout:
     """The pairs sorted by expert, no padding (built once per plan)."""
@@ -88,6 +99,34 @@ def slot_sums(src_PF: torch.Tensor, slot_N: torch.Tensor, weight_N: torch.Tensor
     return g.view(n_out, per_row, Fo).sum(1)
 
 
+def row_sums(src_PF: torch.Tensor, slot_N: torch.Tensor, weight_N: torch.Tensor | None,
+             plan: RoutingPlan) -> torch.Tensor:
+    """Variable k: out[m] = Σ weight[n] · src[slot[n]] over row m's pairs n (``plan.row_N``,
+    in row order), [M, F]; a row without pairs is 0. One ``embedding_bag`` whose bags are the
+    rows (``plan.row_offsets_M``), or an ``index_add`` where it has no kernel."""
+    M, Fo = plan.n_rows, src_PF.shape[1]
+    if slot_N.shape[0] == 0:
+        return src_PF.new_zeros(M, Fo)
+    try:
+        return F.embedding_bag(slot_N, src_PF, plan.row_offsets_M, mode="sum",
+                               per_sample_weights=weight_N, include_last_offset=True)
+    except (RuntimeError, NotImplementedError):
+        pass
+    g = src_PF.index_select(0, slot_N)
+    if weight_N is not None:
+        g = g * weight_N[:, None]
+    return src_PF.new_zeros(M, Fo).index_add_(0, plan.row_N, g)
+
+
+def sums_to_rows(src_PF: torch.Tensor, lay: SlotLayout, weight_N: torch.Tensor | None,
+                 k: int | None) -> torch.Tensor:
+    """The (weighted) sums of each input row's pairs: ``slot_sums`` for ``k`` pairs per row,
+    ``row_sums`` of the variable-k plan with k None."""
+    if k is None:
+        return row_sums(src_PF, lay.slot_N, weight_N, lay.plan)
+    return slot_sums(src_PF, lay.slot_N, weight_N, k)
+
+
 def sum_by_id(src_L: torch.Tensor, ids_L: torch.Tensor, n: int) -> torch.Tensor:
     """out[i] = Σ_{l: ids[l] = i} src[l], [n, ...]: ``zeros(n, ...).index_add_(0, ids, src)``
     (the reference the tests compare against) as one ``embedding_bag`` over the rows sorted by
@@ -114,5 +153,5 @@ def row_dot(a_ND: torch.Tensor, b_ND: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a_ND.reshape(-1, 1, D), b_ND.reshape(-1, D, 1)).view(-1)
 
 
-__all__ = ["SlotLayout", "gather_rows", "pair_layout", "row_dot", "slot_sums", "sorted_layout",
-           "sum_by_id"]
+__all__ = ["SlotLayout", "gather_rows", "pair_layout", "row_dot", "row_sums", "slot_sums",
+           "sorted_layout", "sum_by_id", "sums_to_rows"]

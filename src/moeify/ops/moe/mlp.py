@@ -33,32 +33,35 @@ import torch.nn.functional as F
 
 from moeify.ops.amp import amp_backward, amp_forward, autocast_cast, autocast_off
 from moeify.ops.moe import policy
-from moeify.ops.moe.layout import gather_rows, row_dot, slot_sums
+from moeify.ops.moe.layout import gather_rows, row_dot, sums_to_rows
 from moeify.ops.moe.matmul import check_plan, expert_matmul, trace, validate
 from moeify.ops.moe.plan import RoutingPlan, make_plan
 from moeify.ops.moe.registry import ExpertKernel, get_kernel
 
 
 class _ExpertMLP(torch.autograd.Function):
-    """y = expert MLP over a sorted or padded layout (module docstring). Pre-validated inputs."""
+    """y = expert MLP over a sorted or padded layout (module docstring). Pre-validated inputs.
+    ``k``: experts per row (``gates_MK`` [M, k]); None: a variable-k plan (``lay.plan.row_N``,
+    gates [N] per pair; moeify.ops.moe.pairs)."""
 
     @staticmethod
     @amp_forward
     def forward(ctx, x_MD, w1_EDG, w2_EGD, gates_MK, kernel, lay, k):
-        a_PG = torch.relu_(kernel.forward(gather_rows(x_MD, lay, lay.rows(k)), w1_EDG, lay))
+        a_PG = torch.relu_(kernel.forward(gather_rows(x_MD, lay, lay.input_rows(k)), w1_EDG,
+                                          lay))
         gate_N = gates_MK.reshape(-1).to(x_MD.dtype)
-        y = slot_sums(kernel.forward(a_PG, w2_EGD, lay), lay.slot_N, gate_N, k)
+        y = sums_to_rows(kernel.forward(a_PG, w2_EGD, lay), lay, gate_N, k)
         ctx.save_for_backward(x_MD, w1_EDG, w2_EGD, gate_N, a_PG)
-        ctx.meta = (kernel, lay, k, gates_MK.dtype)
+        ctx.meta = (kernel, lay, k, gates_MK.dtype, gates_MK.shape)
         return y
 
     @staticmethod
     @amp_backward
     def backward(ctx, grad_y):
         x_MD, w1_EDG, w2_EGD, gate_N, a_PG = ctx.saved_tensors
-        kernel, lay, k, gate_dtype = ctx.meta
-        row_P = lay.rows(k)
-        M, E = x_MD.shape[0], w1_EDG.shape[0]
+        kernel, lay, k, gate_dtype, gate_shape = ctx.meta
+        row_P = lay.input_rows(k)
+        E = w1_EDG.shape[0]
         need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
         grad_x = grad_w1 = grad_w2 = grad_gates = None
         g_PD = gather_rows(grad_y.contiguous(), lay, row_P)  # contiguous: stride-0 gradients
@@ -69,14 +72,14 @@ class _ExpertMLP(torch.autograd.Function):
         del g_PD
         if need_g:
             grad_gates = row_dot(ga_PG, a_PG).index_select(0, lay.slot_N)
-            grad_gates = grad_gates.view(M, k).to(gate_dtype)
+            grad_gates = grad_gates.view(gate_shape).to(gate_dtype)
         # dh = gate · ga where the unit was active (a > 0 exactly where x W1 > 0).
         dh_PG = torch.ops.aten.threshold_backward(ga_PG.mul_(gate_P), a_PG, 0)
         del ga_PG
         if need_w1:
             grad_w1 = kernel.weight_grad(gather_rows(x_MD, lay, row_P), dh_PG, lay, E)
         if need_x:
-            grad_x = slot_sums(kernel.input_grad(dh_PG, w1_EDG, lay), lay.slot_N, None, k)
+            grad_x = sums_to_rows(kernel.input_grad(dh_PG, w1_EDG, lay), lay, None, k)
         return grad_x, grad_w1, grad_w2, grad_gates, None, None, None
 
 

@@ -1,6 +1,7 @@
 """The routing plan: the routed (row, expert) pairs of one routing, sorted by expert once.
 
-Shape legend: M rows, K experts per row, E experts, N = M · K routed pairs.
+Shape legend: M rows, K experts per row, E experts, N = M · K routed pairs (fixed k), or
+any number of pairs given as flat (row, expert) lists (variable k: ``make_pair_plan``).
 
 A plan is built once per routing (``make_plan``) and shared by every expert matmul that uses
 that routing (SwitchHead's V and K experts, or O and Q; an expert MLP's two matmuls), also when
@@ -58,13 +59,37 @@ class RoutingPlan:
 
     ``group_size``: the experts come in groups of that many consecutive ids, and a row's
     experts of one group form a set (SwitchHead: the E experts of each head); None: no groups.
+
+    Variable k (``make_pair_plan``): ``row_N`` (int64 [N], non-decreasing) gives the row of
+    each pair, so a row has any number of experts, none included; ``row_offsets_M`` [M + 1]
+    (int64) are the cumulative per-row counts ``row_counts_M`` [M]: row m's pairs are
+    ``row_offsets_M[m]:row_offsets_M[m + 1]``. A fixed-k plan has ``row_N`` None (pair n
+    belongs to row n // K).
     """
 
-    def __init__(self, flat_N: torch.Tensor, num_experts: int, group_size: int | None = None):
+    def __init__(self, flat_N: torch.Tensor, num_experts: int, group_size: int | None = None,
+                 row_N: torch.Tensor | None = None, n_rows: int | None = None):
         self.num_experts = num_experts
         self.group_size = group_size
         self.flat_N = flat_N  # int64 [N]: the expert of each pair
+        self.row_N = row_N  # int64 [N]: the row of each pair (variable k), else None
+        self.n_rows = n_rows  # M (variable k), else None
         self._memo: dict = {}
+
+    @property
+    def variable_k(self) -> bool:
+        return self.row_N is not None
+
+    @property
+    def row_counts_M(self) -> torch.Tensor:
+        """int64 [M]: the pairs (experts) of each row (variable k only)."""
+        return self.cached("row_counts", lambda: count_ids(self.row_N, self.n_rows))
+
+    @property
+    def row_offsets_M(self) -> torch.Tensor:
+        """int64 [M + 1]: where each row's pairs start, and N at the end (variable k only)."""
+        return self.cached("row_offsets", lambda: torch.nn.functional.pad(
+            torch.cumsum(self.row_counts_M, 0), (1, 0)))
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()``, computed on the first call with this key and kept on the plan: the
@@ -160,5 +185,33 @@ def make_plan(idx: torch.Tensor, num_experts: int, *, group_size: int | None = N
     return RoutingPlan(idx.reshape(-1).to(torch.int64), num_experts, group_size)
 
 
-__all__ = ["COUNTING_SORT_MAX_EXPERTS", "RoutingPlan", "check_ids", "counting_sort", "make_plan",
-           "uses_counting_sort"]
+def make_pair_plan(row_N: torch.Tensor, expert_N: torch.Tensor, n_rows: int, num_experts: int,
+                   *, in_range: bool = False) -> RoutingPlan:
+    """Variable k: the routed pairs as flat lists, pair n routing row ``row_N[n]`` to expert
+    ``expert_N[n]``, the pairs in row order (``row_N`` non-decreasing, as ``nonzero`` of a
+    [M, E] mask returns them). A row may have any number of pairs, zero included.
+    ``in_range``: the caller built both lists itself (from a mask of [n_rows, num_experts]),
+    so the checks are skipped."""
+    if num_experts <= 0 or n_rows < 0:
+        raise ValueError(f"num_experts must be positive and n_rows non-negative, got "
+                         f"{num_experts} and {n_rows}")
+    if row_N.dim() != 1 or expert_N.shape != row_N.shape:
+        raise ValueError(f"row_N and expert_N must be two 1-d tensors of one length, got "
+                         f"shapes {tuple(row_N.shape)} and {tuple(expert_N.shape)}")
+    if not in_range:
+        check_ids(expert_N, num_experts)
+        check_ids(row_N, max(n_rows, 1))
+        if row_N.numel() > 1:
+            ordered = (row_N[1:] >= row_N[:-1]).all()
+            if row_N.device.type == "cpu" and not torch.compiler.is_compiling():
+                if not bool(ordered):
+                    raise ValueError("row_N must be non-decreasing (the pairs in row order, as "
+                                     "nonzero() of a [rows, experts] mask gives them)")
+            else:
+                torch._assert_async(ordered, "row_N must be non-decreasing")
+    return RoutingPlan(expert_N.to(torch.int64), num_experts, None, row_N.to(torch.int64),
+                       n_rows)
+
+
+__all__ = ["COUNTING_SORT_MAX_EXPERTS", "RoutingPlan", "check_ids", "counting_sort",
+           "make_pair_plan", "make_plan", "uses_counting_sort"]
