@@ -50,6 +50,7 @@ class _ExpertMLP(torch.autograd.Function):
         y = slot_sums(kernel.forward(a_PG, w2_EGD, lay), lay.slot_N, gate_N, k)
         ctx.save_for_backward(x_MD, w1_EDG, w2_EGD, gate_N, a_PG)
         ctx.meta = (kernel, lay, k, gates_MK.dtype)
+        ctx.plan = lay.plan if kernel.reads_plan else None  # the layout holds it weakly
         return y
 
     @staticmethod
