@@ -3,12 +3,19 @@
 #   make test    -> builds .venv and runs the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,plot,tokenizers,hf,harness,triton
+# Triton: setup_env.sh adds it where torch is a CUDA build (the only place its kernels run);
+# `make test` adds it everywhere, for the tests that run the kernels in Triton's CPU interpreter
+# (tests/ops/test_triton_matmul.py), so `make train` on a CPU-only machine does not carry it.
+EXTRAS ?= dev,plot,tokenizers,hf,harness
+TEST_EXTRAS ?= $(EXTRAS),triton
 
-.PHONY: setup train demo test bench clean
+.PHONY: setup setup-test train demo test bench clean
 
 setup:
 	@bash scripts/setup_env.sh $(VENV) $(EXTRAS)
+
+setup-test:
+	@bash scripts/setup_env.sh $(VENV) $(TEST_EXTRAS)
 
 train: setup
 	$(VENV)/bin/moeify train $(ARGS)
@@ -21,7 +28,7 @@ demo: setup
 # main suite's CPU counterparts (tests/models/test_compile.py, tests/train/test_scale.py,
 # tests/train/test_fsdp.py): inductor's CPU code generation takes four minutes there.
 # PYTEST_ARGS (e.g. -k NAME, -x) apply to the main run only; the second runs when it is unset.
-test: setup
+test: setup-test
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	MOEIFY_SUITE_DEVICE=cpu $(PY) -m pytest -m cuda tests/train/test_cuda.py \

@@ -7,7 +7,7 @@ says whether each kernel's loads are vectorised.
 bf16 operands (fp32 atomic buffers) at the 47M SwitchHead value shape (D 412, F 76, E 10,
 K 4), specialised as a launch specialises them: unit strides become constants, and the
 pointers (torch's allocations are 16-byte aligned) and every integer divisible by 16 are marked
-so. The kernel wrapper pads D and F to 416 and 80 (moeify.ops.moe.kernels.triton, "Aligned
+so. The kernel wrapper pads D and F to 416 and 80 (moeify.ops.moe.kernels.scatter_gemm, "Aligned
 widths"), so the widths and row strides are marked too; ``--unpadded`` compiles them as 412 and
 76 instead, as a launch without the padding sees them. Each row reports the PTX's global
 memory traffic: ``vector`` when the tiles move by asynchronous copies (``cp.async``) and no

@@ -28,9 +28,8 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 @pytest.fixture
 def shared_data_dir(monkeypatch) -> Path:
     """The data directory of the real-data tests, exported as MOEIFY_DATA_DIR: $MOEIFY_DATA_DIR
-    when set, else the project's shared data beside the repository (../shared/data, spec
-    evaluation.md). A test skips only when the file it needs is not there (a checkout without
-    the shared data)."""
+    when set, else the project's shared data beside the repository (../shared/data). A test
+    skips only when the file it needs is not there (a checkout without the shared data)."""
     env = os.environ.get("MOEIFY_DATA_DIR")
     root = Path(env).expanduser() if env else REPO.parent / "shared" / "data"
     monkeypatch.setenv("MOEIFY_DATA_DIR", str(root))

@@ -54,7 +54,7 @@ def random_run(root: Path, preset: str, seed: int = 0,
     """A moeify run directory root/preset holding one checkpoint of a randomly initialised
     preset (byte256 tokenizer), for the export tests."""
     from moeify.data.tokenizers import ByteTokenizer
-    from moeify.train.checkpoint import save_checkpoint as save_run_checkpoint
+    from moeify.rundir.write import save_checkpoint as save_run_checkpoint
     from moeify.train.config import TrainConfig, resolve_model_config
     from moeify.rundir.files import model_config_dict, write_run_files
 

@@ -1,19 +1,36 @@
 """Independent transcriptions of the papers' equations, which the tests compare the library
 against. There is one copy of each, so a fix to a reference reaches every test that relies on it.
 
-- RoPE (RoFormer; SwitchHead spec /work/shared/spec/switchhead.md §2): the first n_rot channels
+- RoPE (RoFormer, arXiv 2104.09864, §3.2; as SwitchHead uses it): the first n_rot channels
   of each head, taken as pairs (i, i + n_rot/2), are rotated as the complex number
   x_i + j·x_{i+n_rot/2} multiplied by exp(j·p·base^(-2i/n_rot)). The remaining channels are
   left as they are.
-- Transformer-XL relative positions (Dai et al. 2019; spec §2): the sinusoid of every pairwise
+- Transformer-XL relative positions (Dai et al. 2019; SwitchHead appendix): the sinusoid of every
+pairwise
   distance p_i - p_j, with a sin block followed by a cos block, projected by W and dotted with
   the query one pair at a time. There is no relative shift and no identity trick.
-- Routed two-layer experts (sigma-MoE, Switch; moe-family.md): each token's output is the
+- Routed two-layer experts (sigma-MoE, arXiv 2310.10837; Switch, Fedus et al. 2022): each token's
+output is the
   gate-weighted sum over its chosen experts of act(x · W_in,e + b_in,e) · W_out,e, plus an
   ungated output bias, one (token, choice) pair at a time. GELU (tanh) is written out from its
   formula 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))) (Hendrycks & Gimpel 2016).
-- Default positions (spec §1, XL memory): queries are the last T of the S sources
+- Default positions (SwitchHead Eq. 7-10, XL memory): queries are the last T of the S sources
   [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
+- MoH (Jin et al., ICML 2025, arXiv 2410.11842, Sec. 3.2, Eqs. 4-7): y_t = Σ_i g_i H^i_t W_O^i,
+  every head written out on its own; the gates of Eqs. 5-6 one token at a time (shared heads
+  α1 · Softmax(W_s x), the Top-K routed heads α2 · Softmax(W_r x), [α1, α2] = Softmax(W_h x)),
+  with the authors' code's factors as a separate, named step; the balance loss E Σ f_i P_i.
+
+- Mixture-of-Recursions (Bae et al., NeurIPS 2025, arXiv 2507.10524, Sec. 2.2.1): expert-choice
+  (Eq. 2): at step r, g_t = alpha * sigmoid(theta_r . H_t) (or alpha * tanh); the step keeps the
+  floor(beta_r * T) (at least 1) candidates with the largest g (ties: lowest position), the
+  candidates being the tokens the previous step kept; a kept token becomes
+  H_t + g_t * f(H_t), f run on the kept tokens of the sequence alone at their positions; the
+  auxiliary loss is the mean over the step's candidates of the binary cross-entropy of the
+  logit against "kept". Token-choice (Eq. 3): g = alpha * softmax(Theta^T H^1) over N_r depths,
+  i = argmax; the token runs f i + 1 times (ungated in between) among the tokens still running,
+  and ends as H^1 + g_i * f(...); balance loss N_r * sum_i f_i P_i (f_i the share of tokens at
+  depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2.
 
 Nothing here imports moeify. A reference built on the library's own positional code would test
 that code against itself.
@@ -22,19 +39,57 @@ Shape legend: B batch, H heads (MoA: experts), T queries, S keys / sources, C he
 D sinusoid width (d_model for the attention layers).
 """
 
+import math
+
 import torch
 
 f64 = torch.float64
 
 
-def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0):
-    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64."""
+def ref_rope(x_BHTC, pos_BT, n_rot, base=10000.0, freq=None, scale=1.0):
+    """RoPE as a complex rotation of the channel pairs (i, i + n_rot/2), with the angle in f64;
+    ``freq`` replaces the frequencies and ``scale`` multiplies the rotation (YaRN)."""
     half = n_rot // 2
     z = torch.complex(x_BHTC[..., :half], x_BHTC[..., half:n_rot])
-    freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
+    if freq is None:
+        freq = base ** (-2.0 * torch.arange(half, dtype=f64) / n_rot)
     theta = pos_BT.to(f64)[:, None, :, None] * freq
-    z = z * torch.exp(1j * theta)
+    z = z * torch.exp(1j * theta) * scale
     return torch.cat([z.real, z.imag, x_BHTC[..., n_rot:]], -1)
+
+
+def ref_llama3_freq(n_rot, base, factor, low, high, original):
+    """Llama 3.1's frequencies one at a time: wavelength 2π/ω above original/low is
+    interpolated (ω / factor), below original/high kept, and blended linearly in
+    original/wavelength between."""
+    out = []
+    for i in range(n_rot // 2):
+        w = base ** (-2.0 * i / n_rot)
+        wavelen = 2 * math.pi / w
+        if wavelen < original / high:
+            out.append(w)
+        elif wavelen > original / low:
+            out.append(w / factor)
+        else:
+            s = (original / wavelen - low) / (high - low)
+            out.append((1 - s) * w / factor + s * w)
+    return torch.tensor(out, dtype=f64)
+
+
+def ref_yarn_freq(n_rot, base, factor, original, beta_fast, beta_slow):
+    """YaRN's frequencies one at a time (Peng et al. 2023, Eq. 17-18 with transformers'
+    floor / ceil of the correction range): dimension i keeps ω_i above the range, ω_i / factor
+    below it, and a linear ramp in i between."""
+    def dim(rotations):
+        return n_rot * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), n_rot - 1)
+    out = []
+    for i in range(n_rot // 2):
+        w = base ** (-2.0 * i / n_rot)
+        ramp = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: extrapolate, 1: interpolate
+        out.append(w * (1 - ramp) + w / factor * ramp)
+    return torch.tensor(out, dtype=f64)
 
 
 def ref_sinusoid(dist, D):
@@ -194,3 +249,177 @@ def assert_same_outputs_and_gradients(y, y_ref, x, x_ref, params, refs):
     torch.testing.assert_close(x.grad, x_ref.grad)
     for p, r in zip(params, refs):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+# ---------------------------------------------------------------------------- MoH
+
+def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors", w_r=None,
+                  w_s=None, w_h=None):
+    """MoH's routing scores g_i of one token (Jin et al. 2025, arXiv 2410.11842, Sec. 3.2):
+    Eq. 5 g_i = α1 Softmax(W_s x)_i for the h_s shared heads, α2 Softmax(W_r x)_i for the
+    Top-K routed heads, 0 for the others; Eq. 6 [α1, α2] = Softmax(W_h x). ``weights="authors"``
+    applies the authors' code's factors on top: routed gates renormalised over the Top-K and
+    times K, shared times h_s, α times 2 (h_s = 1: the shared softmax is 1). ``router=
+    "query_norm"`` (their MoH-LLaMA3 code): routed head scores ‖q_i‖ / std(‖q‖), gates 1 for the
+    shared and the Top-K heads. Returns (g [H], the routed softmax [R], the Top-K set)."""
+    H = q_HC.shape[0]
+    R = H - n_shared
+    g = [0.0] * H
+    probs, chosen = None, []
+    if R:
+        if router == "query_norm":
+            norms = torch.stack([q_HC[n_shared + i].norm() for i in range(R)])
+            scores = norms / norms.std()
+        else:
+            scores = torch.stack([w_r[i] @ x_D for i in range(R)])
+        probs = torch.softmax(scores, 0)
+        chosen = sorted(range(R), key=lambda i: (-float(probs[i].detach()), i))[:k]
+        kept_sum = sum(probs[i] for i in chosen)
+        for i in chosen:
+            if router == "query_norm":
+                g[n_shared + i] = torch.ones((), dtype=x_D.dtype)
+            elif weights == "authors":
+                g[n_shared + i] = probs[i] / kept_sum * k
+            else:
+                g[n_shared + i] = probs[i]
+    if n_shared:
+        if router == "learned" and n_shared > 1:
+            s = torch.softmax(torch.stack([w_s[i] @ x_D for i in range(n_shared)]), 0)
+        else:
+            s = torch.ones(n_shared, dtype=x_D.dtype)
+        for i in range(n_shared):
+            g[i] = s[i] * (n_shared if router == "learned" and weights == "authors" else 1)
+    if router == "learned" and n_shared and R:
+        alpha = torch.softmax(torch.stack([w_h[0] @ x_D, w_h[1] @ x_D]), 0)
+        if weights == "authors":
+            alpha = alpha * 2
+        g = [g[i] * (alpha[0] if i < n_shared else alpha[1]) for i in range(H)]
+    return torch.stack([torch.as_tensor(v, dtype=x_D.dtype) for v in g]), probs, chosen
+
+
+def ref_moh(x_BTD, w_q_HDC, w_k_GDC, w_v_GDC, w_o_HCD, *, n_shared, k, router="learned",
+            weights="authors", w_r=None, w_s=None, w_h=None, n_rot=0, causal=True,
+            b_q=None, b_k=None, b_v=None, b_o=None):
+    """MoH attention (Eq. 4): y_t = Σ_i g_i H^i_t W_O^i (+ b_O), every head H^i the causal (or
+    bidirectional) softmax attention of its own query over key/value head i // (H / G) (G key /
+    value heads), RoPE on the first ``n_rot`` channels, gates from ``ref_moh_gates`` one token
+    at a time; and the authors' load-balance loss E Σ_i f_i P_i over the routed heads (f_i the
+    fraction of tokens choosing head i, P_i the mean routed softmax). Returns (y, loss or None)."""
+    B, T, D = x_BTD.shape
+    H, _, C = w_q_HDC.shape
+    G = w_k_GDC.shape[0]
+    pos = torch.arange(T).expand(B, T)
+    heads, queries = [], []
+    for i in range(H):
+        j = i // (H // G)
+        q = x_BTD @ w_q_HDC[i] + (0 if b_q is None else b_q[i])
+        kk = x_BTD @ w_k_GDC[j] + (0 if b_k is None else b_k[j])
+        v = x_BTD @ w_v_GDC[j] + (0 if b_v is None else b_v[j])
+        queries.append(q)
+        qr = ref_rope(q[:, None], pos, n_rot)[:, 0] if n_rot else q
+        kr = ref_rope(kk[:, None], pos, n_rot)[:, 0] if n_rot else kk
+        logits = (qr @ kr.transpose(1, 2))[:, None] / C ** 0.5
+        heads.append(ref_softmax_attention(logits, v[:, None], pos, pos, causal)[:, 0])
+    y = torch.zeros_like(x_BTD)
+    R = H - n_shared
+    f = torch.zeros(R, dtype=x_BTD.dtype)
+    P = torch.zeros(R, dtype=x_BTD.dtype)
+    for b in range(B):
+        for t in range(T):
+            q_HC = torch.stack([queries[i][b, t] for i in range(H)])
+            g, probs, chosen = ref_moh_gates(x_BTD[b, t], q_HC, n_shared=n_shared, k=k,
+                                             router=router, weights=weights, w_r=w_r, w_s=w_s,
+                                             w_h=w_h)
+            for i in range(H):
+                y[b, t] = y[b, t] + g[i] * (heads[i][b, t] @ w_o_HCD[i])
+            if R:
+                P = P + probs / (B * T)
+                for i in chosen:
+                    f[i] += 1.0 / (B * T)
+    if b_o is not None:
+        y = y + b_o
+    return y, (R * (f * P).sum() if R else None)
+
+
+def ref_switchhead_selection_init(w_XD):
+    """SwitchHead's selection-matrix initialisation as the authors' code defines it
+    (``SwitchHeadCore.renorm_rows``, github.com/RobertCsordas/moeut; arXiv 2312.07987), one row
+    at a time: row i is its unit vector u_i times its own unbiased standard deviation s_i,
+    divided by the unbiased standard deviation of the matrix of unit vectors."""
+    X, D = w_XD.shape
+    units, stds = [], []
+    for i in range(X):
+        row = w_XD[i]
+        mean = row.sum() / D
+        stds.append((((row - mean) ** 2).sum() / (D - 1)).sqrt())
+        units.append(row / (row * row).sum().sqrt())
+    u = torch.stack(units)
+    mu = u.sum() / (X * D)
+    sigma = (((u - mu) ** 2).sum() / (X * D - 1)).sqrt()
+    return torch.stack([units[i] * stds[i] / sigma for i in range(X)])
+
+
+def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=None):
+    """Mixture-of-Recursions expert-choice routing, one sequence and one step at a time.
+    ``f(x_1KD, pos_1K, r)`` is the shared stack as step r. Returns (out, the summed auxiliary
+    BCE over the steps, [kept position lists per step and row])."""
+    B, T, _ = x_BTD.shape
+    rows, bce, kept = [], 0.0, []
+    losses = [[] for _ in betas]  # per step: (row's BCE sum, row's candidates)
+    for b in range(B):
+        n = T if valid_BT is None else int(valid_BT[b].sum())
+        h = x_BTD[b, :n]
+        cand = list(range(n))
+        kept_b = []
+        for r, beta in enumerate(betas):
+            logit = h @ w_ND[r]
+            g = alpha * torch.sigmoid(logit) if gate == "sigmoid" else alpha * torch.tanh(logit)
+            k = max(1, int(beta * n))
+            order = sorted(cand, key=lambda t: (-float(g[t].detach()), t))
+            sel = sorted(order[:k])
+            y = f(h[sel][None], torch.tensor(sel)[None], r)[0]
+            target = torch.tensor([1.0 if t in sel else 0.0 for t in cand], dtype=h.dtype)
+            z = logit[cand]
+            # BCE with logits, written out: max(z, 0) - z y + log(1 + exp(-|z|))
+            term = (z.clamp_min(0) - z * target + torch.log1p(torch.exp(-z.abs()))).sum()
+            losses[r].append((term, len(cand)))
+            upd = h.clone()
+            upd[sel] = h[sel] + g[sel][:, None] * y
+            h, cand = upd, sel
+            kept_b.append(sel)
+        rows.append(torch.cat([h, x_BTD[b, n:]], 0))
+        kept.append(kept_b)
+    for per_row in losses:
+        bce = bce + sum(t for t, _ in per_row) / sum(c for _, c in per_row)
+    return torch.stack(rows), bce, kept
+
+
+def ref_mor_token(x_BTD, w_ND, f, gate="softmax", alpha=1.0):
+    """Mixture-of-Recursions token-choice routing, one sequence at a time. ``f(x_1KD, pos_1K, r)``
+    is the shared stack as step r. Returns (out, balance loss, z-loss, depth_BT)."""
+    B, T, _ = x_BTD.shape
+    N = w_ND.shape[0]
+    logits = x_BTD @ w_ND.t()
+    probs = alpha * (torch.softmax(logits, -1) if gate == "softmax" else torch.sigmoid(logits))
+    depth = probs.argmax(-1)
+    rows = []
+    for b in range(B):
+        h = x_BTD[b].clone()
+        out = x_BTD[b].clone()
+        for r in range(N):
+            run = [t for t in range(T) if int(depth[b, t]) >= r]
+            if not run:
+                continue
+            y = f(h[run][None], torch.tensor(run)[None], r)[0]
+            h = h.clone()
+            out = out.clone()
+            for j, t in enumerate(run):
+                if int(depth[b, t]) == r:
+                    out[t] = x_BTD[b, t] + probs[b, t, r] * y[j]
+                else:
+                    h[t] = y[j]
+        rows.append(out)
+    share = torch.stack([(depth == i).double().mean() for i in range(N)])
+    balance = N * (share * probs.reshape(-1, N).mean(0)).sum()
+    zl = torch.logsumexp(logits, -1).square().mean()
+    return torch.stack(rows), balance, zl, depth

@@ -13,7 +13,8 @@
 # a, b, f and g fill RUNS_DIR/wiki (300 and 1000 steps, the paper's settings, learning rates);
 # c and e fill RUNS_DIR/wiki-3000steps-d256 (the longest budget and the larger family, each
 # with its own dense baseline); d and h fill RUNS_DIR/shakespeare; m (the follow-ups, MoEUT and
-# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups.
+# MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups; n (the 2024-2025
+# layers, not in the default STAGES: STAGES=n) fills RUNS_DIR/wiki-followups too.
 set -euo pipefail
 R=${1:?usage: study.sh RUNS_DIR}
 MOEIFY=${MOEIFY:-moeify}
@@ -38,6 +39,7 @@ W=$R/wiki
 L=$R/wiki-3000steps-d256
 S=$R/shakespeare
 F=$R/wiki-followups
+N=$R/wiki-newlayers
 
 # (a) the claim at 1000 steps: dense 8 heads vs SwitchHead, 3 seeds; the same pair at 300 steps
 stage a && sweep --data wiki-excerpt --out "$W" --presets repro-dense,repro-switchhead \
@@ -81,4 +83,13 @@ stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wik
     --budgets 1000 --seeds 0-2
 stage m && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
     --out "$F" --presets repro-dense,repro-switchhead --budgets 1000 --seeds 0-2
+# (n) the 2024-2025 layers (MoH, Mixture-of-Recursions, ReMoE) in RUNS_DIR/wiki-newlayers, with
+# their own runs of the dense RoPE baseline (same recipe, 1000 steps, 3 seeds, gaps paired by seed;
+# SwitchHead at RoPE against the same baseline is stage m's row):
+# repro-moh is repro-rope-dense's 8 heads as MoH (arXiv 2410.11842), 4 shared + 2 of 4 routed
+# per token (75% of the heads, the paper's main setting), the same parameters (+0.6%: routers);
+# repro-mor is repro-rope-dense built as Mixture-of-Recursions (Middle-Cycle, N_r = 2,
+# expert-choice), the paper's own comparison (fewer parameters, same shape).
+stage n && "$MOEIFY" sweep "${RECIPE[@]}" --baseline repro-rope-dense --data wiki-excerpt \
+    --out "$N" --presets repro-rope-dense,repro-mor,repro-moh --budgets 1000 --seeds 0-2
 true

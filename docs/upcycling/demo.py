@@ -9,6 +9,8 @@ trained from scratch for N + M steps.
                                                       # switchall-up), e.g. in parallel
     python docs/upcycling/demo.py scratch             # the from-scratch runs only
     python docs/upcycling/demo.py report              # table (results.md, results.json), plot
+    python docs/upcycling/demo.py moh moh-report      # attention upcycling into MoH beside
+                                                      # SwitchHead (results-moh.md / .json)
 
 The stages print the moeify commands they run. Every run is one process with one thread under
 nice -n 10. Runs go to $RUNS (default runs/upcycling); a finished run is not trained again.
@@ -88,24 +90,29 @@ def _upcycle(key: str, *conversion: str) -> None:
     evaluate(key)
 
 
-def _continue_dense() -> None:
-    """The dense model trained M more steps from a step-0 checkpoint of its weights, with the
-    upcycled runs' recipe (fresh AdamW, warm-up and cosine over M)."""
+def _continue(dense: Path, out: Path, steps: int) -> None:
+    """The dense model trained ``steps`` more steps from a step-0 checkpoint of its weights,
+    with the upcycled runs' recipe (fresh AdamW, warm-up and cosine over the new steps)."""
     import dataclasses
 
     from moeify.rundir import load_trained
     from moeify.train.config import read_train_config
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
-    out = run_dir("dense+")
     if not (out / "checkpoints").is_dir():
-        print(f"# start {out} from the weights of {run_dir('dense')} (fresh optimizer)")
-        src = load_trained(run_dir("dense"))
-        cfg = dataclasses.replace(read_train_config(src.run_dir), steps=M, model=src.model_config.to_dict(),
-                                  model_overrides=(), eval_every=100, eval_tokens=16384)
+        print(f"# start {out} from the weights of {dense} (fresh optimizer)")
+        src = load_trained(dense)
+        cfg = dataclasses.replace(read_train_config(src.run_dir), steps=steps,
+                                  model=src.model_config.to_dict(), model_overrides=(),
+                                  eval_every=100, eval_tokens=16384)
         start_run_from_model(cfg, out, src.model, src.tokenizer)
-    if not finished("dense+", M):
+    latest = out / "checkpoints" / "latest"
+    if latest.read_text().strip() != f"step-{steps:08d}":
         moeify("train", "--resume", str(out), *TRAIN)
+
+
+def _continue_dense() -> None:
+    _continue(run_dir("dense"), run_dir("dense+"), M)
     evaluate("dense+")
 
 
@@ -146,8 +153,56 @@ def stage_scratch() -> None:
         evaluate(key)
 
 
+# ---------------------------------------------------------------------------- MoH
+# Attention upcycling into MoH beside SwitchHead, on a dense RoPE model (MoH's models use RoPE):
+# repro-rope-dense trained MOH_N steps, each conversion trained MOH_M more, small enough for
+# about 15 minutes on one core. `python docs/upcycling/demo.py moh` (then `moh-report`).
+MOH_N = int(os.environ.get("DEMO_MOH_N", 300))
+MOH_M = int(os.environ.get("DEMO_MOH_M", 60))
+MOH_PRESET = "repro-rope-dense"
+MOH_CONVERSIONS = {  # key -> attention conversion (8 dense heads of 16)
+    "switchhead-up": "switchhead:E=4,k=2",
+    "moh-up": "moh:shared=4,k=2",
+    "moh-qnorm-up": "moh:shared=4,k=2,router=query_norm",
+    "moh-all-up": "moh:shared=4,k=4,router_scale=0",
+}
+MOH_RUN_NAMES = {"dense": f"dense-{MOH_N}", "dense+": f"dense-{MOH_N}+{MOH_M}",
+                 **{key: f"{key.removesuffix('-up')}-upcycled-{MOH_N}+{MOH_M}"
+                    for key in MOH_CONVERSIONS}}
+
+
+def moh_run(key: str) -> Path:
+    return RUNS / "moh" / MOH_RUN_NAMES[key]
+
+
+def stage_moh() -> None:
+    """The dense RoPE model, its conversions and its own continuation; the bpc right after
+    each conversion and at the end on the same validation tokens (report.eval_bpc)."""
+    from report import eval_bpc
+
+    dense = moh_run("dense")
+    latest = dense / "checkpoints" / "latest"
+    if not (latest.is_file() and latest.read_text().strip() == f"step-{MOH_N:08d}"):
+        moeify("train", "--preset", MOH_PRESET, "--steps", str(MOH_N), "--out", str(dense),
+               *TRAIN)
+    print(f"# {dense.name}: validation bpc {eval_bpc(dense):.4f}", flush=True)
+    for key, conversion in MOH_CONVERSIONS.items():
+        run = moh_run(key)
+        if not (run / "checkpoints").is_dir():
+            moeify("upcycle", "--run", str(dense), "--out", str(run), "--steps", str(MOH_M),
+                   *EVAL, "--attention", conversion)
+            print(f"# {run.name} right after upcycling: validation bpc {eval_bpc(run):.4f}",
+                  flush=True)
+        latest = run / "checkpoints" / "latest"
+        if latest.read_text().strip() != f"step-{MOH_M:08d}":
+            moeify("train", "--resume", str(run), *TRAIN)
+        print(f"# {run.name}: validation bpc {eval_bpc(run):.4f}", flush=True)
+    _continue(dense, moh_run("dense+"), MOH_M)
+    print(f"# {moh_run('dense+').name}: validation bpc {eval_bpc(moh_run('dense+')):.4f}")
+
+
 STAGES = ("all", "dense", "upcycled", "dense+", "switchhead-up", "switchall-up", "scratch",
-          "report")
+          "report", "moh", "moh-report")
 # The settings of the committed results beside this script.
 COMMITTED = {"N": 300, "M": 300}
 
@@ -187,6 +242,15 @@ def main(argv: list[str]) -> int:
             _continue_dense()
         if s in ("scratch", "all"):
             stage_scratch()
+        if s == "moh":
+            stage_moh()
+        if s == "moh-report":
+            from report import report_moh
+
+            out = Path(args.report_dir) if args.report_dir else (
+                HERE if (MOH_N, MOH_M) == (300, 60) else RUNS / "moh" / "report")
+            out.mkdir(parents=True, exist_ok=True)
+            report_moh(RUNS / "moh", MOH_RUN_NAMES, MOH_CONVERSIONS, MOH_N, MOH_M, out)
         if s in ("report", "all"):
             from report import report  # docs/upcycling/report.py
 

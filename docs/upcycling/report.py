@@ -164,3 +164,52 @@ def _plot(runs: Path, names: dict[str, str], N: int, here: Path) -> None:
     fig.tight_layout()
     fig.savefig(here / "curves.png", dpi=120)
     print(f"wrote {here / 'curves.png'}")
+
+
+def report_moh(runs: Path, names: dict[str, str], conversions: dict[str, str], N: int, M: int,
+               here: Path) -> None:
+    """The MoH table (demo.py's "moh" stage): the bpc of the dense model, right after each
+    attention conversion (its step-0 checkpoint, evaluated before training on) and after M more
+    steps, on the same validation tokens, and the change right after the conversion in nats."""
+    import math
+
+    from moeify.models.cost import format_count, model_cost
+    from moeify.rundir import read_model_config
+
+    evals = json.loads((runs / "evals.json").read_text())
+    dense = eval_bpc(runs / names["dense"])
+    rows = [{"run": names["dense"], "model": "dense RoPE, N steps", "conversion": None,
+             "bpc": dense, "bpc_at_conversion": None}]
+    for key in ("dense+", *conversions):
+        run = runs / names[key]
+        if not is_finished(run):
+            print(f"{run} is not finished: left out of the table")
+            continue
+        at = evals.get(f"{names[key]}@step-{0:08d}")
+        rows.append({"run": names[key], "conversion": conversions.get(key),
+                     "model": ("dense RoPE, N + M steps (M with a fresh optimizer)"
+                               if key == "dense+" else f"`{conversions[key]}`, + M steps"),
+                     "bpc": eval_bpc(run), "bpc_at_conversion": at})
+    for r in rows:
+        cfg = read_model_config(runs / r["run"])
+        cost = model_cost(cfg)
+        r.update(attention_macs=cost.layers[0]["macs"], params=cost.params,
+                 nats_at_conversion=None if r["bpc_at_conversion"] is None
+                 else (r["bpc_at_conversion"] - dense) * math.log(2))
+    base = rows[0]["attention_macs"]
+    (here / "results-moh.json").write_text(json.dumps(
+        {"N": N, "M": M, "eval_tokens": EVAL_TOKENS, "rows": rows}, indent=2) + "\n")
+    lines = [f"N = {N}, M = {M}; validation bpc on {EVAL_TOKENS:,} tokens of "
+             "wiki-excerpt/valid, every number on the same tokens",
+             "", "| model | bpc right after upcycling | change right after (nats/token) | "
+             "valid bpc after M steps | attention MACs / layer | params |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        at = "" if r["bpc_at_conversion"] is None else f"{r['bpc_at_conversion']:.3f}"
+        dn = "" if r["nats_at_conversion"] is None else f"{r['nats_at_conversion']:+.3f}"
+        lines.append(f"| {r['model']} | {at} | {dn} | {r['bpc']:.3f} | "
+                     f"{format_count(r['attention_macs'])} ({r['attention_macs'] / base:.0%}) | "
+                     f"{format_count(r['params'])} |")
+    table = "\n".join(lines) + "\n"
+    (here / "results-moh.md").write_text(table)
+    print(table)

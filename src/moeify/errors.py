@@ -88,15 +88,26 @@ def os_error_of(e: Exception, path) -> OSError | None:
     return OSError(code, os.strerror(code), str(path))
 
 
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
 def env_flag(name: str, default: bool = False) -> bool:
     """Whether an on/off environment variable (MOEIFY_DEBUG, MOEIFY_NO_MALLOC_TUNING,
-    MOEIFY_TRITON_PAD, ...) is on: ``default`` when unset, else on unless set to "", "0",
-    "false", "no" or "off" (so that =0 means off, as users expect)."""
+    MOEIFY_TRITON_PAD, ...) is on: ``default`` when unset; off for "", "0", "false", "no",
+    "off"; on for "1", "true", "yes", "on" (any case). Any other value is a ValueError naming
+    the variable: MOEIFY_TRITON_PAD=disable must not be read as on."""
     import os
 
     if name not in os.environ:
         return default
-    return os.environ[name].strip().lower() not in ("", "0", "false", "no", "off")
+    value = os.environ[name].strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise ValueError(f"{name}={os.environ[name]!r} is not an on/off value: set it to 1 (or "
+                     f"true, yes, on) or 0 (or false, no, off), or unset it")
 
 
 def error_line(e: BaseException) -> str:

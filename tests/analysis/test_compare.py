@@ -1,5 +1,6 @@
 """moeify compare on two tiny presets for a few steps: every result field for every preset, the
-cost numbers against the spec §6 formulas written out here, the ordering check, reuse and
+cost numbers against the formulas of moeify.models.cost written out here, the ordering check, reuse
+and
 errors."""
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def test_costs_match_the_spec_formulas(compared):
     out, _ = compared
     rows = {r["preset"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     d, T, C = 32, 16, 2  # XL memory of one chunk
-    # Dense XL (spec §6): 2·H·d_h·C·T² + 4·d·H·d_h·T + 2·H·d·T·d_h·C; tiny-dense: H=4, d_h=32
+    # Dense XL (moeify.models.cost): 2·H·d_h·C·T² + 4·d·H·d_h·T + 2·H·d·T·d_h·C; tiny-dense: H=4,
+    # d_h=32
     H, dh = 4, 32
     assert rows["tiny-dense"]["attention_macs"] == \
         2 * H * dh * C * T ** 2 + 4 * d * H * dh * T + 2 * H * d * T * dh * C

@@ -108,7 +108,8 @@ def test_bench_attention_rows_and_ratios():
     for r in rows.values():
         assert r["fwd ms"] > 0 and r["fwd+bwd ms"] > 0 and r["peak MiB"] is None
         assert r["fwd+bwd x"] == pytest.approx(r["fwd+bwd ms"] / base["fwd+bwd ms"])
-    # spec §6 by hand, T = 8, C = 2: dense XL H=4 d_h=32 d=128; SwitchHead H=2 d_h=32 E=4 k=2 VO
+    # moeify.models.cost by hand, T = 8, C = 2: dense XL H=4 d_h=32 d=128; SwitchHead H=2 d_h=32
+    # E=4 k=2 VO
     T, C, d = 8, 2, 128
     dense = 2 * 4 * 32 * C * T * T + 4 * d * 4 * 32 * T + 2 * 4 * d * T * 32 * C
     sh = (2 * 2 * 32 * C * T * T + (2 * 2 + 2) * d * 2 * 32 * T + 2 * 2 * 2 * T * 32

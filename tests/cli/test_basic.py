@@ -14,9 +14,13 @@ def test_help_lists_every_subcommand(capsys):
         main(["--help"])
     except SystemExit as e:
         assert e.code == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     for name in COMMANDS:
         assert name in out
+    # What a newcomer must find from the first screen: every model family, and the options
+    # that widen count and export beyond the obvious.
+    for text in ("MoEUT", "MoSA", "--run", "--config", "--format native"):
+        assert text in out, text
 
 
 def test_console_entry_point_runs():
@@ -82,6 +86,7 @@ def test_bench_expert_matmul_times_a_peer_checked_against_the_reference(tmp_path
     ("cvmm={broken}", "does not import: ZeroDivisionError"),
     ("cvmm={cuda_only}", "the peer cvmm failed on these inputs (it runs on CUDA only: add "
      "--device cuda): AssertionError: Torch not compiled with CUDA enabled"),
+    ("cvmm={wrong_shape}", "the peer cvmm returned (8, 2, 64) where the gated sum is (8, 64)"),
 ])
 def test_bench_peer_bad_input_is_one_line(tmp_path, capsys, spec, message):
     (tmp_path / "empty.py").write_text("x = 1\n")
@@ -90,8 +95,13 @@ def test_bench_peer_bad_input_is_one_line(tmp_path, capsys, spec, message):
         "def cvmm_prepare_sel2(sel, w=None):\n    return sel\n\n"
         "def cvmm(x, sel, keys):\n"
         "    raise AssertionError('Torch not compiled with CUDA enabled')\n")
+    (tmp_path / "wrong_shape.py").write_text(  # the per-choice products, not their gated sum
+        "import torch\n\ndef cvmm_prepare_sel2(sel, w=None):\n    return sel\n\n"
+        "def cvmm(x, sel, keys):\n"
+        "    return torch.zeros(x.shape[0], sel.shape[1], keys.shape[-1])\n")
     spec = spec.format(empty=tmp_path / "empty.py", broken=tmp_path / "broken.py",
-                       cuda_only=tmp_path / "cuda_only.py")
+                       cuda_only=tmp_path / "cuda_only.py",
+                       wrong_shape=tmp_path / "wrong_shape.py")
     assert main(["bench", "expert-matmul", "-M", "8", "--repeats", "1", "--peer", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -114,3 +124,19 @@ def test_debug_and_malloc_switches_read_0_as_off(capsys, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MOEIFY_NO_MALLOC_TUNING", "0")  # compare/sweep children keep the tuning
     assert all(child_env(1).get(k) == v for k, v in MALLOC_ENV.items())
+
+
+def test_an_unknown_value_of_an_on_off_switch_is_refused_in_one_line(capsys, monkeypatch):
+    """MOEIFY_TRITON_PAD=disable (and any value not on/off) is an error, not read as on."""
+    from moeify.errors import env_flag
+
+    monkeypatch.setenv("MOEIFY_TRITON_PAD", "disable")
+    with pytest.raises(ValueError, match=r"MOEIFY_TRITON_PAD='disable' is not an on/off value"):
+        env_flag("MOEIFY_TRITON_PAD", default=True)
+    for value, on in (("ON", True), ("True", True), (" 1 ", True), ("No", False)):
+        monkeypatch.setenv("MOEIFY_TRITON_PAD", value)
+        assert env_flag("MOEIFY_TRITON_PAD", default=True) is on
+    monkeypatch.setenv("MOEIFY_DEBUG", "verbose")  # read by the error handler itself
+    assert main(["count", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MOEIFY_DEBUG='verbose' is not an on/off value" in err

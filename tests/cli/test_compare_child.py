@@ -79,6 +79,9 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     run_dir, spec = child
     import moeify.eval.adapters as adapters
 
+    spec["blimp_per_paradigm"] = 1  # no BLiMP data: the result says which flag gives it
+    monkeypatch.delenv("MOEIFY_DATA_DIR", raising=False)
+
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt("stopped while scoring")
 
@@ -100,6 +103,7 @@ def test_a_stop_while_scoring_resumes_at_the_scoring(child, monkeypatch):
     assert result["train_wall_s"] == recorded["train_wall_s"]
     assert result["trainer_tokens_per_s"] == recorded["trainer_tokens_per_s"]
     assert result["max_rss_bytes"] == recorded["max_rss_bytes"]  # the training's, not scoring's
+    assert "pass its path (--blimp-data PATH)" in result["blimp"]["error"]  # compare's flag
 
 
 def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):
@@ -115,3 +119,17 @@ def test_the_scheduler_reports_a_stopped_child_as_resumable(tmp_path):
         sched.running[4242] = (types.SimpleNamespace(), spec, 0.0)  # _reap sets returncode
         with pytest.raises(MoeifyError, match=says):
             sched._reap(4242, code << 8, None)  # a wait status: exit code in the high byte
+
+
+def test_the_eta_counts_a_run_still_at_step_0(tmp_path):
+    """A finished run gives the seconds per step; a running child that has logged nothing yet
+    is then estimated from it, not counted as done (the line said "ETA 0m00s")."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sched = scheduler.Scheduler([], jobs=1)
+    assert sched._eta() == "ETA unknown"
+    sched.running[4242] = (types.SimpleNamespace(), {"name": "b", "run_dir": str(run_dir),
+                                                     "train_config": {"steps": 100}}, 0.0)
+    assert sched._eta() == "ETA unknown"  # nothing has a rate yet
+    sched.durations.append((120.0, 100))  # the first run: 1.2 s per step
+    assert sched._eta() == "ETA 2m00s"

@@ -22,8 +22,8 @@ import torch
 from moeify.cli.main import error_line, main
 from moeify.rundir import layout
 from moeify.rundir import checkpoints as ckr
-from moeify.train import checkpoint as ck
-from moeify.train.lock import LOCK_FILE, RunLock
+from moeify.rundir import write as ck
+from moeify.rundir.lock import LOCK_FILE, RunLock
 
 TINY = ["--set", "tokenizer=byte256", "--set", "model.d_model=16", "--set", "model.n_layers=1",
         "--set", "model.context_length=16", "--set", "model.feedforward.d_ff=32",
@@ -211,7 +211,7 @@ def test_stale_temporaries_of_dead_processes_are_swept_and_live_ones_kept(corpus
 
 # ---------------------------------------------------------------------- 3: one trainer per run
 
-HOLD = ("import sys; from moeify.train.lock import RunLock; "
+HOLD = ("import sys; from moeify.rundir.lock import RunLock; "
         "lock = RunLock(sys.argv[1]).acquire(); print('locked', flush=True); "
         "sys.stdin.read(); lock.release()")
 
@@ -326,7 +326,7 @@ def _signal_at(monkeypatch, step, sigs, during="step"):
     import moeify.train.trainer as trainer_mod
 
     real_step = trainer_mod.Trainer.train_step
-    real_state = ck._save_state
+    real_state = ck.save_state
 
     def train_step(self):
         if during == "step" and self.step + 1 == step:
@@ -341,7 +341,7 @@ def _signal_at(monkeypatch, step, sigs, during="step"):
         return real_state(state, path)
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", train_step)
-    monkeypatch.setattr(ck, "_save_state", save_state)
+    monkeypatch.setattr(ck, "save_state", save_state)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -384,7 +384,7 @@ def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(corpus, tmp_p
 
 KILLER = """
 import os, random, signal, sys
-import moeify.train.checkpoint as ck
+import moeify.rundir.write as ck
 import moeify.train.trainer as tr
 rng = random.Random(int(sys.argv[1]))
 where, n = rng.choice(["step", "write"]), rng.randint(1, 5)

@@ -289,3 +289,21 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch, caps
     b = json.loads((tmp_path / "whole" / "runs" / "base" / "tiny-switchhead" / "steps-4" /
                     "seed-0" / "compare_child.json").read_text())["final_valid"]["bpc"]
     assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_a_compare_and_a_sweep_do_not_share_an_out(swept, tmp_path, capsys):
+    """Each writes OUT/results.json and results.md: a compare into a sweep's OUT (or the
+    reverse) would overwrite the other's; it is refused before anything is written."""
+    root, out, _, _, _ = swept
+    before = (out / "results.json").read_bytes()
+    assert main(["compare", "--presets", "tiny-dense", "--steps", "1", "--out", str(out),
+                 "--data", str(root / "corpus.txt")]) == 2
+    assert "holds a moeify sweep (its sweep.json)" in capsys.readouterr().err
+    assert (out / "results.json").read_bytes() == before
+    compared = tmp_path / "compared"
+    (compared / "runs" / "tiny-dense").mkdir(parents=True)
+    (compared / "runs" / "tiny-dense" / "compare_spec.json").write_text("{}")
+    for extra in ([], ["--tabulate"]):
+        assert main(["sweep", "--presets", "tiny-dense", "--out", str(compared), *extra]) == 2
+        assert "holds a moeify compare (its compare_spec.json)" in capsys.readouterr().err
+    assert not (compared / "sweep.json").exists()

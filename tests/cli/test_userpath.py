@@ -2,7 +2,10 @@
 schedule does, --init-from, devices this machine lacks, --list-settings, --version."""
 
 import json
+import os
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -71,6 +74,15 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(corpus, tmp_path, 
     cfg = json.loads((new / "config.json").read_text())
     assert cfg["lr"] == 1e-3 and cfg["data"] == str(other) and cfg["steps"] == 2
     assert cfg["init_from"].endswith("step-00000003") and cfg["batch_size"] == 2  # RUN's own
+    # Fine-tuning defaults for what --set does not give (RUN trained with warmup_steps=0 and
+    # the from-scratch clipping 0.25): warm-up 3% of the steps (at least 1), clipping 1.0.
+    assert (cfg["warmup_steps"], cfg["grad_clip"], cfg["weight_decay"]) == (1, 1.0, 0.0)
+    tuned = tmp_path / "tuned"
+    capsys.readouterr()
+    assert main(["train", "--init-from", str(src), "--steps", "2", "--out", str(tuned)]) == 0
+    assert json.loads((tuned / "config.json").read_text())["lr"] == 5e-5  # not RUN's 5e-3
+    assert "fine-tuning defaults (the weights are pretrained): lr 5e-05, warm-up 1 steps (3% " \
+        "of 2), grad_clip 1, weight_decay 0; sequences of 8 tokens" in capsys.readouterr().err
     start = ckr.load_checkpoint(new / "checkpoints" / "step-00000000").model_state
     trained = ckr.load_checkpoint(src).model_state
     assert all(torch.equal(start[k], trained[k]) for k in trained)
@@ -184,9 +196,9 @@ def test_long_work_reports_progress(corpus, tmp_path, capsys, monkeypatch):
     p.t0 -= 100.0                       # the first step took 100 s (compiling)
     p.restart(1)
     assert p.eta(2) < 5.0
-    import moeify.train.parallel as parallel
+    import moeify.train.plans as plans
 
-    monkeypatch.setattr(parallel, "parallelize", lambda model, *a, **k: model)  # no compiler
+    monkeypatch.setattr(plans, "compile_blocks", lambda model, **k: model)  # no compiler
     from moeify.train.config import TrainConfig
     from moeify.train.trainer import train
 
@@ -325,3 +337,31 @@ def test_float64_angles_are_formed_on_the_cpu_for_mps_only():
     assert angle_device("cpu") == "cpu" and angle_device(None) is None
     assert angle_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
     assert rope_inv_freq(8, device="mps").device.type == "cpu"  # no MPS tensor is made
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="the setup script is bash")
+@pytest.mark.parametrize("cuda", [False, True])
+def test_setup_installs_triton_only_where_torch_is_a_cuda_build(tmp_path, cuda):
+    """About 1 GB of Triton is of no use to a CPU-only `make train`; a CUDA torch gets it, and
+    extras that name it keep it (`make test` does, for the Triton-interpreter tests)."""
+    from moeify.errors import source_checkout
+
+    root = source_checkout()
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"  # answers "is torch a CUDA build?"
+    fake.write_text(f"#!/bin/sh\nexit {0 if cuda else 1}\n")
+    fake.chmod(0o755)
+
+    def would_install(extras):
+        out = subprocess.run(["bash", str(root / "scripts" / "setup_env.sh"), str(venv), extras],
+                             cwd=root, capture_output=True, text=True, check=True,
+                             env={**os.environ, "MOEIFY_SETUP_DRY_RUN": "1"}).stdout
+        return out.strip().removeprefix("[setup] would install moeify[").removesuffix("]")
+
+    assert would_install("dev,plot") == ("dev,plot,triton" if cuda else "dev,plot")
+    assert would_install("dev,triton") == "dev,triton"
+    if shutil.which("make") and not cuda:
+        plan = subprocess.run(["make", "-n", "setup", "setup-test"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+        assert "triton" not in plan[0] and plan[1].endswith(",triton")

@@ -326,3 +326,49 @@ def test_harness_lambada_and_blimp_agree_with_moeify_eval(harness, run_dir, shar
     mean_ll = sum(s.total for s in scores) / n
     assert res["moeify_lambada"]["perplexity,none"] == pytest.approx(math.exp(-mean_ll),
                                                                      rel=1e-6)
+
+
+def test_a_run_that_cannot_be_written_gets_its_results_printed_then_saved_elsewhere(
+        harness, run_dir, tmp_path, monkeypatch, capsys):
+    """The evaluation is not thrown away: the table is printed before anything is written, and
+    the JSON goes to a named writable place (the current directory) when RUN/harness cannot be
+    written (a read-only run; made deterministic by a writer that refuses the run directory)."""
+    import errno
+
+    import moeify.data.cache as cache
+
+    real = cache.write_bytes_atomic
+
+    def read_only_run(path, data):
+        if Path(run_dir) in Path(path).parents:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(cache, "write_bytes_atomic", read_only_run)
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"good": "the cat sees a tree.",
+                                                      "bad": "the cat see a tree."}) + "\n")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "my_pairs.yaml").write_text(
+        "task: my_pairs\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'pairs.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: ''\ntarget_delimiter: ''\ndoc_to_choice: '{{[good, bad]}}'\n"
+        "doc_to_target: 0\nmetric_list:\n  - metric: acc\n")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["eval", "--run", str(run_dir), "--harness", "my_pairs", "--harness-include",
+                 str(tasks), "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    written = list(here.glob(f"harness-{Path(run_dir).name}-*-my_pairs.json"))
+    assert len(written) == 1 and "my_pairs" in captured.out and "acc" in captured.out
+    assert captured.out.index("my_pairs") < captured.out.index(f"wrote {written[0]}")
+    assert "could not be written into the run" in captured.err
+    assert "the file system is read-only" in captured.err and "--harness-out FILE" in captured.err
+    assert json.loads(written[0].read_text())["results"]["my_pairs"]["acc,none"] in (0.0, 1.0)
+    # The user's own --harness-out is not replaced: its error, after the printed table.
+    assert main(["eval", "--run", str(run_dir), "--harness", "my_pairs", "--harness-include",
+                 str(tasks), "--device", "cpu", "--harness-out",
+                 str(Path(run_dir) / "mine.json")]) == 2
+    captured = capsys.readouterr()
+    assert "my_pairs" in captured.out and "the file system is read-only" in captured.err

@@ -43,3 +43,15 @@ def test_mosa_export_is_refused_with_the_reason(tmp_path):
     with pytest.raises(MoeifyError, match="MoSA"):
         export_hf(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_exported_files_share_one_mode(tmp_path):
+    """model.safetensors (safetensors writes 0600) gets the mode of the other files: what
+    open() makes under the umask, 0644 under umask 022."""
+    old = os.umask(0o022)
+    try:
+        out = export_hf(make_run(tmp_path, "tiny-dense"), tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == "0o644" and set(modes.values()) == {"0o644"}, modes

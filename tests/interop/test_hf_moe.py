@@ -314,7 +314,7 @@ def _native_moeify_model(kind: str):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
     from moeify.data.tokenizers import ByteTokenizer
-    from moeify.train.checkpoint import save_checkpoint
+    from moeify.rundir.write import save_checkpoint
     from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
     from moeify.rundir.files import model_config_dict, write_run_files
 
@@ -340,7 +340,7 @@ def test_a_moeify_built_moe_exports_to_the_type_it_matches(kind, tmp_path):
 
 def _preset_run(root: Path, preset: str, *overrides: str) -> Path:
     from moeify.data.tokenizers import ByteTokenizer
-    from moeify.train.checkpoint import save_checkpoint
+    from moeify.rundir.write import save_checkpoint
     from moeify.train.config import TrainConfig, resolve_model_config
     from moeify.rundir.files import model_config_dict, write_run_files
 
@@ -427,15 +427,22 @@ def test_native_export_names_what_a_changed_import_no_longer_matches(imported, t
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
 
 
-def test_new_layer_options_leave_existing_run_files_as_they_were(imported, tmp_path):
-    """The options added for the MoE imports are left out of model.json at their defaults, so
-    runs written before they existed (and their checkpoints' records) still load."""
-    dense = (imported["llama"] / "model.json").read_text()
-    switch = (_preset_run(tmp_path, "tiny-switch") / "model.json").read_text()
-    for key in ("qk_norm", "gated", "renormalize", "shared"):
-        assert f'"{key}' not in dense and f'"{key}' not in switch, key
-    moe = json.loads((imported["qwen2_moe"] / "model.json").read_text())
-    assert moe["feedforward"][0]["shared"]["type"] == "GatedMLPConfig"
+def test_run_files_without_the_moe_options_read_back_as_the_same_model(tmp_path):
+    """model.json and checkpoint records written without the options the MoE imports use
+    (qk_norm, gated, renormalize, shared: at their defaults) read back as the same model."""
+    from moeify.models.config import ModelConfig
+    from moeify.rundir.files import model_config_dict, same_model_config
+
+    data = json.loads((_preset_run(tmp_path, "tiny-switch") / "model.json").read_text())
+    stripped = json.loads(json.dumps(data))
+    for layer in stripped["attention"] + stripped["feedforward"]:
+        for key in ("qk_norm", "qk_norm_eps", "gated", "renormalize", "shared"):
+            layer.pop(key, None)
+    assert stripped != data
+    assert ModelConfig.from_dict(stripped) == ModelConfig.from_dict(data)
+    assert same_model_config(stripped, model_config_dict(ModelConfig.from_dict(data)))
+    assert not same_model_config({**stripped, "d_model": 8}, model_config_dict(
+        ModelConfig.from_dict(data)))
 
 
 def test_report_measured_differences():

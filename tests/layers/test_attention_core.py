@@ -114,23 +114,3 @@ def test_param_count_matches_the_module():
     for case in CASES:
         core = build(**case)
         assert core.config.param_count() == sum(p.numel() for p in core.parameters())
-
-
-@pytest.mark.parametrize("kind", ["dense", "switchhead", "moa"])
-def test_checkpoints_with_positions_on_the_layer_still_load(kind):
-    from moeify.layers.attention import DenseAttentionConfig
-    from moeify.layers.moa import MoAConfig
-    from moeify.layers.switchhead import SwitchHeadConfig
-
-    cfg = {"dense": DenseAttentionConfig(d_model=D, n_heads=2, d_head=C),
-           "switchhead": SwitchHeadConfig(d_model=D, n_heads=2, d_head=C, n_experts=3, k=2),
-           "moa": MoAConfig(d_model=D, d_head=C, n_experts=3, k=2)}[kind]
-    torch.manual_seed(0)
-    saved = cfg.build().state_dict()
-    legacy = {k.removeprefix("core."): v for k, v in saved.items()}  # the layout before the core
-    assert "w_pos" in legacy
-    torch.manual_seed(1)
-    m = cfg.build()
-    m.load_state_dict(legacy)
-    for k, v in m.state_dict().items():
-        torch.testing.assert_close(v, saved[k], rtol=0, atol=0)

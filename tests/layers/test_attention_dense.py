@@ -199,7 +199,8 @@ def test_dense_param_count(pos):
 
 
 def test_dense_xl_47m_layer_params():
-    # WT103 47M dense XL (spec §4): 5·d·H·d_h + 2·H·d_h + 1 = 845,421 per layer. The authors'
+    # WT103 47M dense XL (SwitchHead Table 9): 5·d·H·d_h + 2·H·d_h + 1 = 845,421 per layer. The
+    # authors'
     # model total 47,260,136 is 16 more: their module holds one unused scalar per layer.
     cfg = DenseAttentionConfig(d_model=412, n_heads=10, d_head=41, pos="xl", n_layers=16)
     assert cfg.param_count() == 845_421

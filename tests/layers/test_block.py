@@ -1,4 +1,4 @@
-"""The pre-LN Transformer block (switchhead.md §3) against a hand transcription of its equation,
+"""The pre-LN Transformer block (SwitchHead appendix) against a hand transcription of its equation,
 and padding with XL memory.
 
     x = x + Drop(Att(LN1(x), LN1([mem ; x])))

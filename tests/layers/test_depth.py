@@ -1,5 +1,6 @@
 """Mixture-of-Depths and staged MoDE against a per-sequence reference written from the paper
-(moe-family.md, Mixture-of-Depths): pick the top-C tokens of each sequence by router score, run the
+(Raposo et al. 2024, arXiv 2404.02258): pick the top-C tokens of each sequence by router score, run
+the
 block on them alone at their original positions, add r · (f(x) - x), leave the rest untouched.
 
 The blocks are moeify TransformerBlocks around a small attention written here (single head,
@@ -89,6 +90,7 @@ def _mod(d=6, capacity=0.125, ff=None, **kw):
 
 def _r(x_BTD, w_D, b=0.0):
     # The router logit r = wᵀx + b, computed in float32 like the layer does.
+    b = b.float() if isinstance(b, torch.Tensor) else b  # the bias is [1]: it would promote
     return (x_BTD.float() @ w_D.float() + b).to(x_BTD.dtype)
 
 

@@ -1,4 +1,5 @@
-"""Dense feedforward (the paper baseline's MLP) against a hand transcription of switchhead.md §3."""
+"""Dense feedforward (the paper baseline's MLP) against a hand transcription of the SwitchHead
+appendix."""
 
 import dataclasses
 import math
@@ -12,7 +13,7 @@ from references import assert_same_outputs_and_gradients
 
 
 def _reference(x, w1, b1, w2, b2):
-    # switchhead.md §3: W2 · ReLU(W1 · x + b1) + b2, written with einsum (no nn.Linear).
+    # SwitchHead appendix: W2 · ReLU(W1 · x + b1) + b2, written with einsum (no nn.Linear).
     h = torch.relu(torch.einsum("btd,fd->btf", x, w1) + b1)
     return torch.einsum("btf,df->btd", h, w2) + b2
 

@@ -1,5 +1,5 @@
 """Cached incremental decoding equals one full forward pass, for every attention layer and every
-positional variant (SwitchHead spec §2: the authors' drop-in layer restarts positions at 0 while
+positional variant (SwitchHead appendix: the authors' drop-in layer restarts positions at 0 while
 decoding; here positions continue).
 
 Shape legend: B batch, T tokens, D d_model.

@@ -1,4 +1,5 @@
-"""MoA (spec moe-family.md) against a transcription written here: every expert's query and output
+"""MoA (Zhang et al. 2022, arXiv 2210.05144) against a transcription written here: every expert's
+query and output
 projection applied densely, the top-k softmax choice as a 0/1 mask; aux losses by hand.
 
 Shape legend: B batch, T destination tokens, S source tokens, D d_model, E experts, K kept,

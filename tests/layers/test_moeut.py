@@ -73,11 +73,11 @@ def ref_switchhead(att, h, x):
 
 def ref_sigma_moe(ff, x, r):
     """Experts on x, the selection on r = LN2(x): Σ_k g_k · relu(x W1[e_k]) W2[e_k]. The
-    sigma-MoE router works in float32 from its inputs on (moe-family.md)."""
+    sigma-MoE router works in float32 from its inputs on (arXiv 2310.10837)."""
     B, T, _ = x.shape
     s = torch.sigmoid(r.float() @ ff.w_router.float().t()).reshape(B * T, E_FF)
     g, idx = s.topk(K_FF, -1)
-    y = ref_expert_mlp(x.reshape(B * T, D), idx, ff.w_in, ff.w_out, g.to(x.dtype))
+    y = ref_expert_mlp(x.reshape(B * T, D), idx, ff.experts.w_in, ff.experts.w_out, g.to(x.dtype))
     return y.view(B, T, D)
 
 
@@ -134,7 +134,7 @@ def test_every_shared_block_gets_the_gradient_of_all_its_applications():
                and "ln" not in n)
     with torch.no_grad():  # perturbing block 1 changes the layer-1 and layer-3 applications
         before = m(ids).logits
-        m.blocks[1].feedforward.w_out.mul_(2.0)
+        m.blocks[1].feedforward.experts.w_out.mul_(2.0)
         assert not torch.allclose(before, m(ids).logits)
 
 
@@ -160,7 +160,7 @@ def test_initialisation_uses_the_depth_of_all_applications():
     s = math.sqrt(2 / 8)
     att, ff = m.blocks[0].attention, m.blocks[0].feedforward
     for w, std in ((att.w_q, s / 16), (att.w_v, s / 16), (att.w_o, s / math.sqrt(128)),
-                   (ff.w_in, s / 16), (ff.w_out, s / math.sqrt(8 * 64))):
+                   (ff.experts.w_in, s / 16), (ff.experts.w_out, s / math.sqrt(8 * 64))):
         assert abs(w.std().item() / std - 1) < 0.05
 
 

@@ -1,4 +1,4 @@
-"""sigma-MoE against dense einsum transcriptions of its formula (moe-family.md, sigma-MoE).
+"""sigma-MoE against dense einsum transcriptions of its formula (arXiv 2310.10837).
 
 Legend: M tokens, E experts, G expert size, D d_model."""
 
@@ -35,7 +35,7 @@ def _dense_sigma_moe(x_MD, w_sel_ED, keys_EDG, values_EGD, k):
 
 
 def _params(m):
-    return [m.w_router, m.w_in, m.w_out]
+    return [m.w_router, m.experts.w_in, m.experts.w_out]
 
 
 def _compare(m, x_BTD, y_ref_fn, params=_params):
@@ -83,7 +83,7 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
     m = SigmaMoEConfig(d_model=7, n_experts=5, expert_size=3, k=k, bias=True,
                        activation=activation, expert_impl=impl).build().double()
     with torch.no_grad():  # non-zero biases, so that a misplaced one shows
-        m.bias_in.normal_()
+        m.experts.bias_in.normal_()
         m.bias_out.normal_()
 
     def ref(x_MD, w_sel, keys, values, b_in, b_out):
@@ -91,7 +91,7 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
         return ref_expert_mlp(x_MD, idx_MK, keys, values, gates_MK, activation, b_in, b_out)
 
     _compare(m, torch.randn(3, 4, 7, dtype=torch.float64), ref,
-             params=lambda m: _params(m) + [m.bias_in, m.bias_out])
+             params=lambda m: _params(m) + [m.experts.bias_in, m.bias_out])
 
 
 def test_float32_and_grouped_request_fall_back_correctly():
@@ -186,8 +186,8 @@ def test_init_follows_the_spec():
     L, d, E, G = 8, 128, 16, 64
     m = SigmaMoEConfig(d_model=d, n_experts=E, expert_size=G, k=4, n_layers=L).build()
     s = math.sqrt(2 / L)
-    assert abs(m.w_in.std().item() / (s / math.sqrt(d)) - 1) < 0.02
-    assert abs(m.w_out.std().item() / (s / math.sqrt(E * G)) - 1) < 0.02
+    assert abs(m.experts.w_in.std().item() / (s / math.sqrt(d)) - 1) < 0.02
+    assert abs(m.experts.w_out.std().item() / (s / math.sqrt(E * G)) - 1) < 0.02
     assert abs(m.w_router.std().item() / (s / math.sqrt(d)) - 1) < 0.1
     norms = m.w_router.norm(dim=1)
     torch.testing.assert_close(norms, norms.mean().expand(E))  # rows renormalised
@@ -204,7 +204,7 @@ def test_router_runs_in_float32_for_low_precision_inputs():
 
 
 def test_router_runs_in_float32_under_autocast():
-    # Mixed-precision training (spec §3) must not put the selection in half precision.
+    # Mixed-precision training (SwitchHead appendix) must not put the selection in half precision.
     torch.manual_seed(10)
     m = SigmaMoEConfig(d_model=32, n_experts=8, expert_size=4, k=2, entropy_coef=1.0).build()
     x = torch.randn(4, 16, 32)

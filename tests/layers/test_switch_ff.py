@@ -1,4 +1,4 @@
-"""Switch feedforward against a dense transcription of Switch Transformer (moe-family.md, Switch),
+"""Switch feedforward against a dense transcription of Switch Transformer (Fedus et al. 2022, §2),
 with capacity dropping replayed by a plain loop in the position-priority order.
 
 Legend: M tokens, E real experts, R = E + no-op experts router outputs, K choices, D d_model."""
@@ -56,7 +56,7 @@ def _dense_switch(x_MD, w_RD, w_in, w_out, keep_MK, choices):
 
 
 def _params(m):
-    return [m.w_router, m.w_in, m.w_out]
+    return [m.w_router, m.experts.w_in, m.experts.w_out]
 
 
 def _check_against_dense(m, x_BTD, valid_BT=None, capacity=None):
@@ -97,9 +97,9 @@ def test_biases_and_activation_match_the_per_pair_loop(impl, activation):
     m = SwitchFFConfig(d_model=6, d_ff=5, n_experts=4, k=k, dropless=True, bias=True,
                        activation=activation, expert_impl=impl).build().double()
     with torch.no_grad():  # non-zero biases, so that a misplaced one shows
-        m.bias_in.normal_()
+        m.experts.bias_in.normal_()
         m.bias_out.normal_()
-    params = [m.w_router, m.w_in, m.w_out, m.bias_in, m.bias_out]
+    params = [m.w_router, m.experts.w_in, m.experts.w_out, m.experts.bias_in, m.bias_out]
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     y, _ = m(x)
     refs = [p.detach().clone().requires_grad_() for p in params]
@@ -298,7 +298,7 @@ def test_router_is_float32_with_low_precision_inputs(mode):
 def test_init_is_a_tenth_of_the_usual_scale():
     torch.manual_seed(6)
     m = SwitchFFConfig(d_model=128, d_ff=256, n_experts=8).build()
-    for w, fan_in in ((m.w_router, 128), (m.w_in, 128), (m.w_out, 256)):
+    for w, fan_in in ((m.w_router, 128), (m.experts.w_in, 128), (m.experts.w_out, 256)):
         std = math.sqrt(0.1 / fan_in)
         assert abs(w.std().item() / (0.8796 * std) - 1) < 0.05  # trunc-normal at 2 std
         assert w.abs().max().item() <= 2 * std + 1e-7
@@ -358,3 +358,15 @@ def test_one_token_per_sequence_is_dropless_even_when_sequences_collide():
     assert aux.stats["fraction_dropped"].item() == 0.0
     _, aux_chunk = m(x.view(1, 6, 8))  # the same tokens as one sequence: capacity applies
     assert aux_chunk.stats["fraction_dropped"].item() > 0.0
+
+
+def test_tied_gates_keep_the_routers_tie_break():
+    """Re-sorting the chosen gates best first is stable: with every score equal (a zero router)
+    the choices stay in the router's documented order, lowest expert first, on every token."""
+    m = SwitchFFConfig(d_model=8, d_ff=4, n_experts=6, k=3, dropless=True).build()
+    with torch.no_grad():
+        m.w_router.zero_()
+    seen = []
+    m.experts.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
+    m(torch.randn(4, 64, 8))
+    assert torch.equal(seen[0], torch.tensor([[0, 1, 2]]).expand(4 * 64, 3))

@@ -1,4 +1,5 @@
-"""Cost accounting against the numbers the SwitchHead paper printed (switchhead.md §4, §6), and
+"""Cost accounting against the numbers the SwitchHead paper printed (Table 9 and the MACs / memory
+tables), and
 parameter counts against a hand transcription of the modules' weight shapes."""
 
 import json
@@ -61,6 +62,8 @@ def test_switchhead_selection_count():
 
 
 def test_format_count_switches_to_g_above_1000m():
+    assert format_count(12_345) == "12.3K"  # a tiny model's count was printed "0.0M"
+    assert format_count(49_999) == "50.0K" and format_count(50_000) == "0.1M"
     assert format_count(999_949_999) == "999.9M"
     assert format_count(2_400_000_000) == "2.4G"
     assert format_count(1_000_000_001) == "1.0G"

@@ -117,7 +117,7 @@ def test_cached_decoding_equals_full_forward(attention, pos, xl):
     pieces = [m(ids[:, :4], cache=cache).logits]
     for t in range(4, 7):
         pieces.append(m(ids[:, t:t + 1], cache=cache).logits)
-    # SwitchHead selects in float32 (spec §1) even in a float64 model
+    # SwitchHead selects in float32 (SwitchHead Eq. 7-10) even in a float64 model
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-6)
 
 
@@ -128,7 +128,7 @@ def test_embedding_and_output_layer():
     assert m.output.weight.data_ptr() != m.embedding.weight.data_ptr()  # untied
     torch.manual_seed(0)
     big = TransformerLM(dataclasses.replace(cfg, vocab_size=4000))
-    # embedding std 1/sqrt(d) (spec §3)
+    # embedding std 1/sqrt(d) (SwitchHead appendix)
     assert abs(big.embedding.weight.std().item() * cfg.d_model ** 0.5 - 1) < 0.03
 
 
@@ -211,6 +211,25 @@ def test_config_from_dict_rejects_unknown():
         ModelConfig.from_dict({**d, "heads": 3})
     d["attention"][0]["type"] = "NoSuchConfig"
     with pytest.raises(ValueError, match="unknown layer config type 'NoSuchConfig'"):
+        ModelConfig.from_dict(d)
+
+
+def test_a_layer_module_that_fails_to_import_says_so(monkeypatch):
+    """A layer module that cannot be imported is named with its error, not taken for a module
+    without the config (which read as "unknown layer config type"); other tags still read."""
+    import sys
+
+    from moeify.errors import MoeifyError
+    from moeify.models import config as config_mod
+
+    monkeypatch.setitem(sys.modules, "moeify.layers.broken_for_test", None)  # import fails
+    monkeypatch.setattr(config_mod, "LAYER_CONFIG_MODULES",
+                        ("moeify.layers.broken_for_test",) + config_mod.LAYER_CONFIG_MODULES)
+    d = small().to_dict()
+    assert ModelConfig.from_dict(d) == small()
+    d["attention"][0]["type"] = "BrokenConfig"
+    with pytest.raises(MoeifyError, match=r"moeify\.layers\.broken_for_test failed to import "
+                                          r"\(ModuleNotFoundError"):
         ModelConfig.from_dict(d)
 
 

@@ -1,4 +1,4 @@
-"""Parameter matching (switchhead.md §5) against the d_head / d_ff the paper chose (Table 9,
+"""Parameter matching (SwitchHead §3) against the d_head / d_ff the paper chose (Table 9,
 Table 6), with attention parameter counts transcribed by hand from §1."""
 
 import json

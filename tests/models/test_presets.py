@@ -1,5 +1,5 @@
 """Presets: every one builds on the meta device, lands on its paper row's parameter count, and its
-name says what it builds. The expectations are transcribed from switchhead.md §4 (Table 9),
+name says what it builds. The expectations are transcribed from SwitchHead Table 9,
 §8 (Table 6) and §6 (MoA: d_h = 88, E = 10), independently of moeify.models.presets."""
 
 import json
@@ -12,20 +12,24 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.depth import MoDConfig
 from moeify.layers.feedforward import DenseFFConfig, SigmaMoEConfig, SwitchFFConfig
 from moeify.layers.moa import MoAConfig
+from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
 from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_MOE_ROWS
+from moeify.models.moh_presets import MOH_PAPER_PRESETS
 from moeify.models.mosa_presets import MOSA_PAPER_PRESETS
+from moeify.models.mor_presets import MOR_PRESETS
 from moeify.models.presets import PRESETS, get_preset
 
 # MoEUT's table rows (MoEUT, its dense baselines and the hyperparameter table's sigma-MoE runs)
 # have their own tests against the #params labels, one per size
 # (tests/models/test_moeut_presets.py); so have MoSA's
-# (tests/models/test_mosa_paper_rows.py).
+# (tests/models/test_mosa_paper_rows.py), Mixture-of-Recursions' (tests/models/test_mor.py) and
+# MoH's (tests/models/test_moh_presets.py).
 PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
          and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS and n not in SIGMA_MOE_ROWS
-         and n not in {p.name for p in MOSA_PAPER_PRESETS}]
+         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOR_PRESETS + MOH_PAPER_PRESETS}]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
 # size tag -> (d, L, T, XL, dense heads, dense d_h, dense d_ff, vocab)
@@ -95,7 +99,7 @@ def test_paper_preset_builds_on_meta_and_rounds_to_its_row(name):
 
 
 def test_wt103_47m_pair_matches_the_authors_counts():
-    # switchhead.md §4: the authors' modules give these exact counts.
+    # Table 9: the authors' modules give these exact counts.
     dense = model_parameters(get_preset("wt103-47m-dense"))["total"]
     sh = model_parameters(get_preset("wt103-47m-switchhead"))["total"]
     assert abs(dense - 47_260_136) / 47_260_136 < 1e-3
@@ -167,6 +171,7 @@ TINY_FAMILY = {  # name -> (attention type, feedforward type, MoD on blocks)
     "tiny-mode-integrated": (DenseAttentionConfig, SwitchFFConfig, False),
     "tiny-moeut": (SwitchHeadConfig, SigmaMoEConfig, False),
     "tiny-mosa": (MoSAConfig, DenseFFConfig, False),
+    "tiny-moh": (MoHConfig, DenseFFConfig, False),
 }
 
 
@@ -210,7 +215,7 @@ def test_repro_family_is_registered_with_the_others_and_parameter_matched(capsys
     dense = get_preset("repro-dense")
     sh, moa = get_preset("repro-switchhead"), get_preset("repro-moa")
     a = sh.attention_layers()[0]
-    # spec §5: H·E equals the baseline's head count; the parameter budget is matched.
+    # SwitchHead §3: H·E equals the baseline's head count; the parameter budget is matched.
     assert isinstance(a, SwitchHeadConfig) and a.n_heads * a.n_experts == 8
     assert isinstance(moa.attention_layers()[0], MoAConfig)
     total = {n: model_parameters(get_preset(n))["total"] for n in REPRO}
@@ -226,12 +231,15 @@ def test_every_preset_name_is_written_in_the_source():
     from pathlib import Path
 
     import moeify.models.moeut_presets as moeut_module
+    import moeify.models.moh_presets as moh_module
+    import moeify.models.mor_presets as mor_module
     import moeify.models.mosa_presets as mosa_module
     import moeify.models.presets as presets_module
     import moeify.models.repro_presets as repro_module
 
     text = "".join(Path(m.__file__).read_text()
-                   for m in (presets_module, repro_module, moeut_module, mosa_module))
+                   for m in (presets_module, repro_module, moeut_module, mosa_module,
+                             mor_module, moh_module))
     assert [n for n in PRESETS if f'"{n}"' not in text] == []
 
 

@@ -172,7 +172,7 @@ def test_params_and_attention_macs_equal_the_cost_formulas(runs):
     up = upcycle(dense, attention="switchhead:E=2,k=1", feedforward="sigma-moe:E=4,k=2")
     cost = model_cost(up.config)
     assert cost.params == count_module_parameters(up)
-    # SwitchHead MACs per layer (spec §6), written out for d = 32, 2 kept heads (H) of
+    # SwitchHead MACs per layer (moeify.models.cost), written out for d = 32, 2 kept heads (H) of
     # d_h = 8, E = 2 experts, k = 1, V and O as experts, T = 32, XL memory: C = 2.
     d, H, dh, E, k, T, C = 32, 2, 8, 2, 1, 32, 2
     scores_and_values = 2 * H * dh * C * T * T      # Q·Kᵀ and A·V over C·T keys: 65536
@@ -188,7 +188,8 @@ def test_params_and_attention_macs_equal_the_cost_formulas(runs):
     assert ff == 2 * (4 * 32 * 16 * 2 + 4 * 32 + 4 * 16 + 32)
     moa = upcycle(dense, attention="moa:k=2")
     assert model_cost(moa.config).params == count_module_parameters(moa)
-    # MoA MACs (spec §6): the dense model's 4 heads become E = 4 experts, H = k = 2 selected,
+    # MoA MACs (moeify.models.cost): the dense model's 4 heads become E = 4 experts, H = k = 2
+    # selected,
     # one shared K and V projection; the paper's H·k·T·d_h term takes k = 2.
     H, E = 2, 4
     want = (2 * H * dh * C * T * T                  # scores and values: 65536

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
-from moeify.ops.moe.kernels.padded import padded_layout
-from moeify.ops.moe.policy import SINGLE_THREAD_SLACK, padding_pays
-from moeify.ops.moe.switchhead import set_layout
+from moeify.ops.moe.cpu.padded import padded_layout
+from moeify.ops.moe.cpu.policy import SINGLE_THREAD_SLACK, padding_pays
+from moeify.ops.moe.cpu.sets import set_layout
 from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs
 
 f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
@@ -373,9 +373,9 @@ def test_sets_needs_gates_and_a_grouped_plan():
 
 
 def test_decoding_sums_over_every_expert_match_the_definition():
-    # SwitchHead's decoding layouts (ops/moe/switchhead.py): products of every expert already
+    # SwitchHead's decoding layouts (ops/moe/cpu/decoding.py): products of every expert already
     # computed (the fused projection), or one GEMM over every expert with the heads summed.
-    from moeify.ops.moe.switchhead import gated_group_sum_all, gated_sum_of_all
+    from moeify.ops.moe.cpu.decoding import gated_group_sum_all, gated_sum_of_all
     g = torch.Generator().manual_seed(0)
     T, G, E, K, C, F = 5, 3, 4, 2, 6, 7
     idx_TGK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * G)]).view(T, G, K)
@@ -397,7 +397,7 @@ def test_decoding_sums_over_every_expert_match_the_definition():
 def test_triton_is_optional(monkeypatch):
     """Without triton installed, moeify runs as before ("auto" never takes "triton") and asking
     for it by name says which extra to install (its kernels: tests/ops/test_triton_matmul.py)."""
-    from moeify.ops.moe.kernels import triton as triton_matmul
+    from moeify.ops.moe.kernels import scatter_gemm as triton_matmul
 
     monkeypatch.setattr(triton_matmul, "triton_available", lambda: False)
     x, idx, w, gates = routed_inputs(8, 2, 4, 16, 8, dtype=f32)

@@ -8,9 +8,9 @@ from moeify.bench.timing import expert_impls_run
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.ops.moe import choose_impl, make_plan
-from moeify.ops.moe.policy import ALL_MAX_ROWS
+from moeify.ops.moe.cpu.policy import ALL_MAX_ROWS
 from moeify.ops.moe import expert_mlp
-from moeify.ops.moe.kernels.padded import padded_layout
+from moeify.ops.moe.cpu.padded import padded_layout
 from references import ref_expert_mlp
 
 f64 = torch.float64

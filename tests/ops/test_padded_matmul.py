@@ -1,4 +1,4 @@
-"""The padded layout's own parts (moeify.ops.moe.kernels.padded): the slot sums against a loop and the
+"""The padded layout's own parts (moeify.ops.moe.cpu.padded): the slot sums against a loop and the
 layout's placement of the routed pairs. The padded expert matmul itself, against the definition,
 is in test_expert_matmul.py.
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeify.ops.moe import expert_matmul, make_plan
-from moeify.ops.moe.kernels.padded import CAPACITY_SLACK, padded_layout
+from moeify.ops.moe.cpu.padded import CAPACITY_SLACK, padded_layout
 from moeify.ops.moe.layout import slot_sums
 from references import routed_inputs
 

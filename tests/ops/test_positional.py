@@ -21,6 +21,7 @@ from moeify.ops.positional import (
     xl_logits_contiguous,
     xl_position_table,
 )
+from references import ref_llama3_freq, ref_yarn_freq
 from references import ref_rope as brute_rope
 from references import ref_sinusoid as brute_emb
 from references import ref_xl as brute_xl
@@ -49,6 +50,42 @@ def test_rope_matches_complex_rotation(C, n_rot):
     # Channels past n_rot are untouched; [T] positions broadcast over the batch.
     assert torch.equal(out[..., n_rot:], x[..., n_rot:])
     torch.testing.assert_close(apply_rope(x, pos[0], n_rot=n_rot)[0], out[0])
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn", "linear"])
+def test_scaled_rope_matches_the_papers_frequencies_with_gradients(kind):
+    from moeify.layers.attention_core import RopeScaling
+
+    torch.manual_seed(2)
+    n_rot, base = 16, 500.0
+    scaling = RopeScaling(kind=kind, factor=4.0, original_context=16, beta_fast=8.0)
+    freq = {"llama3": lambda: ref_llama3_freq(n_rot, base, 4.0, 1.0, 4.0, 16),
+            "yarn": lambda: ref_yarn_freq(n_rot, base, 4.0, 16, 8.0, 1.0),
+            "linear": lambda: base ** (-2.0 * torch.arange(n_rot // 2, dtype=f64) / n_rot) / 4}
+    scale = 0.1 * math.log(4.0) + 1 if kind == "yarn" else 1.0  # YaRN Eq. 22
+    x = torch.randn(2, 3, 7, 20, dtype=f64, requires_grad=True)
+    pos = torch.randint(0, 200, (2, 7))
+    out = apply_rope(x, pos, n_rot=n_rot, base=base, scaling=scaling)
+    want = brute_rope(x, pos, n_rot, freq=freq[kind](), scale=scale)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    got_grad, = torch.autograd.grad(out, x, g)
+    want_grad, = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_dynamic_rope_is_plain_within_the_original_context():
+    from moeify.layers.attention_core import RopeScaling
+
+    x = torch.randn(1, 2, 6, 8, dtype=f64)
+    scaling = RopeScaling(kind="dynamic", factor=2.0, original_context=16)
+    inside, beyond = torch.arange(6)[None], torch.arange(30, 36)[None]
+    torch.testing.assert_close(apply_rope(x, inside, n_rot=8, scaling=scaling),
+                               apply_rope(x, inside, n_rot=8), rtol=0, atol=0)
+    # Beyond it the base grows to b · (2 · 36 / 16 - 1)^(8 / 6) (dynamic NTK).
+    grown = 10000.0 * (2 * 36 / 16 - 1) ** (8 / 6)
+    torch.testing.assert_close(apply_rope(x, beyond, n_rot=8, scaling=scaling),
+                               brute_rope(x, beyond, 8, base=grown), rtol=1e-12, atol=1e-12)
 
 
 def test_rope_scores_depend_only_on_distance():

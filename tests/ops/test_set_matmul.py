@@ -1,4 +1,4 @@
-"""The expert-set layout's own parts (moeify.ops.moe.switchhead): the head-major order, the placement
+"""The expert-set layout's own parts (moeify.ops.moe.cpu.sets): the head-major order, the placement
 of units in blocks of their set, the block plan, the layout's errors and the eligibility rule.
 The expert-set matmul itself, against the definition with both gate sides and every output
 contract, is in test_expert_matmul.py."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from moeify.ops.moe.switchhead import (
+from moeify.ops.moe.cpu.sets import (
     MAX_SETS,
     _plan_blocks,
     MIN_UNITS_PER_SET,

@@ -1,4 +1,4 @@
-"""The "triton" expert matmul (moeify.ops.moe.kernels.triton) against the pair-by-pair float64
+"""The "triton" expert matmul (moeify.ops.moe.kernels.scatter_gemm) against the pair-by-pair float64
 definition (references.ref_expert_rows): outputs and the x, w and gate gradients, for every
 output contract, widths that are not multiples of the tiles, empty experts, skewed routing,
 one expert per row (plain stores instead of atomics), fp32 and fp16; then partial gradients,
@@ -28,7 +28,7 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e "
                              "'.[triton]' in the checkout); the fused expert-matmul kernels need it")
 
-from moeify.ops.moe.kernels import triton as triton_matmul  # noqa: E402
+from moeify.ops.moe.kernels import scatter_gemm as triton_matmul  # noqa: E402
 from moeify.ops.moe import expert_matmul, make_plan
 from moeify.ops.moe import resolved_impl  # noqa: E402
 from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs  # noqa: E402

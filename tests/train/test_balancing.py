@@ -1,7 +1,8 @@
 """Loss-free balancing and the global-batch balance loss, against hand computations: with
 gradient accumulation and two gloo processes, the bias follows the paper's update once per
 optimizer step from the counts of every micro-batch and process, and the global-batch loss uses
-the counts summed over processes and the update's micro-batches so far."""
+the counts summed over processes and the update's micro-batches so far. Under activation
+checkpointing (every block's forward runs again in backward) both hold unchanged."""
 
 import gc
 
@@ -54,19 +55,25 @@ def _cfg(corpus, ff: str, extra=()):
 
 
 def _capture(trainer):
-    """Every forward of each feedforward layer: its input, router weights and bias then, and
-    the aux losses it returned."""
-    seen = []
+    """Every forward of each feedforward layer (its input, router weights and bias then), and
+    the aux losses the trainer trained on after each micro-batch's forward."""
+    seen, trained = [], []
     for i, block in enumerate(trainer.model.layer_blocks()):
         ff = block.feedforward
 
         def hook(mod, args, out, i=i):
-            w = mod.w_router
-            seen.append({"layer": i, "x": args[0].detach().clone(), "w": w.detach().clone(),
-                         "bias": mod.expert_bias.clone(),
-                         "losses": {k: v.detach().clone() for k, v in out[1].losses.items()}})
+            bias = getattr(mod, "expert_bias", torch.zeros(()))
+            seen.append({"layer": i, "x": args[0].detach().clone(),
+                         "w": mod.w_router.detach().clone(), "bias": bias.clone()})
         ff.register_forward_hook(hook)
-    return seen
+    after_forward = trainer.balancing.after_forward
+
+    def record(out):
+        aux = after_forward(out)
+        trained.append({k: v.detach().clone() for k, v in out.losses.items()})
+        return aux
+    trainer.balancing.after_forward = record
+    return seen, trained
 
 
 def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
@@ -77,12 +84,12 @@ def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
                             world_size=world)
     try:
         tr = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
-        seen = _capture(tr)
+        seen, trained = _capture(tr)
         steps = []
         for _ in range(3):
-            n = len(seen)
+            n, t = len(seen), len(trained)
             tr.train_step()
-            steps.append({"forwards": seen[n:],
+            steps.append({"forwards": seen[n:], "trained": trained[t:],
                           "bias": [b.feedforward.expert_bias.clone()
                                    for b in tr.model.layer_blocks()]})
         tr.close()
@@ -115,7 +122,8 @@ def test_two_processes_with_accumulation_follow_the_hand_computation(setup):
             fw = ranks[r][s]["forwards"]
             assert len(fw) == 4  # 2 micro-batches x 2 layers
             for j, f in enumerate(fw):
-                by_mb.setdefault((j // 2, f["layer"]), []).append(f)
+                loss = ranks[r][s]["trained"][j // 2][f"layers.{f['layer']}.ff.balance"]
+                by_mb.setdefault((j // 2, f["layer"]), []).append({**f, "balance": loss})
         for (mb, layer), fs in sorted(by_mb.items()):
             probs = []
             for f in fs:
@@ -130,7 +138,7 @@ def test_two_processes_with_accumulation_follow_the_hand_computation(setup):
             for f, p in zip(fs, probs):  # this micro-batch's loss: counts of all processes
                 want = 0.01 * E * ((top1_so_far[layer] / top1_so_far[layer].sum())
                                    * p.mean(0)).sum()
-                torch.testing.assert_close(f["losses"]["balance"], want, rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(f["balance"], want, rtol=1e-5, atol=1e-7)
         for layer in range(2):
             c = counts[layer].double()
             expected[layer] = expected[layer] + RATE * torch.sign(c.mean() - c).float()
@@ -141,37 +149,96 @@ def test_two_processes_with_accumulation_follow_the_hand_computation(setup):
     assert moved
 
 
-def test_recomputed_activations_do_not_double_the_counts(env):
-    """sigma-MoE with loss-free balancing, once plain and once with every block under
-    activation checkpointing (its forward runs again in backward): the same logged loads and
-    biases, although the layer's own running usage buffer does count the recomputation."""
-    import torch.utils.checkpoint as tuc
+def _steps(corpus, tmp, name, extra, *, ac: bool, steps: int = 2, grad_accum: int = 2):
+    """``steps`` updates of a tiny run, plain or with every block checkpointed: per step the
+    logged loads, the losses trained on after each micro-batch, the feedforwards' biases; and
+    every feedforward forward (recomputations included), the usage counters at the end."""
+    cfg = _cfg(corpus, name, extra)
+    cfg = TrainConfig.from_dict({**cfg.to_dict(), "grad_accum": grad_accum,
+                                 "batch_size": 2 * grad_accum,
+                                 "activation_checkpointing": "block" if ac else "none"})
+    tr = Trainer(cfg, tmp / f"{name}-{ac}", quiet=True)
+    seen, trained = _capture(tr)
+    recs = []
+    # Without early stop the recomputation runs every layer's forward to its end.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        for _ in range(steps):
+            t = len(trained)
+            rec = tr.train_step()
+            recs.append({"load": rec["load"], "trained": trained[t:],
+                         "bias": [getattr(b.feedforward, "expert_bias", None)
+                                  for b in tr.model.blocks]})
+    usage = [b.feedforward.usage.clone() for b in tr.model.blocks]
+    tr.close()
+    return recs, seen, usage
 
+
+def _assert_same_steps(plain, ac):
+    for p, a in zip(plain, ac):
+        assert p["load"].keys() == a["load"].keys() and p["load"]
+        for k in p["load"]:
+            torch.testing.assert_close(a["load"][k], p["load"][k])
+        for tp, ta in zip(p["trained"], a["trained"], strict=True):
+            assert tp.keys() == ta.keys()
+            for k in tp:
+                torch.testing.assert_close(ta[k], tp[k], rtol=1e-5, atol=1e-7)
+        for bp, ba in zip(p["bias"], a["bias"]):
+            if bp is not None:
+                torch.testing.assert_close(ba, bp)
+
+
+def test_recomputed_activations_do_not_double_the_counts(env):
+    """sigma-MoE with loss-free balancing, once plain and once with activation_checkpointing=
+    block: the same logged loads, losses and biases, and the same usage counters, although every
+    feedforward forward really ran twice."""
     tmp, corpus = env
-    cfg = _cfg(corpus, "sigmamoe", (f"model.feedforward.lossfree_rate={RATE}",
-                                    "model.feedforward.expert_size=16"))
-    results = []
-    for name, recompute in (("plain", False), ("ac", True)):
-        tr = Trainer(cfg, tmp / name, quiet=True)
-        if recompute:
-            for block in tr.model.blocks:
-                orig = block.forward
-                block.forward = (lambda *a, _f=orig, **k:
-                                 tuc.checkpoint(_f, *a, use_reentrant=False, **k))
-        # Without early stop the recomputation runs every layer's forward to its end.
-        with tuc.set_checkpoint_early_stop(False):
-            recs = [tr.train_step() for _ in range(2)]
-        results.append(([r["load"] for r in recs],
-                        [b.feedforward.expert_bias.clone() for b in tr.model.blocks],
-                        tr.model.blocks[0].feedforward.usage.clone()))
-        tr.close()
-    (load_p, bias_p, usage_p), (load_a, bias_a, usage_a) = results
-    for lp, la in zip(load_p, load_a):
-        assert lp.keys() == la.keys() and lp
-        for k in lp:
-            torch.testing.assert_close(la[k], lp[k])
-    for bp, ba in zip(bias_p, bias_a):
-        torch.testing.assert_close(ba, bp)
-    assert (bias_p[0] != 0).any()
-    # The recomputation really ran: the layer's own buffer counted every token twice.
-    torch.testing.assert_close(usage_a, 2 * usage_p)
+    extra = (f"model.feedforward.lossfree_rate={RATE}", "model.feedforward.expert_size=16")
+    plain, seen_p, usage_p = _steps(corpus, tmp, "sigmamoe", extra, ac=False)
+    ac, seen_a, usage_a = _steps(corpus, tmp, "sigmamoe", extra, ac=True)
+    assert len(seen_a) == 2 * len(seen_p)  # the recomputation ran
+    _assert_same_steps(plain, ac)
+    assert any((b != 0).any() for b in plain[-1]["bias"] if b is not None)
+    for up, ua in zip(usage_p, usage_a):
+        torch.testing.assert_close(ua, up)
+
+
+def test_global_batch_loss_under_recomputation_counts_each_micro_batch_once(env):
+    """Switch with the global-batch loss, 3 micro-batches, plain and checkpointed: micro-batch j
+    trains on coef · E · Σ_i f_i · P_i with f_i the top-1 counts of micro-batches 1..j and P_i
+    its own mean probabilities, recomputed here from the inputs each layer saw; the same under
+    recomputation (where a recomputed forward once counted its micro-batch twice)."""
+    tmp, corpus = env
+    extra = ("model.feedforward.balance_scope=global", "model.feedforward.balance_coef=0.01")
+    plain, seen, _ = _steps(corpus, tmp, "switch", extra, ac=False, steps=1, grad_accum=3)
+    ac, seen_a, _ = _steps(corpus, tmp, "switch", extra, ac=True, steps=1, grad_accum=3)
+    assert len(seen_a) == 2 * len(seen)
+    _assert_same_steps(plain, ac)
+    E = seen[0]["w"].shape[0]
+    so_far = [torch.zeros(E), torch.zeros(E)]
+    for j, f in enumerate(seen):  # micro-batch j // 2, layer f["layer"]
+        x = f["x"].reshape(-1, f["x"].shape[-1])
+        p = torch.softmax(x @ f["w"].t(), -1)
+        so_far[f["layer"]] += torch.bincount(p.argmax(-1), minlength=E)
+        c = so_far[f["layer"]]
+        want = 0.01 * E * ((c / c.sum()) * p.mean(0)).sum()
+        got = plain[0]["trained"][j // 2][f"layers.{f['layer']}.ff.balance"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_batch_balance_loss_under_recomputation_is_the_micro_batchs(env):
+    """Switch with the per-batch loss, plain and checkpointed: each micro-batch trains on its
+    own Switch loss (hand-computed) and the two runs agree."""
+    tmp, corpus = env
+    plain, seen, _ = _steps(corpus, tmp, "switch", ("model.feedforward.balance_coef=0.01",),
+                            ac=False, steps=1)
+    ac, _, _ = _steps(corpus, tmp, "switch", ("model.feedforward.balance_coef=0.01",), ac=True,
+                      steps=1)
+    _assert_same_steps(plain, ac)
+    for j, f in enumerate(seen):
+        x = f["x"].reshape(-1, f["x"].shape[-1])
+        p = torch.softmax(x @ f["w"].t(), -1)
+        E = p.shape[-1]
+        frac = torch.bincount(p.argmax(-1), minlength=E) / p.shape[0]
+        want = 0.01 * E * (frac * p.mean(0)).sum()
+        got = plain[0]["trained"][j // 2][f"layers.{f['layer']}.ff.balance"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

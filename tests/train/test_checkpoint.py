@@ -10,7 +10,7 @@ import torch
 from moeify.errors import MoeifyError
 from moeify.rundir import atomic, layout
 from moeify.rundir import checkpoints as ckr
-from moeify.train import checkpoint as ck
+from moeify.rundir import write as ck
 
 
 def _state(seed):
@@ -50,7 +50,7 @@ def test_failed_write_keeps_previous_checkpoint_and_pointer(tmp_path, monkeypatc
         path.write_bytes(b"\x80\x02partial")  # what a killed process leaves behind
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ck, "_save_state", dies_midway)
+    monkeypatch.setattr(ck, "save_state", dies_midway)
     with pytest.raises(OSError):
         _save(tmp_path, 4)
     root = tmp_path / "checkpoints"

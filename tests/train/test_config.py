@@ -36,11 +36,17 @@ def test_bad_overrides_name_the_problem(item, msg):
         TrainConfig().with_overrides([item])
 
 
-def test_model_norm_fields_are_settable():
-    cfg = TrainConfig().with_overrides(["model.norm.bias=false", "model.norm.kind=rmsnorm",
-                                        "model.norm.eps=1e-6"])
+@pytest.mark.parametrize("order", [0, 1])
+def test_model_norm_fields_are_settable_in_any_order(order):
+    """Fields that must agree are checked together: kind=rmsnorm before bias=false was refused
+    (the first change alone made an RMSNorm with a bias)."""
+    items = ["model.norm.bias=false", "model.norm.kind=rmsnorm", "model.norm.eps=1e-6"]
+    cfg = TrainConfig().with_overrides(items if order == 0 else items[::-1])
     norm = resolve_model_config(cfg, vocab_size=100).norm
     assert (norm.kind, norm.bias, norm.eps) == ("rmsnorm", False, 1e-6)
+    with pytest.raises(ValueError, match="--set model.norm.kind=rmsnorm --set model.d_model=8: "
+                                         ".*RMSNorm has no bias; set bias=False"):
+        TrainConfig().with_overrides(["model.norm.kind=rmsnorm", "model.d_model=8"])
 
 
 def test_model_overrides_reach_every_layer_config():

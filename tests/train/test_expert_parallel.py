@@ -329,6 +329,29 @@ def test_expert_parallel_settings_are_checked():
         .expert_parallel == 2
 
 
+def _train_two(tmp, name, cfg_dict):
+    """Train ``cfg_dict`` on 2 gloo processes in ``tmp / name``; process 0's ``_fit`` record."""
+    out = tmp / f"{name}.pt"
+    gc.collect()
+    mp.start_processes(_train_worker, args=(2, str(tmp / f"pg-{name}"), cfg_dict,
+                                            str(tmp / name), str(out)),
+                       nprocs=2, join=True, start_method="fork")
+    return torch.load(out)
+
+
+def _assert_trains_like(two, single, steps):
+    """Losses to 1e-5 and every gradient of every step within the envelope plain DDP shows."""
+    for s in range(1, steps + 1):
+        assert abs(two["losses"][s] - single["losses"][s]) < 1e-5, (s, two["losses"][s],
+                                                                    single["losses"][s])
+    assert len(two["grads"]) == len(single["grads"]) == steps
+    for s, (g2, g1) in enumerate(zip(two["grads"], single["grads"]), 1):
+        assert g2.keys() == g1.keys()
+        for k in g1:
+            err = (g2[k] - g1[k]).norm().item()
+            assert err <= (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7, (s, k, err)
+
+
 def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_degree_one(setup):
     """parallel=fsdp with expert_parallel=2 on 2 processes: the non-expert parameters are FSDP2
     shards over both processes, the experts Shard(0) DTensors over "ep"; 10 steps equal one
@@ -342,27 +365,13 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
                       eval_every=0, eval_tokens=256, eval_batch_size=2, checkpoint_every=5,
                       model_overrides=TINY)
     single = _fit(cfg, tmp / "one")
-    out = tmp / "fsdp.pt"
-    gc.collect()
-    mp.start_processes(_train_worker, args=(2, str(tmp / "pg"),
-                                            {**cfg.to_dict(), "parallel": "fsdp",
-                                             "expert_parallel": 2},
-                                            str(tmp / "fsdp"), str(out)),
-                       nprocs=2, join=True, start_method="fork")
-    two = torch.load(out)
+    two = _train_two(tmp, "fsdp", {**cfg.to_dict(), "parallel": "fsdp", "expert_parallel": 2})
     kinds = two["kinds"]  # what each parameter was on process 0
-    assert kinds["blocks.0.feedforward.w_in"] == ("ep", "S(0)", 2)
-    assert kinds["blocks.1.feedforward.w_out"] == ("ep", "S(0)", 2)
+    assert kinds["blocks.0.feedforward.experts.w_in"] == ("ep", "S(0)", 2)
+    assert kinds["blocks.1.feedforward.experts.w_out"] == ("ep", "S(0)", 2)
     assert kinds["blocks.0.feedforward.w_router"][0] == "world"  # FSDP2 shard
     assert kinds["embedding.weight"][0] == "world"
-    for s in range(1, 11):
-        assert abs(two["losses"][s] - single["losses"][s]) < 1e-5, (s, two["losses"][s],
-                                                                    single["losses"][s])
-    for s, (g2, g1) in enumerate(zip(two["grads"], single["grads"]), 1):
-        assert g2.keys() == g1.keys()
-        for k in g1:
-            err = (g2[k] - g1[k]).norm().item()
-            assert err <= (1e-3 if s == 1 else 1e-2) * g1[k].norm().item() + 1e-7, (s, k, err)
+    _assert_trains_like(two, single, 10)
     step5 = tmp / "fsdp" / layout.CHECKPOINTS / layout.checkpoint_name(5)
     assert ckr.is_sharded_checkpoint(step5)
     assert ckr.read_meta(step5)["expert_parallel"] == 2
@@ -378,6 +387,22 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
         assert abs(b[s] - two["losses"][s]) < 1e-4, (s, b[s], two["losses"][s])
 
 
+def test_activation_checkpointing_composes_with_fsdp_and_expert_parallel(setup):
+    """activation_checkpointing=block under parallel=fsdp x expert_parallel=2 (2 processes):
+    every block's forward, all-to-alls included, runs again in backward, and 3 steps equal one
+    plain process without recomputation (losses and every gradient)."""
+    tmp, corpus = setup
+    cfg = TrainConfig(preset="tiny-switchall", data=str(corpus), tokenizer="byte256", steps=3,
+                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1,
+                      eval_every=0, eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                      model_overrides=TINY)
+    single = _fit(cfg, tmp / "one")
+    two = _train_two(tmp, "ac", {**cfg.to_dict(), "parallel": "fsdp", "expert_parallel": 2,
+                                 "activation_checkpointing": "block"})
+    assert two["kinds"]["blocks.0.feedforward.experts.w_in"] == ("ep", "S(0)", 2)
+    _assert_trains_like(two, single, 3)
+
+
 def _killed_worker(rank, world, init_file, cfg_dict, run_dir, dies, out_file):
     """Train; process ``dies[0]`` exits as a kill -9 would at the checkpoint of step 4, at the
     point ``dies[1]`` names. The survivor records the error it stops with."""
@@ -385,7 +410,7 @@ def _killed_worker(rank, world, init_file, cfg_dict, run_dir, dies, out_file):
 
     import torch.distributed as dist
 
-    from moeify.train import sharded
+    from moeify.rundir import sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -490,7 +515,7 @@ def _compile_worker(rank, world, init_file, out_file):
     from torch.distributed.tensor import DTensor
 
     from moeify.train.expert_parallel import ExpertParallel
-    from moeify.train.parallel import allow_data_dependent_shapes
+    from moeify.train.plans import allow_data_dependent_shapes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -556,7 +581,7 @@ def test_the_compiled_expert_parallel_layer_is_one_graph_and_equals_eager(tmp_pa
 def _init_from_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
     import torch.distributed as dist
 
-    from moeify.train.trainer import train_from
+    from moeify.train.start import train_from
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -573,7 +598,7 @@ def _start_worker(rank, world, init_file, cfg_dict, run_dir, source, out_file):
     import torch.distributed as dist
 
     from moeify.rundir.model import load_trained as load
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -601,7 +626,7 @@ def test_a_run_started_from_a_model_validates_expert_parallel(setup):
     so both processes validate (process 0 alone would wait forever) and get the loss one
     process gets."""
     from moeify.rundir.model import load_trained as load
-    from moeify.train.trainer import init_config, start_run_from_model
+    from moeify.train.start import init_config, start_run_from_model
 
     tmp, corpus = setup
     _source_run(tmp, corpus)
@@ -622,7 +647,7 @@ def test_a_run_started_from_a_model_validates_expert_parallel(setup):
 def test_init_from_a_one_process_run_trains_expert_parallel(setup):
     """--init-from (train_from) with expert_parallel=2: the new run's step-0 checkpoint holds the
     source's full weights split over the ep group, and it trains as the one-process run does."""
-    from moeify.train.trainer import init_config, train_from
+    from moeify.train.start import init_config, train_from
 
     tmp, corpus = setup
     _source_run(tmp, corpus)

@@ -16,7 +16,7 @@ from moeify.errors import MoeifyError
 from moeify.rundir import layout
 from moeify.rundir import checkpoints as ckr
 from moeify.rundir import load_trained
-from moeify.train import sharded
+from moeify.rundir import sharded
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream
@@ -234,7 +234,10 @@ def _signalled_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
+        import io
+
+        said = io.StringIO()
+        trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True, stream=said)
         real_step = trainer.train_step
 
         def step():
@@ -246,7 +249,8 @@ def _signalled_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
         trainer.train_step = step
         res = trainer.fit()
         torch.save({"step": res.step, "losses": sorted(res.losses),
-                    "checkpoint": str(res.checkpoint)}, f"{out_file}.{rank}")
+                    "checkpoint": str(res.checkpoint), "said": said.getvalue()},
+                   f"{out_file}.{rank}")
         trainer.close()
     finally:
         dist.destroy_process_group()
@@ -262,6 +266,10 @@ def test_a_signal_to_one_sharded_process_stops_all_with_a_checkpoint(setup):
     for r in range(2):
         got = torch.load(f"{out}.{r}")
         assert got["step"] == 3 and got["losses"] == [1, 2, 3], (r, got)
+    # The resume hint is a command that resumes a two-process run.
+    assert got["said"] == "" and torch.load(f"{out}.0")["said"].strip().endswith(
+        f"resume with: torchrun --nproc-per-node 2 -m moeify.cli.main train --resume "
+        f"{tmp / 'run'}")
     step3 = tmp / "run" / layout.CHECKPOINTS / layout.checkpoint_name(3)
     assert [d.name for d in layout.checkpoint_dirs(tmp / "run")] == [step3.name]
     assert ckr.is_sharded_checkpoint(step3)

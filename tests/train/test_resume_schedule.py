@@ -144,3 +144,43 @@ def test_the_choices_offered_for_a_finished_run_mark_those_that_would_be_refused
     offered = {part.split()[0]: part for part in str(err.value).split("--schedule ")[1:]}
     assert "refused" in offered["keep"] and "refused" in offered["extend"]
     assert "refused" not in offered["stretch"]
+
+
+def test_a_huge_steps_resume_computes_rates_on_demand(monkeypatch):
+    """resume --steps 10^9 --schedule extend|stretch evaluates the schedule at a few points, not
+    once per remaining update (a list of 10^9 rates exhausted memory)."""
+    import moeify.train.schedule as schedule
+
+    calls = []
+    real = schedule.schedule_factor
+    monkeypatch.setattr(schedule, "schedule_factor", lambda cfg, s: calls.append(s) or real(cfg, s))
+    trained = TrainConfig(steps=100, warmup_steps=W, lr=LR)
+    huge = 1_000_000_000
+    for choice in ("extend", "stretch"):
+        calls.clear()
+        cfg, note = schedule.resume_schedule(trained, TrainConfig(steps=huge, warmup_steps=W, lr=LR),
+                                             60, choice)
+        assert len(calls) < 1000, f"{choice}: {len(calls)} evaluations"
+        assert cfg.lr_extensions[-1][:2] == (60, huge)
+        assert note.endswith(f"at step {huge}")
+    # extend continues from the current rate (f0 = the trained schedule's factor at step 60).
+    calls.clear()
+    cfg, _ = schedule.resume_schedule(trained, TrainConfig(steps=huge, warmup_steps=W, lr=LR), 60,
+                                      "extend")
+    assert cfg.lr_extensions[-1][2] == pytest.approx(lr_factor(60, warmup_steps=W,
+                                                               cosine_steps=100 - W))
+    # Without a choice the refusal lists the options, also computed on demand.
+    calls.clear()
+    with pytest.raises(ValueError, match="--schedule extend"):
+        schedule.resume_schedule(trained, TrainConfig(steps=huge, warmup_steps=W, lr=LR), 60, None)
+    assert len(calls) < 1000
+
+
+def test_a_schedule_whose_remaining_rates_are_all_zero_is_refused():
+    """The on-demand check still finds a schedule that trains every remaining step at 0."""
+    from moeify.train.schedule import resume_schedule
+
+    trained = TrainConfig(steps=10, warmup_steps=W, lr=LR, cosine_steps=4)  # floor 0 at step 6
+    with pytest.raises(ValueError, match="learning rate 0"):
+        resume_schedule(trained, TrainConfig(steps=20, warmup_steps=W, lr=LR, cosine_steps=4), 8,
+                        "keep")

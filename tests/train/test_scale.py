@@ -77,7 +77,31 @@ def test_compile_true_trains_exactly_like_eager(env, monkeypatch):
     assert compiled_blocks == ["TransformerBlock", "TransformerBlock"]
 
 
+def test_activation_checkpointing_with_compile_trains_like_eager(env, monkeypatch):
+    """activation_checkpointing=block with compile=true (blocks traced by dynamo and AOT
+    autograd, the checkpointed region recomputed in the compiled backward), on Switch with the
+    global-batch balance loss and 2 micro-batches (one block, to keep the tracing short): the
+    same losses as the plain eager run."""
+    tmp, corpus = env
+    torch._dynamo.reset()
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
+    kw = dict(steps=2, grad_accum=2, model_overrides=(
+        "model.d_model=32", "model.n_layers=1", "model.context_length=16",
+        "model.feedforward.balance_scope=global"))
+    eager = train(_cfg(corpus, "tiny-switch", **kw), tmp / "eager", quiet=True)
+    both = train(_cfg(corpus, "tiny-switch", compile=True, activation_checkpointing="block",
+                      **kw), tmp / "ac", quiet=True)
+    for s in (1, 2):
+        assert abs(both.losses[s] - eager.losses[s]) < 1e-5, (s, both.losses, eager.losses)
+
+
 def test_unknown_parallel_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="parallel must be one of ddp, fsdp"):
         TrainConfig().with_overrides(["parallel=zero3"])
     assert TrainConfig().with_overrides(["compile=true", "parallel=fsdp"]).compile is True
+    with pytest.raises(ValueError, match="activation_checkpointing must be one of none, block"):
+        TrainConfig().with_overrides(["activation_checkpointing=layers"])
+    assert TrainConfig().with_overrides(
+        ["activation_checkpointing=block"]).activation_checkpointing == "block"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from moeify.errors import MoeifyError
 from moeify.rundir import layout
 from moeify.rundir import checkpoints as ckr
-from moeify.train import checkpoint as ck
+from moeify.rundir import write as ck
 from moeify.train.config import TrainConfig
 from moeify.train.metrics import read_metrics
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
@@ -102,10 +102,12 @@ def _final_weights(run_dir):
     return ckr.load_checkpoint(run_dir).model_state
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(env):
+def test_resume_reproduces_the_uninterrupted_run_exactly(env, capsys):
     tmp, corpus = env
     cfg = tiny_cfg(corpus, grad_accum=2, warmup_steps=2)  # XL memory, accumulation, warm-up
     full = train(cfg, tmp / "a", quiet=True)
+    err = capsys.readouterr().err  # quiet: not even the corpus preparation and tokenising lines
+    assert "[moeify]" not in err, err
     first = train(cfg, tmp / "b", quiet=True, stop_after=4)  # "preempted" after step 4
     assert sorted(first.losses) == [1, 2, 3, 4]
     assert layout.latest_checkpoint(tmp / "b").name == "step-00000004"
@@ -156,7 +158,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
     tmp, corpus = env
     cfg = tiny_cfg(corpus, steps=4, checkpoint_every=2)
     reference = train(cfg, tmp / "ref", quiet=True)
-    real_save = ck._save_state
+    real_save = ck.save_state
     calls = []
 
     def dies_on_second_save(state, path):
@@ -166,7 +168,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(env
             raise OSError("killed")
         real_save(state, path)
 
-    monkeypatch.setattr(ck, "_save_state", dies_on_second_save)
+    monkeypatch.setattr(ck, "save_state", dies_on_second_save)
     with pytest.raises(MoeifyError, match="step 4.*last good checkpoint .*step-00000002 is intact"):
         train(cfg, tmp / "run", quiet=True)
     monkeypatch.undo()

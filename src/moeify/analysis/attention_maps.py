@@ -28,6 +28,7 @@ from torch import nn
 
 from moeify.analysis.plotting import pyplot, save_figure
 from moeify.layers.moa import MoAAttention
+from moeify.layers.moh import MoHAttention
 from moeify.layers.switchhead import SwitchHeadAttention
 from moeify.models.lm import attention_of
 
@@ -36,12 +37,13 @@ from moeify.models.lm import attention_of
 class AttentionMaps:
     """One layer's attention for one sequence (numpy, float)."""
 
-    kind: str  # "switchhead", "moa" or "dense"
+    kind: str  # "switchhead", "moa", "moh" or "dense"
     layer: int
     dst_tokens: list[str]
     src_tokens: list[str]
     probs_HTS: np.ndarray
-    sel_dst_THE: np.ndarray | None = None  # gates of the destination-side (O/Q) experts
+    sel_dst_THE: np.ndarray | None = None  # gates of the destination-side (O/Q) experts; MoH:
+    # each head's gate g_i per token, E = 1
     sel_src_SHE: np.ndarray | None = None  # gates of the source-side (V/K) experts
     entropy_H: np.ndarray = field(default=None)
     norm_entropy_H: np.ndarray = field(default=None)
@@ -85,6 +87,8 @@ def layer_kind(attn: nn.Module) -> str:
         return "switchhead"
     if isinstance(attn, MoAAttention):
         return "moa"
+    if isinstance(attn, MoHAttention):
+        return "moh"
     return "dense"
 
 
@@ -178,17 +182,18 @@ def panel_titles(maps: AttentionMaps) -> list[str]:
     return titles + [f"layer {maps.layer} max over {heads}s"]
 
 
-# Over 60 lines: one figure, panel by panel; splitting it would scatter the layout.
+# One figure, panel by panel, so that its layout reads in one place.
 def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = None) -> Path:
     """One panel per head plus the max over heads. SwitchHead panels carry the destination-side
     expert gates as a strip left of the rows and the source-side gates as a strip under the
-    columns (one strip column / row per expert of that head; white = not selected)."""
+    columns (one strip column / row per expert of that head; white = not selected); MoH panels
+    carry the head's gate at each query token left of the rows (white = head not active)."""
     plt = pyplot()
     H, T, S = maps.probs_HTS.shape
     n_panels = H + 1
     ncols = min(n_panels, 4)
     nrows = -(-n_panels // ncols)
-    strips = maps.kind == "switchhead"
+    strips = maps.kind in ("switchhead", "moh")
     E = 0
     for sel in (maps.sel_dst_THE, maps.sel_src_SHE):
         if sel is not None:
@@ -219,12 +224,14 @@ def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = 
             ax.set_yticks([])
             if dst is not None:
                 ax_d = fig.add_subplot(g[0, 0], sharey=ax)
-                ax_d.imshow(np.where(dst > 0, dst, np.nan), cmap="Oranges", vmin=0, vmax=1,
+                # MoH's gates reach 2 and more (the authors' scaled gates): its own range
+                top = max(1.0, float(np.nanmax(dst))) if maps.kind == "moh" else 1
+                ax_d.imshow(np.where(dst > 0, dst, np.nan), cmap="Oranges", vmin=0, vmax=top,
                             aspect="auto", interpolation="nearest")
                 ax_d.set_xticks(range(dst.shape[1]))
                 ax_d.set_xticklabels([str(e) for e in range(dst.shape[1])], fontsize=5)
                 _tick_labels(ax_d, maps.dst_tokens, "y")
-                ax_d.set_xlabel("O expert", fontsize=6)
+                ax_d.set_xlabel("gate" if maps.kind == "moh" else "O expert", fontsize=6)
             else:
                 _tick_labels(ax, maps.dst_tokens, "y")
             if src is not None:
@@ -244,7 +251,7 @@ def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = 
             _tick_labels(ax, maps.src_tokens, "x")
     if image is not None:
         fig.colorbar(image, ax=fig.axes, shrink=0.6, label="attention probability")
-    kind = {"switchhead": "SwitchHead", "moa": "MoA", "dense": "dense"}[maps.kind]
+    kind = {"switchhead": "SwitchHead", "moa": "MoA", "moh": "MoH", "dense": "dense"}[maps.kind]
     fig.suptitle(title or f"{kind} attention, layer {maps.layer}", fontsize=10)
     return save_figure(fig, out, titles)
 

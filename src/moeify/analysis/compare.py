@@ -2,7 +2,8 @@
 validation scores and how stable it is, results.json, results.md and the curves plot.
 
 Each record holds (RESULT_FIELDS): parameters, attention MACs and memory per layer for one
-sequence (spec §6, as ``moeify count`` prints them; ``*_total`` sums the layers), the final
+sequence (moeify.models.cost, as ``moeify count`` prints them; ``*_total`` sums the layers), the
+final
 validation score on the scored part of the validation split (bpc for byte-level runs, else
 perplexity), training tokens/s (tokens over training time, validation and checkpoints
 excluded), the peak memory of the training process, and BLiMP accuracy (None with a reason

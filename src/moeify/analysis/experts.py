@@ -10,6 +10,7 @@ windows, as in training and validation); the counts of each routing record of ev
     SwitchHead   [H, E] selections per head and expert; the source side (V, K) and the
                  destination side (O, Q) each have one selection
     MoA          [1, E] selected heads
+    MoH          [1, h - h_s] selected routed heads (the shared heads are always active)
     sigma-MoE, Switch   [1, E] (Switch: [1, E + no-op experts])
     MoD          [1, 2] skipped and routed tokens: the table holds the fraction routed
 
@@ -68,13 +69,13 @@ class UsageTable:
                 "dead": int(self.dead.sum())}
 
 
-_ORDER = {("switchhead", "src"): 0, ("switchhead", "dst"): 1, ("moa", ""): 2,
-          ("sigma_moe", ""): 3, ("switch", ""): 3, ("mod", ""): 4}
+_ORDER = {("switchhead", "src"): 0, ("switchhead", "dst"): 1, ("moa", ""): 2, ("moh", ""): 2,
+          ("sigma_moe", ""): 3, ("switch", ""): 3, ("mod", ""): 4, ("mor", ""): 5}
 
 
 def _group(r: RoutingStats) -> tuple[int, str]:
     """Sort key and table of a routing record: SwitchHead's source side before its destination
-    side, then MoA, the feedforwards, depth routing."""
+    side, then MoA and MoH, the feedforwards, depth routing."""
     side = ("src" if set(r.serves) & {"k", "v"} else "dst") if r.kind == "switchhead" else ""
     return _ORDER[(r.kind, side)], r.label
 

@@ -1,6 +1,6 @@
 """Benchmark of one attention layer at a preset's shapes: the dense baseline, SwitchHead and MoA
 side by side, forward and forward+backward time and peak memory, with the cost-accounting MAC
-and memory ratios (SwitchHead spec §6) beside the measured ones.
+and memory ratios (moeify.models.cost) beside the measured ones.
 
 Shape legend: B batch, T chunk length (queries), S = 2T source tokens with XL memory (else T),
 D d_model.
@@ -176,7 +176,7 @@ def _ratio(a, b):
     return None if a is None or b is None or not b else a / b
 
 
-# Over 60 lines: one side-by-side timing loop whose ratios must come from the same run.
+# One side-by-side timing loop: the ratios must come from the same run.
 def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
                     tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
                     textbook: bool = True, memory: bool = True, warmup: int = 2,
@@ -280,7 +280,8 @@ def table(result: dict) -> str:
                 f"{result['dtype']} on {result['device']} ({result['threads']} threads, OpenMP "
                 f"{result['omp_wait_policy']}), median "
                 f"of {result['repeats']}; x = ratio to {g['baseline']}; MACs x / Mem x: cost "
-                "accounting (spec §6); peak: tensor memory of fwd+bwd above weights and inputs")
+                "accounting (moeify.models.cost); peak: tensor memory of fwd+bwd above weights "
+                "and inputs")
         columns = COLUMNS
         if result.get("compile"):
             head += ("; compiled: torch.compile'd layer (compile time excluded), vs eager = "

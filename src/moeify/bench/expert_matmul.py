@@ -6,7 +6,7 @@ import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times, kernel_profile
 from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
-from moeify.ops.moe.kernels.triton import unavailable_reason
+from moeify.ops.moe.kernels.scatter_gemm import unavailable_reason
 from moeify.ops.moe.policy import planless
 
 
@@ -72,6 +72,12 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, dtype=torch.float32, d
                         "cuda" else ""
                     raise ValueError(f"the peer {name} failed on these inputs{hint}: "
                                      f"{type(e).__name__}: {e}") from None
+                if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else \
+                        type(out).__name__
+                    raise ValueError(f"the peer {name} returned {got} where the gated sum is "
+                                     f"{tuple(ref.shape)} (rows x F): is it the kernel its "
+                                     "adapter expects (moeify.bench.peers), unmodified?")
                 err = (out.float() - ref).abs().max() / ref.abs().max()
                 peer_errors[f"{name} (peer)"] = err.item()
                 fns[f"{name} (peer)"] = run_peer(peer)

@@ -3,7 +3,7 @@ side by side: time and peak memory, with the cost-accounting MAC ratios beside t
 
 Shape legend: B batch, T chunk length, V vocabulary, D d_model.
 
-The step is the paper's recipe (switchhead.md §3) on random tokens: training mode (dropout on),
+The step is the paper's recipe (SwitchHead appendix) on random tokens: training mode (dropout on),
 one chunk of XL memory for XL models (computed once at setup, the same for every step), the LM
 loss plus any auxiliary losses (the model called as the trainer calls it, without logits),
 backward, gradient clipping at 0.1, the trainer's AdamW (``moeify.ops.optim.adamw``, lr 2.5e-4,
@@ -17,7 +17,8 @@ is what the second step needs on top of the state it inherits (weights, AdamW st
 memory): activations, gradients and temporaries. At batch 4 the inherited state is a large,
 model-independent share of the peak, which pulls the peak ratio towards 1.
 
-MAC columns (per sequence, forward): "attn MACs x" sums the attention layers' MACs of spec §6;
+MAC columns (per sequence, forward): "attn MACs x" sums the attention layers' MACs of
+moeify.models.cost;
 "model MACs x" adds the dense feedforward (2·d·d_ff·T per layer) and the output layer (d·V·T),
 and is left empty for models whose feedforward has no formula here (MoE feedforwards).
 """
@@ -43,7 +44,7 @@ from moeify.models.cost import model_cost
 from moeify.ops.optim import adamw
 
 DEFAULT_STEP_PRESETS = ("wt103-47m-dense", "wt103-47m-switchhead", "wt103-47m-moa-h4")
-GRAD_CLIP = 0.1  # κ of the small models (switchhead.md §3)
+GRAD_CLIP = 0.1  # κ of the small models (SwitchHead appendix)
 LR = 2.5e-4
 
 

@@ -1,10 +1,11 @@
-"""``moeify count``: parameters, and per attention layer MACs and memory (SwitchHead spec §6)."""
+"""``moeify count``: parameters, and per attention layer MACs and memory (moeify.models.cost)."""
 
 from __future__ import annotations
 
 
 def register(sub) -> None:
-    p = sub.add_parser("count", help="parameters, attention MACs and memory of a preset",
+    p = sub.add_parser("count", help="parameters, attention MACs and memory of a preset, a run "
+                       "(--run) or a ModelConfig JSON file (--config)",
                        description="Count the parameters of a model (built on the meta device: "
                        "no weights are allocated) and, per attention layer, the MACs and memory "
                        "of one sequence with the formulas that printed the SwitchHead paper's "

@@ -23,7 +23,7 @@ def run(args) -> int:
                          "picks k of the experts")
     from moeify.ops import expert_matmul, sigmoid_topk
     from moeify.ops.moe import IMPLEMENTATIONS, make_plan
-    from moeify.ops.moe.kernels.triton import unavailable_reason
+    from moeify.ops.moe.kernels.scatter_gemm import unavailable_reason
 
     torch.manual_seed(0)
     D, F = 128, 64

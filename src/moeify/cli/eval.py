@@ -9,7 +9,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="evaluate a run: perplexity/bpc, LAMBADA, BLiMP or CBT",
         description="Evaluate the latest checkpoint of a run (or a given checkpoint) as the "
-        "SwitchHead authors scored each task (spec evaluation.md). ppl: perplexity, and bits per "
+        "SwitchHead authors scored each task (their code). ppl: perplexity, and bits per "
         "character for byte-level models, over a split of the run's corpus with XL memory "
         "carried. lambada / blimp / cbt: zero-shot, every item scored on its own; their data is "
         "found under --data-dir or $MOEIFY_DATA_DIR (blimp/, lambada/, cbt/) or at --data.")
@@ -106,9 +106,9 @@ def _ppl(args, tm, logits_fn, data_path, max_len, device, amp_dtype, progress) -
     from moeify.data.stream import tokenize_split
     from moeify.eval.adapters import evaluate_stream
 
-    corpus_spec = data_path or (tm.train_config or {}).get("data")
-    if corpus_spec is None:
-        raise ValueError("the run records no corpus: pass --data CORPUS")
+    from moeify.rundir.data import run_corpus_spec
+
+    corpus_spec = data_path or run_corpus_spec((tm.train_config or {}).get("data"), tm.run_dir)
     corpus = load_corpus(corpus_spec)
     tokens = tokenize_split(corpus, tm.tokenizer, args.split)
     res = evaluate_stream(tm.model, tokens, tm.tokenizer, seq_len=tm.model_config.context_length,

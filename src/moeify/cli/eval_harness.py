@@ -102,7 +102,6 @@ def _run_harness(args, tasks) -> int:
     import lm_eval
     from lm_eval.utils import handle_non_serializable, make_table
 
-    from moeify.data.cache import write_bytes_atomic
     from moeify.train.distributed import DistEnv, configure_cpu_threads, pick_device
     from moeify.rundir import load_trained
     from moeify.train.trainer import resolve_amp
@@ -137,13 +136,52 @@ def _run_harness(args, tasks) -> int:
     path = Path(args.harness_out) if args.harness_out else default_out(
         tm.run_dir, tm.checkpoint.path.name, tasks, args.limit)
     text = json.dumps(out, indent=2, default=handle_non_serializable)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(path, (text + "\n").encode())
+    # The results first: a run directory that cannot be written must not lose the evaluation.
     if args.json:
-        print(text)
-        return 0
-    print(make_table(res))
-    if res.get("groups"):
-        print(make_table(res, "groups"))
-    print(f"wrote {path}")
+        print(text, flush=True)
+    else:
+        print(make_table(res))
+        if res.get("groups"):
+            print(make_table(res, "groups"))
+        sys.stdout.flush()
+    written = write_results(path, (text + "\n").encode(), explicit=args.harness_out is not None,
+                            run_name=tm.run_dir.name)
+    if not args.json:
+        print(f"wrote {written}")
     return 0
+
+
+def write_results(path: Path, data: bytes, *, explicit: bool, run_name: str) -> Path:
+    """Write the results JSON to ``path``; where the run directory cannot be written (a
+    read-only run, a full disk) and ``path`` is the default, to a named writable place
+    instead: the current directory, else the moeify cache; saying so, and naming
+    --harness-out. The user's own --harness-out is not replaced: its error is raised."""
+    from moeify.data.cache import cache_subdir, write_bytes_atomic
+    from moeify.errors import MoeifyError, describe_os_error
+
+    def write(p: Path) -> Path:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(p, data)
+        return p
+
+    try:
+        return write(path)
+    except OSError as e:
+        if explicit:
+            raise
+        first = describe_os_error(e)
+    name = f"harness-{run_name}-{path.name}"
+    tried = []
+    for place in (lambda: Path.cwd() / name, lambda: cache_subdir("harness") / name):
+        try:
+            candidate = place()
+            written = write(candidate)
+        except (OSError, MoeifyError) as e:
+            tried.append(describe_os_error(e) if isinstance(e, OSError) else str(e))
+            continue
+        print(f"note: the results could not be written into the run ({first}); wrote them "
+              f"to {written} instead (choose the file with --harness-out FILE)",
+              file=sys.stderr)
+        return written
+    raise MoeifyError(f"the results (printed above) could not be written: {first}; nor "
+                      f"beside it: {'; '.join(tried)}; pass --harness-out FILE")

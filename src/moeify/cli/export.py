@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "export", help="export a run as a Hugging Face model directory (trust_remote_code)",
+        "export", help="export a run as a Hugging Face model directory (model_type moeify with "
+        "remote code, or --format native: transformers' own GPT-2, Llama, Mixtral, ...)",
         description="Write the latest checkpoint of a run as a Hugging Face directory: "
         "config.json (model_type moeify, auto_map), modeling code that imports moeify, "
         "model.safetensors and the tokenizer. Load it with AutoModelForCausalLM.from_pretrained"

@@ -8,7 +8,9 @@ def register(sub) -> None:
         "generate", help="sample a continuation of a prompt from a trained run",
         description="Continue --prompt with tokens sampled from the run's latest checkpoint, "
         "decoding with the KV cache (Mixture-of-Depths models use their causal router). "
-        "temperature 0 is greedy decoding.")
+        "temperature 0 is greedy decoding. Generation ends at the tokenizer's end-of-sequence "
+        "token (an imported model's eos_token_id, as transformers' generate; <|endoftext|> for "
+        "the GPT-2 tokenizer), at a --stop string, or after --max-new-tokens.")
     p.add_argument("--run", required=True, help="run directory (or one of its checkpoints)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text to continue; \"\" samples unconditionally, after the "
@@ -26,6 +28,12 @@ def register(sub) -> None:
                    help="sample among the most likely tokens whose probabilities add up to p "
                    "(nucleus sampling; default: all)")
     p.add_argument("--seed", type=int, default=None, help="make the sample reproducible")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end once the continuation contains TEXT (printed, as transformers' "
+                   "stop_strings keep it); repeat for several")
+    p.add_argument("--no-eos", action="store_true",
+                   help="do not end at the end-of-sequence token: always sample "
+                   "--max-new-tokens (unless a --stop string comes)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default "
                    "auto: CUDA when available, else CPU)")
     p.set_defaults(func=run)
@@ -52,11 +60,31 @@ def run(args) -> int:
     mc = tm.model_config
     # The span the model was trained to attend over: its chunk, plus one chunk of XL memory.
     window = mc.context_length * (2 if mc.xl_memory else 1)
+    if any(not s for s in args.stop):
+        raise ValueError("--stop needs a non-empty text")
+    eos = set() if args.no_eos else set(end_of_sequence_ids(tm.tokenizer, tm.run_dir))
+    stops, decode = tuple(args.stop), tm.tokenizer.decode
     tokens = iter_generate(tm.model, ids, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           seed=args.seed, window=window)
-    stream_text(prompt, tokens, tm.tokenizer.decode, sys.stdout)
+                           seed=args.seed, window=window, stop_ids=sorted(eos),
+                           should_stop=(lambda new: any(s in decode(new) for s in stops))
+                           if stops else None)
+    stream_text(prompt, (t for t in tokens if t not in eos), decode, sys.stdout)
     return 0
+
+
+def end_of_sequence_ids(tokenizer, run_dir) -> list[int]:
+    """The ids generation ends at: an imported model's own (moeify.interop.hf_import's
+    ``source_eos_ids``: generation_config.json, else config.json, as transformers' generate
+    reads them), else the GPT-2 tokenizer's <|endoftext|>; none for byte-level and
+    SentencePiece tokenizers, whose corpora separate documents by lines."""
+    from moeify.interop.hf_import import source_eos_ids
+
+    ids = source_eos_ids(run_dir)
+    if ids is None and tokenizer.name == "gpt2":
+        eot = tokenizer.encoder.get("<|endoftext|>")
+        ids = [] if eot is None else [int(eot)]
+    return [i for i in ids or [] if 0 <= i < tokenizer.vocab_size]
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

@@ -29,8 +29,8 @@ def run(args) -> int:
 
 def context_note(run_dir) -> str | None:
     """A sentence when the run's context (training chunk, generation window) is shorter than
-    the checkpoint's positions: moeify caps it (moeify.interop.hf_import.MAX_IMPORTED_CONTEXT,
-    and a sliding window)."""
+    the checkpoint's positions: moeify caps it at a sliding window, where windowed and full
+    attention agree (moeify.interop.hf_import); otherwise it is the source's own."""
     import json
     from pathlib import Path
 
@@ -43,5 +43,5 @@ def context_note(run_dir) -> str | None:
     if not positions or int(positions) <= T:
         return None
     return (f"the checkpoint has {int(positions)} positions; moeify trains and generates over "
-            f"{T} tokens (its context_length: at most 2048, and at most a sliding window); "
-            "the weights are imported whole")
+            f"{T} tokens (its context_length: the checkpoint's sliding window, which moeify "
+            "does not apply); the weights are imported whole")

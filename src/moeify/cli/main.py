@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeify",
         description="Mixture-of-Experts everywhere inside a Transformer: build, train, evaluate, "
-        "benchmark and inspect SwitchHead, MoA, sigma-MoE, Switch and Mixture-of-Depths models.",
+        "benchmark and inspect SwitchHead, MoA, sigma-MoE, Switch, Mixture-of-Depths, MoEUT and MoSA "
+        "models.",
     )
     from moeify import __version__
 
@@ -102,6 +103,12 @@ def _quiet_exit(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # the switches read before and while handling errors: a bad value is one line too
+        env_flag("MOEIFY_DEBUG")
+        env_flag("MOEIFY_NO_MALLOC_TUNING")
+    except ValueError as e:
+        print(f"moeify: error: {e}", file=sys.stderr)
+        return 2
     code = _main(argv)
     if argv is None:  # the process itself, not a caller in Python
         _quiet_exit(code)

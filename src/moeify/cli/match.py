@@ -1,4 +1,4 @@
-"""``moeify match``: parameter-match SwitchHead or MoA to a dense preset (SwitchHead spec §5)."""
+"""``moeify match``: parameter-match SwitchHead or MoA to a dense preset (SwitchHead §3)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def run_attention(args) -> int:
     from moeify.rundir import load_trained
 
     _check_out(args.out)
-    run = load_trained(args.run, single_file_only=True)
+    run = load_trained(args.run)
     ids = run.tokenizer.encode(args.text)
     T = run.model_config.context_length
     if len(ids) > T:
@@ -92,10 +92,10 @@ def run_experts(args) -> int:
     _check_out(args.out)
     if args.tokens < 1 or args.batch_size < 1:
         raise ValueError("--tokens and --batch-size must be positive")
-    run = load_trained(args.run, single_file_only=True)
-    data = args.data or (run.train_config or {}).get("data")
-    if not data:
-        raise ValueError(f"{args.run} does not record its training corpus; pass --data")
+    run = load_trained(args.run)
+    from moeify.rundir.data import run_corpus_spec
+
+    data = args.data or run_corpus_spec((run.train_config or {}).get("data"), run.run_dir)
     tokens = tokenize_split(load_corpus(data), run.tokenizer, args.split)
     tables = expert_usage(run.model, tokens, batch_size=args.batch_size, max_tokens=args.tokens)
     name = Path(args.run).resolve().name

@@ -86,9 +86,10 @@ def parse_variants(items: list[str]) -> dict[str, list[str]]:
 # command runs (moeify bench sets OpenMP's wait policy first).
 def run(args) -> int:
     from moeify.sweep.grid import check_baselines, tabulate, train_grid
-    from moeify.sweep.scheduler import lock_out
+    from moeify.sweep.scheduler import lock_out, refuse_other_study
 
     out = Path(args.out)
+    refuse_other_study(out, "sweep")
     error = None
     if not args.tabulate:
         presets, specs = _grid(args)

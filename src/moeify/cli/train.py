@@ -58,7 +58,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-# Over 60 lines: the command's steps in order (argument checks, config, trainer, report).
+# The command's steps in order: argument checks, config, trainer, report.
 def run(args) -> int:
     import dataclasses
     import os
@@ -107,8 +107,16 @@ def run(args) -> int:
     else:
         base = TrainConfig()
     cfg = dataclasses.replace(base, **explicit).with_overrides(args.overrides)
+    if resume is not None and _weights_only(run_dir if resume is True else resume):
+        # An imported model (weights, nothing trained yet): fine-tuning settings, not the
+        # tiny presets' from-scratch ones.
+        cfg = apply_finetune_defaults(cfg, args, source_dtype=_imported_dtype(run_dir),
+                                      context=resolve_model_config(cfg, run_dir=run_dir
+                                                                   ).context_length)
     # Unknown presets and bad model overrides fail before any data work.
     resolve_model_config(cfg, run_dir=run_dir if resume is not None else None)
+    cfg = with_data_identity(cfg, run_dir if resume is not None and args.data is None else None,
+                             quiet=args.quiet)
     if resume is None:
         if args.out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Each process would pick its own numbered default directory.
@@ -119,8 +127,11 @@ def run(args) -> int:
         from moeify.train.distributed import configure_cpu_threads
 
         configure_cpu_threads()
-    result = train(cfg, run_dir, resume=resume if resume is not None else False,
-                   quiet=args.quiet, schedule=args.schedule)
+    from moeify.train.distributed import device_type, process_group
+
+    with process_group(device_type(cfg.device)):  # one per process (train.distributed)
+        result = train(cfg, run_dir, resume=resume if resume is not None else False,
+                       quiet=args.quiet, schedule=args.schedule)
     return _report(result)
 
 
@@ -129,16 +140,87 @@ def _init_from(args, explicit: dict) -> int:
     from pathlib import Path
 
     from moeify.rundir.layout import default_run_dir
-    from moeify.train.trainer import init_config, train_from
+    from moeify.train.start import init_config, train_from
 
-    cfg = dataclasses.replace(init_config(args.init_from), **explicit
-                              ).with_overrides(args.overrides)
+    from moeify.rundir.layout import resolve_checkpoint, run_dir_of
+
+    source_run = None if args.data else run_dir_of(resolve_checkpoint(args.init_from))
+    cfg = with_data_identity(dataclasses.replace(init_config(args.init_from), **explicit
+                                                 ).with_overrides(args.overrides), source_run,
+                             quiet=args.quiet)
+    cfg = apply_finetune_defaults(cfg, args, context=cfg.model["context_length"])
     run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset, cfg.data)
     if not cfg.device.startswith("cuda"):
         from moeify.train.distributed import configure_cpu_threads
 
         configure_cpu_threads()
     return _report(train_from(cfg, run_dir, args.init_from, quiet=args.quiet))
+
+
+def _weights_only(target) -> bool:
+    from moeify.rundir.checkpoints import read_meta
+    from moeify.rundir.layout import resolve_checkpoint
+
+    return bool(read_meta(resolve_checkpoint(target)).get("weights_only"))
+
+
+def _imported_dtype(run_dir) -> str | None:
+    """The dtype an imported checkpoint was stored in (its config.json's torch_dtype)."""
+    import json
+
+    from moeify.interop.hf_import import HF_CONFIG_COPY
+
+    try:
+        hf = json.loads((run_dir / HF_CONFIG_COPY).read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = hf.get("torch_dtype") or hf.get("dtype") if isinstance(hf, dict) else None
+    return dtype if isinstance(dtype, str) else None
+
+
+def apply_finetune_defaults(cfg, args, *, source_dtype: str | None = None,
+                            context: int | None = None):
+    """``cfg`` with moeify.train.finetune's defaults for every setting ``args.overrides`` does
+    not give, the line saying so printed (process 0, unless --quiet)."""
+    import os
+    import sys
+
+    import torch
+
+    from moeify.train.finetune import finetune_defaults
+    from moeify.train.values import split_override
+
+    explicit = {split_override(o)[0] for o in args.overrides}
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    cfg, line = finetune_defaults(cfg, explicit=explicit, source_dtype=source_dtype, cuda=cuda,
+                                  context=context)
+    if not getattr(args, "quiet", False) and os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    return cfg
+
+
+def with_data_identity(cfg, recorded_in=None, *, quiet: bool = False):
+    """``cfg`` with its data recorded as what identifies it (moeify.rundir.data): a local path
+    made absolute, with its content's fingerprint, so the run works from any directory.
+    ``recorded_in``: the run directory whose config.json gave ``cfg.data`` (a resume without
+    --data), where a relative path recorded as typed is looked up."""
+    import dataclasses
+    from pathlib import Path
+
+    from moeify.errors import MoeifyError
+    from moeify.rundir.data import identify, is_corpus_name, recorded_spec
+
+    spec = cfg.data
+    if recorded_in is not None and not is_corpus_name(spec):
+        spec = recorded_spec(cfg.data, recorded_in)
+        if not Path(spec).expanduser().exists():
+            raise MoeifyError(f"{recorded_in} was trained on {cfg.data}, which is not there (from "
+                              "here or the run's directory): give --data PATH with the same text")
+    from moeify.data.cache import quiet_progress
+
+    with quiet_progress(quiet):
+        data, sha = identify(spec)
+    return dataclasses.replace(cfg, data=data, data_sha256=sha)
 
 
 def _report(result) -> int:

@@ -18,16 +18,19 @@ def register(sub) -> None:
         epilog="conversions (options key=value, comma-separated; defaults in brackets):\n"
                "  --attention switchhead:E=,k=[E],experts=[vo],router_scale=[0.1],seed=[0]\n"
                "  --attention moa:k=,kv_head=[0],router_scale=[0.1]\n"
+               "  --attention moh:shared=,k=,router=[learned]|query_norm,router_scale=[0.1],"
+               "balance_coef=[0.01]\n"
                "  --ff sigma-moe:E=,k=[E],split=[cluster]|contiguous,router=[keys]|random,"
                "router_scale=[0.1],entropy_coef=[1e-4]\n"
                "  --ff switch:E=,k=[1],noise=[0],reinit=[0],router_scale=[0.01],"
                "dropless=[true],capacity_factor=[1.25]\n"
                "  --depth mod:blocks=[1,3,...],capacity=[0.125],router_scale=[0.1]\n"
                "exact (same logits as the dense model): sigma-moe with k=E,router_scale=0; switch "
-               "with router_scale=0; mod with capacity=1,router_scale=0\n"
+               "with router_scale=0; mod with capacity=1,router_scale=0; moh with k=heads-shared,"
+               "router_scale=0\n"
                "imported checkpoints (moeify import): two-layer MLPs (GPT-2's GELU) convert to "
-               "sigma-moe / switch, multi-head attention to switchhead (its biases dropped); "
-               "gated (SwiGLU) MLPs and grouped-query attention stay dense\n"
+               "sigma-moe / switch, multi-head attention to switchhead (its biases dropped) or moh "
+               "(kept); grouped-query attention to moh; gated (SwiGLU) MLPs stay dense\n"
                "examples:\n"
                "  moeify upcycle --run runs/dense --out runs/sh --attention switchhead:E=4,k=2\n"
                "  moeify upcycle --run runs/dense --out runs/all --attention switchhead:E=4,k=2 "
@@ -37,7 +40,7 @@ def register(sub) -> None:
                    "checkpoints)")
     p.add_argument("--out", required=True, help="the new run directory (must not exist yet, "
                    "or be empty)")
-    p.add_argument("--attention", help="attention conversion (switchhead:..., moa:...)")
+    p.add_argument("--attention", help="attention conversion (switchhead:..., moa:..., moh:...)")
     p.add_argument("--ff", help="feedforward conversion (sigma-moe:..., switch:...)")
     p.add_argument("--depth", help="depth conversion (mod:...)")
     p.add_argument("--steps", type=int, help="the new run's total steps (default: the source "
@@ -64,7 +67,7 @@ def run(args) -> int:
     from moeify.train.config import TrainConfig, read_train_config
     from moeify.train.distributed import configure_cpu_threads
     from moeify.rundir import load_trained
-    from moeify.train.trainer import start_run_from_model
+    from moeify.train.start import start_run_from_model
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
@@ -81,7 +84,6 @@ def run(args) -> int:
         raise MoeifyError("--out is the source run; the source is never modified, choose a new "
                           "directory")
     sweep_stale_directories(out)  # what a killed upcycle into --out left beside it
-    _drop_stale_lock(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"--out {out} already exists and is not empty; choose a new directory")
     configure_cpu_threads()
@@ -95,6 +97,10 @@ def run(args) -> int:
     cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
                               model=model.config.to_dict(), **explicit
                               ).with_overrides(args.overrides)
+    from moeify.cli.train import apply_finetune_defaults, with_data_identity
+
+    cfg = with_data_identity(cfg, None if args.data else src_dir)
+    cfg = apply_finetune_defaults(cfg, args, context=model.config.context_length)
     # Written beside --out and renamed at the end: a failure (a full disk) or a kill leaves no
     # half-made run directory; a killed attempt's temporary directory is swept by the next.
     with atomic_directory(out, "upcycle") as tmp:
@@ -104,7 +110,9 @@ def run(args) -> int:
         except MoeifyError as e:  # the trainer's message names the temporary directory
             raise MoeifyError(str(e).replace(str(tmp), str(out))) from None
     summary = _summary(args, src, model, valid, out, is_exact(args.attention, args.ff,
-                                                               args.depth), model_cost)
+                                                               args.depth,
+                                                               source=src.model_config),
+                       model_cost)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -121,16 +129,6 @@ def run(args) -> int:
         print(f"  validation {name}: {was}upcycled {valid[name]:.4f}")
     print(f"continue with: moeify train --resume {out}")
     return 0
-
-
-def _drop_stale_lock(out: Path) -> None:
-    """An --out that holds nothing but the .lock of a dead process (a kill -9 of an upcycle by
-    an earlier version, which wrote into --out directly) is empty for every purpose."""
-    from moeify.train.lock import LOCK_FILE, live_holder
-
-    if out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_FILE] and \
-            live_holder(out) is None:
-        (out / LOCK_FILE).unlink(missing_ok=True)
 
 
 def _summary(args, src, model, valid, out, exact, model_cost) -> dict:

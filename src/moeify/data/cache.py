@@ -16,6 +16,7 @@ preparing the same file (data-parallel ranks) cannot corrupt each other.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fnmatch
 import glob
 import hashlib
@@ -61,9 +62,25 @@ def cache_subdir(*parts: str) -> Path:
     return path
 
 
+_QUIET = contextvars.ContextVar("moeify_quiet_progress", default=False)
+
+
 def progress(message: str) -> None:
-    """Progress lines for long work go to stderr, so stdout stays machine-readable."""
-    print(f"[moeify] {message}", file=sys.stderr, flush=True)
+    """Progress lines for long work go to stderr, so stdout stays machine-readable; none inside
+    ``quiet_progress()``."""
+    if not _QUIET.get():
+        print(f"[moeify] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quiet_progress(quiet: bool = True) -> Iterator[None]:
+    """Silence ``progress`` lines (corpus preparation, tokenisation) within the block when
+    ``quiet``, as ``train(..., quiet=True)`` promises; a block inside a quiet one stays quiet."""
+    token = _QUIET.set(quiet or _QUIET.get())
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
 
 
 # ----------------------------------------------------------------------------- atomic writes

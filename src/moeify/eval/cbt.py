@@ -1,4 +1,5 @@
-"""The Children's Book Test: loader of the official files and scoring (spec evaluation.md).
+"""The Children's Book Test: loader of the official files and scoring (as the SwitchHead authors
+scored it).
 
 Official format (cbtest_{CN,NE,P,V}_test_2500ex.txt): examples separated by blank lines; lines
 1-20 are numbered context sentences (``"1 text"``); line 21 is

@@ -1,6 +1,7 @@
 """LAMBADA: predict the last word of a passage (accuracy), scored as the SwitchHead authors did.
 
-Spec evaluation.md: no XL memory (every passage on its own); teacher-forced greedy prediction of
+As the SwitchHead authors scored it (their evaluation code): no XL memory (every passage on its
+own); teacher-forced greedy prediction of
 the final word's tokens; the argmax tokens are detokenised and the prediction is correct when
 their last whitespace-separated word equals the gold last word.
 

@@ -35,8 +35,10 @@ def data_dir() -> Path | None:
     return Path(env).expanduser() if env else None
 
 
-def locate(task: str, path: str | Path | None = None) -> Path:
-    """The data of ``task``: ``path`` when given (it must exist), else under $MOEIFY_DATA_DIR."""
+def locate(task: str, path: str | Path | None = None, *, flag: str = "--data") -> Path:
+    """The data of ``task``: ``path`` when given (it must exist), else under $MOEIFY_DATA_DIR.
+    ``flag``: the option that gives the path, named in the error (``--blimp-data`` in compare
+    and sweep)."""
     if task not in TASK_DATA:
         raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASK_DATA)}")
     sub, what, origin = TASK_DATA[task]
@@ -48,11 +50,11 @@ def locate(task: str, path: str | Path | None = None) -> Path:
         return p
     root = data_dir()
     if root is None:
-        raise MoeifyError(f"{task} data not found: pass its path (--data PATH) or set "
+        raise MoeifyError(f"{task} data not found: pass its path ({flag} PATH) or set "
                           f"{DATA_DIR_ENV} to a directory holding {sub} ({what}; get it from "
                           f"{origin})")
     p = root / sub
     if not p.exists():
         raise MoeifyError(f"{task} data not found: {DATA_DIR_ENV}={root} has no {sub}. Put "
-                          f"{what} there (get it from {origin}) or pass its path (--data PATH)")
+                          f"{what} there (get it from {origin}) or pass its path ({flag} PATH)")
     return p

@@ -3,8 +3,8 @@
 Shape legend: B streams evaluated side by side, T tokens per window, V vocabulary.
 
 Perplexity = exp(mean token cross-entropy); bits per character = mean cross-entropy / ln 2 per
-character, where for byte-level models a character is a byte (the enwik8 convention; spec
-evaluation.md). Every token after the first is predicted exactly once: the N - 1 targets are cut
+character, where for byte-level models a character is a byte (the enwik8 convention). Every token
+after the first is predicted exactly once: the N - 1 targets are cut
 into B contiguous stretches (lengths differ by at most one) and read window by window, so a
 stateful ``logits_fn`` that carries XL memory between calls sees each stream continuously.
 ``reset_fn`` (optional) is called once before the first window to clear such memory.

@@ -102,7 +102,7 @@ class MoeifyLM(LM):
         except RuntimeError:
             raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)"
                              ) from None
-        loaded = load_trained(run, dev, single_file_only=True)
+        loaded = load_trained(run, dev)
         self._setup(loaded.model, loaded.tokenizer, dev, AMP_DTYPES[amp],
                     _positive_int("batch_size", batch_size))
 

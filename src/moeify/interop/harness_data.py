@@ -70,7 +70,7 @@ def lambada_target(doc: dict) -> str:
     return split_passage(doc["text"])[1]
 
 
-# BLiMP: a pair counts when the good sentence scores strictly higher (spec evaluation.md, as
+# BLiMP: a pair counts when the good sentence scores strictly higher (as
 # `moeify eval --task blimp` counts it). lm-eval's multiple-choice argmax would count a tie as
 # correct; the release has 7 pairs whose two sentences are identical.
 def blimp_strict(doc: dict, results: list) -> dict:

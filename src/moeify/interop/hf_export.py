@@ -14,7 +14,7 @@ The moeify format:
     out/ config.json              model_type "moeify", auto_map, the moeify ModelConfig
          configuration_moeify.py  the transformers config class   } loaded with
          modeling_moeify.py       the transformers model class    } trust_remote_code=True
-         model.safetensors        the run's latest checkpoint weights (float32, "model." prefix)
+         model.safetensors        the run's latest checkpoint weights (its dtype, "model." prefix)
          tokenizer.json           the run's tokenizer for transformers (when it has a
          tokenizer_config.json    Hugging Face form: imported, byte, byte256 and gpt2 kinds)
          README.md
@@ -29,15 +29,17 @@ exported (they are not part of a checkpoint either).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-from moeify.data.cache import atomic_directory, sweep_stale_directories
+from moeify.data.cache import atomic_directory, default_file_mode, sweep_stale_directories
 from moeify.data.gpt2_bpe import bytes_to_unicode
 from moeify.data.hf_tokenizer import import_tokenizers
 from moeify.errors import MoeifyError, install_hint, os_error_of
 from moeify.interop.hf_import import HF_CONFIG_COPY, HF_TOKENIZER_CONFIG_COPY, offline
-from moeify.interop.hf_native import ARCHITECTURE, native_export
+from moeify.interop.hf_mapping import ARCHITECTURES
+from moeify.interop.hf_native import native_export, state_dtype_name
 from moeify.layers.mosa import MoSAConfig
 from moeify.rundir import load_trained
 from moeify.rundir.files import model_config_dict
@@ -47,8 +49,8 @@ REMOTE_FILES = ("configuration_moeify.py", "modeling_moeify.py")
 REQUIRES = f"the modeling code imports moeify: {install_hint(here=False)} (trust_remote_code=True)"
 
 
-def hf_config(model_cfg, hf_source: dict | None) -> dict:
-    """config.json of the exported directory."""
+def hf_config(model_cfg, hf_source: dict | None, dtype: str = "float32") -> dict:
+    """config.json of the exported directory (``dtype``: the weights' dtype)."""
     if any(isinstance(a, MoSAConfig) for a in model_cfg.attention):
         # Its decoding state (every token's router scores plus the hybrid's dense cache) is not
         # a KVCache, which the exported cache layer (hf_remote/modeling_moeify.py) wraps and
@@ -57,6 +59,11 @@ def hf_config(model_cfg, hf_source: dict | None) -> dict:
                           "routing decoding cache is not a transformers cache layer; use the "
                           "run directory with moeify's own generate")
 
+    if getattr(model_cfg, "recursion", None) is not None:
+        raise MoeifyError("Hugging Face export does not apply to Mixture-of-Recursions: its "
+                          "recursion-wise cache (one KV cache per recursion step and shared "
+                          "block) is not a transformers cache layer; use the run directory "
+                          "with moeify's own generate")
     src = hf_source or {}
     cfg = {"model_type": "moeify", "architectures": ["MoeifyForCausalLM"],
            "auto_map": {"AutoConfig": "configuration_moeify.MoeifyConfig",
@@ -66,7 +73,7 @@ def hf_config(model_cfg, hf_source: dict | None) -> dict:
            "num_hidden_layers": model_cfg.n_layers,
            "max_position_embeddings": model_cfg.max_positions or model_cfg.context_length,
            "tie_word_embeddings": model_cfg.tie_embeddings, "use_cache": True,
-           "dtype": "float32"}
+           "dtype": dtype}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if src.get(key) is not None:
             cfg[key] = src[key]
@@ -131,7 +138,7 @@ def _native_readme(run_dir: Path, kind: str, model_cfg, has_tokenizer: bool) -> 
     tok = ("tokenizer.json (AutoTokenizer.from_pretrained(DIR)) is the run's tokenizer.\n"
            if has_tokenizer else "The run's tokenizer (SentencePiece) has no Hugging Face form "
            "here: its moeify files are in moeify_tokenizer/.\n")
-    return (f"# {ARCHITECTURE[kind]}\n\nExported by `moeify export --format native` from the run "
+    return (f"# {ARCHITECTURES[kind]}\n\nExported by `moeify export --format native` from the run "
             f"{run_dir.name} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
             f"vocabulary {model_cfg.vocab_size}) as transformers' own model_type `{kind}`: it "
             "loads without moeify.\n\n```python\nfrom transformers import AutoModelForCausalLM"
@@ -157,6 +164,8 @@ def _save_weights(state: dict, tmp: Path, out: Path | None) -> None:
 
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates its file 0600: give it the mode of the export's other files.
+        os.chmod(tmp / "model.safetensors", default_file_mode())
     except Exception as e:  # safetensors' own error type, also for a full disk
         os_error = os_error_of(e, (out or tmp) / "model.safetensors")
         if os_error is None:
@@ -177,10 +186,10 @@ def _write(tmp: Path, tm, hf_source: dict | None, out: Path | None = None) -> No
     tmp.mkdir(parents=True)
     for name in REMOTE_FILES:
         shutil.copyfile(REMOTE_DIR / name, tmp / name)
-    (tmp / "config.json").write_text(json.dumps(hf_config(tm.model_config, hf_source),
-                                                indent=2) + "\n")
-    state = {f"model.{k}": v.detach().float().cpu().contiguous()
+    state = {f"model.{k}": v.detach().cpu().contiguous()
              for k, v in tm.model.state_dict().items()}
+    config = hf_config(tm.model_config, hf_source, state_dtype_name(state))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _save_weights(state, tmp, out)
     has_tok = _write_tokenizer(tmp, tm)
     (tmp / "README.md").write_text(_readme(tm.run_dir, tm.model_config, has_tok))

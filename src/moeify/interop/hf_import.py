@@ -15,7 +15,8 @@ tests/interop/test_hf_moe.py the MoE families to 1e-5, padded batches too):
            with Q/K/V and output biases (Conv1D [in, out] weights transposed, c_attn split into
            Q, K, V), GELU MLP with biases (gelu_new = tanh approximation), tied embeddings.
     Llama  RMSNorm (eps from the config), grouped-query attention with full-width RoPE of the
-           config's base (Hugging Face's rotate-half layout is moeify's: no permutation),
+           config's base and scaling (Hugging Face's rotate-half layout is moeify's: no
+           permutation),
            optional biases (Qwen2: Q/K/V), SwiGLU MLP, tied or untied embeddings.
     MoE    the Llama body with a Switch feedforward (moeify.layers.switch_ff) whose options
            state the checkpoint's routing: router logits and softmax over the E experts in
@@ -30,14 +31,22 @@ tests/interop/test_hf_moe.py the MoE families to 1e-5, padded batches too):
            balance loss (the top-1 form) weighted by the checkpoint's ``router_aux_loss_coef``
            and no z-loss; Hugging Face's load-balancing loss counts all k choices.
 
-Not preserved: dropout rates (the imported model has none), the weights' dtype (stored as
-float32), and anything the config marks as a variant moeify does not implement (RoPE scaling,
-GPT-2's layer-index attention scaling, OLMoE's ``clip_qkv``, Mixtral's ``router_jitter_noise``...),
-which is refused in one line. A sliding window (Mistral, Mixtral, Qwen-MoE with
-``use_sliding_window``) is not applied: the context length is capped at the window instead, where
-windowed and full attention agree. Nothing is downloaded: the
-directory must hold config.json, the weights (model.safetensors, or shards with
-model.safetensors.index.json) and tokenizer.json.
+RoPE scaling (``rope_type`` llama3, linear, dynamic, yarn: Llama 3.x and other long-context
+checkpoints) is read into ``GroupedQueryAttentionConfig.rope_scaling`` as transformers defines it
+(moeify.interop.hf_mapping.rope_from_hf); the run's context is the checkpoint's
+``max_position_embeddings``. The weights keep their dtype (one of float32 / bfloat16 / float16;
+float32 for a mix); FP8 block-scaled weights (``quantization_config`` quant_method "fp8",
+``weight_scale_inv``) are dequantised to float32 (``dequantize_fp8``). A tokenizer whose ids
+reach past the embedding is refused, naming both sizes.
+
+Not preserved: dropout rates (the imported model has none), and anything the config marks as a
+variant moeify does not implement (``longrope``, GPT-2's layer-index attention scaling, OLMoE's
+``clip_qkv``, Mixtral's ``router_jitter_noise``, other quantisations...), which is refused in one
+line. A sliding window (Mistral, Mixtral, Qwen-MoE with ``use_sliding_window``) is not applied:
+the context length is capped at the window instead, where windowed and full attention agree.
+Nothing is downloaded: the directory must hold config.json, the weights (model.safetensors, or
+shards with model.safetensors.index.json) and tokenizer.json. Tensor names and layouts are the
+family's links (moeify.interop.hf_mapping), which the native export reads the other way.
 """
 
 from __future__ import annotations
@@ -53,29 +62,26 @@ from safetensors.torch import load_file
 from moeify.data.cache import atomic_directory, sweep_stale_directories
 from moeify.data.hf_tokenizer import HFTokenizer
 from moeify.errors import MoeifyError
+from moeify.interop.hf_mapping import (ARCHITECTURES, MOE_TYPES, activation_from_hf, from_hf,
+                                       hf_activation_names, moe_block, rope_from_hf,
+                                       tensor_links)
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.norm import NormConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 from moeify.models.config import ModelConfig
 from moeify.rundir.files import model_config_dict, write_run_files
-from moeify.train import checkpoint as train_checkpoint
+from moeify.rundir import write as run_write
+from moeify.rundir.model import weights_dtype
 from moeify.train.config import RUN_MODEL_PRESET, TrainConfig
 
-MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                     "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
-SUPPORTED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                           "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           **MOE_ARCHITECTURES}
+SUPPORTED_ARCHITECTURES = ARCHITECTURES  # model_type -> class (moeify.interop.hf_mapping)
 HF_CONFIG_COPY = "hf_config.json"
 # The special tokens and chat template of tokenizer_config.json, kept for the export.
 HF_TOKENIZER_CONFIG_COPY = "hf_tokenizer_config.json"
 TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template")
-# context_length is the training chunk and the generation window, not a limit of the weights:
-# long-context checkpoints get this default (change it with --set model.context_length=N).
-MAX_IMPORTED_CONTEXT = 2048
-_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-             "relu": "relu", "silu": "silu"}
+# The end-of-sequence ids of generation_config.json (what transformers' generate stops at).
+HF_GENERATION_CONFIG_COPY = "hf_generation_config.json"
 
 
 def offline() -> None:
@@ -146,9 +152,10 @@ def _gpt2_config(hf: dict) -> ModelConfig:
         raise MoeifyError("config.json sets scale_attn_weights=false (unscaled attention), a "
                           "GPT-2 variant moeify does not implement")
     act = _need(hf, "activation_function", "gelu_new")
-    if act not in _GPT2_ACT:
+    ours = activation_from_hf(act, gpt2=True)
+    if ours is None:
         raise MoeifyError(f"config.json: activation_function {act!r} is not supported; "
-                          f"moeify has {', '.join(_GPT2_ACT)}")
+                          f"moeify has {', '.join(hf_activation_names(gpt2=True))}")
     D, L, H = _need(hf, "n_embd"), _need(hf, "n_layer"), _need(hf, "n_head")
     P = _need(hf, "n_positions")
     if D % H:
@@ -156,7 +163,7 @@ def _gpt2_config(hf: dict) -> ModelConfig:
     attn = GroupedQueryAttentionConfig(d_model=D, n_heads=H, n_kv_heads=H, d_head=D // H,
                                        pos="absolute", qkv_bias=True, out_bias=True,
                                        n_layers=L)
-    ff = MLPConfig(d_model=D, d_ff=hf.get("n_inner") or 4 * D, activation=_GPT2_ACT[act],
+    ff = MLPConfig(d_model=D, d_ff=hf.get("n_inner") or 4 * D, activation=ours,
                    bias=True, n_layers=L)
     return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,
                        context_length=P, attention=attn, feedforward=ff, xl_memory=False,
@@ -166,29 +173,13 @@ def _gpt2_config(hf: dict) -> ModelConfig:
                        output_bias=False)
 
 
-def _rope(hf: dict) -> tuple[float, float]:
-    """(base, fraction) from ``rope_parameters`` (transformers 5) or ``rope_theta`` /
-    ``rope_scaling`` (earlier configs); scaled RoPE variants are refused."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise MoeifyError(f"config.json uses RoPE scaling {kind!r}; moeify implements plain RoPE "
-                          "only (rope_type 'default')")
-    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    return float(base), float(fraction)
-
-
-_ACTS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-
-
 def _act(hf: dict) -> str:
     act = _need(hf, "hidden_act", "silu")
-    if act not in _ACTS:
+    ours = activation_from_hf(act, gpt2=False)
+    if ours is None:
         raise MoeifyError(f"config.json: hidden_act {act!r} is not supported; moeify has "
-                          f"{', '.join(_ACTS)}")
-    return _ACTS[act]
+                          f"{', '.join(hf_activation_names(gpt2=False))}")
+    return ours
 
 
 def _attention_biases(hf: dict) -> tuple[bool, bool]:
@@ -215,22 +206,21 @@ def _llama_config(hf: dict) -> ModelConfig:
     C = hf.get("head_dim") or D // H
     qkv_bias, out_bias = _attention_biases(hf)
     eps = float(hf.get("rms_norm_eps", 1e-6))
-    base, fraction = _rope(hf)
+    base, fraction, scaling = rope_from_hf(hf)
     qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(kind, "none")
     if kind == "olmoe" and hf.get("clip_qkv") is not None:
         raise MoeifyError(f"config.json sets clip_qkv={hf['clip_qkv']} (OLMoE's clamping of "
                           "queries, keys and values), which moeify does not implement")
     attn = GroupedQueryAttentionConfig(
         d_model=D, n_heads=H, n_kv_heads=Hk, d_head=C, pos="rope", rope_base=base,
-        rope_fraction=fraction, qkv_bias=qkv_bias, out_bias=out_bias, n_layers=L,
-        qk_norm=qk_norm, qk_norm_eps=eps if qk_norm != "none" else 1e-6)
-    if kind in MOE_ARCHITECTURES:
+        rope_fraction=fraction, rope_scaling=scaling, qkv_bias=qkv_bias, out_bias=out_bias,
+        n_layers=L, qk_norm=qk_norm, qk_norm_eps=eps if qk_norm != "none" else 1e-6)
+    if kind in MOE_TYPES:
         ff = _moe_layers(hf, D, L, act)
     else:
         ff = GatedMLPConfig(d_model=D, d_ff=_need(hf, "intermediate_size"), activation=act,
                             bias=bool(hf.get("mlp_bias", False)), n_layers=L)
-    T = min(int(_need(hf, "max_position_embeddings", MAX_IMPORTED_CONTEXT)),
-            MAX_IMPORTED_CONTEXT)
+    T = int(_need(hf, "max_position_embeddings"))
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
     if window:
         T = min(T, int(window))
@@ -317,121 +307,104 @@ def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-class _Weights:
-    """The checkpoint's tensors by name, with a clear error for a missing one."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, model_type: str = ""):
-        self.tensors, self.prefix, self.model_type = tensors, prefix, model_type
-
-    def __call__(self, name: str) -> torch.Tensor:
-        key = self.prefix + name
-        if key not in self.tensors:
-            raise MoeifyError(f"the checkpoint has no tensor {key!r}: the weights do not match "
-                              "config.json (missing or from another model)")
-        return self.tensors[key].float()
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _gpt2_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    D = cfg.d_model
-    sd = {"embedding.weight": w("wte.weight"), "pos_embedding.weight": w("wpe.weight"),
-          "ln_f.weight": w("ln_f.weight"), "ln_f.bias": w("ln_f.bias")}
+def dequantize_fp8(hf: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with every FP8 weight dequantised by its block scales, as
+    transformers' fine-grained FP8 format defines them (DeepSeek-V3, Qwen3 FP8 releases):
+    ``quantization_config`` {"quant_method": "fp8", "weight_block_size": [bo, bi]} and, beside
+    each float8 ``NAME`` [O, I], ``NAME_scale_inv`` [ceil(O / bo), ceil(I / bi)] with
+    W[o, i] = q[o, i] · scale_inv[o // bo, i // bi] (one scalar scale without a block size).
+    The product is formed in float32, where it is exact up to the one rounding of the float32
+    result (an FP8 value times a float32 scale); the result is float32. Anything else
+    quantised is refused in one line."""
+    qc = hf.get("quantization_config")
+    fp8 = [k for k, t in tensors.items() if t.dtype in FP8_DTYPES]
+    if not qc and not fp8:
+        return tensors
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        what = (f"quantization_config quant_method {method!r}" if qc else
+                f"float8 weights ({fp8[0]}) without a quantization_config")
+        raise MoeifyError(f"config.json: {what}; moeify imports unquantised checkpoints and "
+                          "block-scaled FP8 ones (quant_method 'fp8'): dequantise it first")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise MoeifyError(f"config.json: FP8 activation_scheme {qc['activation_scheme']!r} "
+                          "(static activation scales) is not supported; moeify imports the "
+                          "weights of 'dynamic' FP8 checkpoints")
+    block = qc.get("weight_block_size")
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
+                              or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise MoeifyError(f"config.json: quantization_config weight_block_size {block!r} is "
+                          "not two positive integers")
+    out = {k: t for k, t in tensors.items() if not k.endswith("_scale_inv")}
+    for k in fp8:
+        scale = tensors.get(k + "_scale_inv")
+        q = tensors[k]
+        if scale is None:
+            raise MoeifyError(f"the checkpoint's FP8 tensor {k} has no {k}_scale_inv: the "
+                              "weights are incomplete")
+        if block is not None and q.dim() == 2:
+            bo, bi = block
+            want = (-(-q.shape[0] // bo), -(-q.shape[1] // bi))
+            if tuple(scale.shape) != want:
+                raise MoeifyError(f"{k}_scale_inv has shape {tuple(scale.shape)}, but {k} "
+                                  f"{tuple(q.shape)} in blocks of {bo}x{bi} needs {want}")
+            scale = scale.float().repeat_interleave(bo, 0)[:q.shape[0]]
+            scale = scale.repeat_interleave(bi, 1)[:, :q.shape[1]]
+        elif scale.numel() != 1:
+            raise MoeifyError(f"{k}_scale_inv has shape {tuple(scale.shape)}: without "
+                              "weight_block_size the scale is one number per tensor")
+        out[k] = q.float() * scale.float().reshape(scale.shape if scale.dim() == 2 else ())
+    return out
+
+
+def _hf_names(tensors: dict[str, torch.Tensor], hf: dict, cfg: ModelConfig
+              ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names save_pretrained writes: the body's prefix
+    ("model." / "transformer.") added where a checkpoint was saved without it, and
+    transformers' fused in-memory experts (experts.gate_up_proj [E, 2F, D], gate rows first;
+    experts.down_proj [E, D, F]) split into the per-expert matrices."""
+    body = "transformer." if hf["model_type"] == "gpt2" else "model."
+    if not any(k.startswith(body) for k in tensors):
+        tensors = {(k if k.startswith("lm_head.") else body + k): v for k, v in tensors.items()}
+    block, (g, u, d) = moe_block(hf["model_type"])
+    out = dict(tensors)
     for i in range(cfg.n_layers):
-        h, b = f"h.{i}.", f"blocks.{i}."
-        qkv_w, qkv_b = w(h + "attn.c_attn.weight"), w(h + "attn.c_attn.bias")  # Conv1D: [in, out]
-        for j, name in enumerate(("w_q", "w_k", "w_v")):
-            sd[b + f"attention.{name}.weight"] = qkv_w[:, j * D:(j + 1) * D].t()
-            sd[b + f"attention.{name}.bias"] = qkv_b[j * D:(j + 1) * D]
-        sd[b + "attention.w_o.weight"] = w(h + "attn.c_proj.weight").t()
-        sd[b + "attention.w_o.bias"] = w(h + "attn.c_proj.bias")
-        sd[b + "feedforward.w1.weight"] = w(h + "mlp.c_fc.weight").t()
-        sd[b + "feedforward.w1.bias"] = w(h + "mlp.c_fc.bias")
-        sd[b + "feedforward.w2.weight"] = w(h + "mlp.c_proj.weight").t()
-        sd[b + "feedforward.w2.bias"] = w(h + "mlp.c_proj.bias")
-        for ln, hf_ln in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            sd[b + f"{ln}.weight"] = w(h + f"{hf_ln}.weight")
-            sd[b + f"{ln}.bias"] = w(h + f"{hf_ln}.bias")
-    return sd
-
-
-def _llama_state(w: _Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    sd = {"embedding.weight": w("embed_tokens.weight"), "ln_f.weight": w("norm.weight")}
-    a = cfg.attention[0]
-    names = [("w_q", "self_attn.q_proj", a.qkv_bias), ("w_k", "self_attn.k_proj", a.qkv_bias),
-             ("w_v", "self_attn.v_proj", a.qkv_bias), ("w_o", "self_attn.o_proj", a.out_bias)]
-    for i, f in enumerate(cfg.feedforward_layers()):
-        h, b = f"layers.{i}.", f"blocks.{i}."
-        for ours, theirs, bias in names:
-            sd[b + f"attention.{ours}.weight"] = w(h + theirs + ".weight")
-            if bias:
-                sd[b + f"attention.{ours}.bias"] = w(h + theirs + ".bias")
-        if a.qk_norm != "none":
-            sd[b + "attention.q_norm.weight"] = w(h + "self_attn.q_norm.weight")
-            sd[b + "attention.k_norm.weight"] = w(h + "self_attn.k_norm.weight")
-        if isinstance(f, SwitchFFConfig):
-            sd.update(_experts_state(w, f, h, b + "feedforward."))
-        else:
-            sd.update(_gated_mlp_state(w, h + "mlp.", b + "feedforward.", f.bias))
-        sd[b + "ln1.weight"] = w(h + "input_layernorm.weight")
-        sd[b + "ln2.weight"] = w(h + "post_attention_layernorm.weight")
-    return sd
-
-
-def _gated_mlp_state(w: _Weights, theirs: str, ours: str, bias: bool = False):
-    sd = {}
-    for o, t in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-        sd[f"{ours}{o}.weight"] = w(f"{theirs}{t}.weight")
-        if bias:
-            sd[f"{ours}{o}.bias"] = w(f"{theirs}{t}.bias")
-    return sd
-
-
-# Where each family keeps its MoE block, and its experts' per-expert names (gate, up, down), as
-# save_pretrained writes them; transformers' fused in-memory form (experts.gate_up_proj
-# [E, 2F, D], experts.down_proj [E, D, F]) is read too.
-_MOE_BLOCK = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
-_MOE_DEFAULT = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
-
-
-def _experts_state(w: _Weights, f: SwitchFFConfig, h: str, ours: str):
-    """A Switch feedforward's tensors from a Hugging Face MoE block: the router [E, D] as is,
-    expert e's gate / up [F, D] and down [D, F] matrices transposed into [E, D, F] / [E, F, D]."""
-    block, (g, u, d) = _MOE_BLOCK.get(w.model_type, _MOE_DEFAULT)
-    if (w.prefix + h + "mlp.experts.down_proj") in w.tensors:  # fused form
-        block = "mlp."
-    sd = {ours + "w_router": w(h + block + "gate.weight")}
-    fused = h + block + "experts.gate_up_proj"
-    if (w.prefix + fused) in w.tensors:
-        gate_up = w(fused)  # [E, 2F, D]: gate rows first, then up
+        fused = f"model.layers.{i}.mlp.experts."
+        if fused + "gate_up_proj" not in out:
+            continue
+        gate_up, down = out.pop(fused + "gate_up_proj"), out.pop(fused + "down_proj", None)
+        if down is None:
+            break  # reported as a missing tensor by state_from_hf
         F = gate_up.shape[1] // 2
-        sd[ours + "w_gate"] = gate_up[:, :F].transpose(1, 2)
-        sd[ours + "w_in"] = gate_up[:, F:].transpose(1, 2)
-        sd[ours + "w_out"] = w(h + block + "experts.down_proj").transpose(1, 2)
-    else:
-        def stack(name):
-            return torch.stack([w(f"{h}{block}experts.{e}.{name}.weight").t()
-                                for e in range(f.n_experts)])
-        sd[ours + "w_gate"], sd[ours + "w_in"], sd[ours + "w_out"] = (
-            stack(g), stack(u), stack(d))
-    if f.shared is not None:
-        sd.update(_gated_mlp_state(w, h + block + "shared_expert.", ours + "shared."))
-        sd[ours + "shared_gate.weight"] = w(h + block + "shared_expert_gate.weight")
-    return sd
+        router = f"model.layers.{i}.mlp.gate.weight"
+        if block != "mlp." and router in out:  # Mixtral's fused form keeps its router in mlp.
+            out[f"model.layers.{i}.{block}gate.weight"] = out.pop(router)
+        for e in range(gate_up.shape[0]):
+            x = f"model.layers.{i}.{block}experts.{e}."
+            out[x + f"{g}.weight"], out[x + f"{u}.weight"] = gate_up[e, :F], gate_up[e, F:]
+            out[x + f"{d}.weight"] = down[e]
+    return out
 
 
 def state_from_hf(tensors: dict[str, torch.Tensor], hf: dict, cfg: ModelConfig,
-                  ) -> dict[str, torch.Tensor]:
-    """The moeify state dict of ``cfg`` from the checkpoint's tensors, checked name by name and
-    shape by shape against the model ``cfg`` builds."""
-    gpt2 = hf["model_type"] == "gpt2"
-    body = "transformer." if gpt2 else "model."
-    prefix = body if any(k.startswith(body) for k in tensors) else ""
-    sd = (_gpt2_state if gpt2 else _llama_state)(_Weights(tensors, prefix, hf["model_type"]), cfg)
-    if not cfg.tie_embeddings:
-        head = tensors.get("lm_head.weight")
-        if head is None:
-            raise MoeifyError("the checkpoint has no lm_head.weight but config.json says the "
-                              "embeddings are not tied")
-        sd["output.weight"] = head.float()
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The moeify state dict of ``cfg`` (in ``dtype``) from the checkpoint's tensors, read
+    through the family's links (moeify.interop.hf_mapping) and checked name by name and shape
+    by shape against the model ``cfg`` builds."""
+    tensors = _hf_names(tensors, hf, cfg)
+    sd: dict[str, torch.Tensor] = {}
+    for link in tensor_links(hf["model_type"], cfg):
+        for key in link.theirs:
+            if key not in tensors:
+                if key == "lm_head.weight":
+                    raise MoeifyError("the checkpoint has no lm_head.weight but config.json "
+                                      "says the embeddings are not tied")
+                raise MoeifyError(f"the checkpoint has no tensor {key!r}: the weights do not "
+                                  "match config.json (missing or from another model)")
+        sd.update(zip(link.ours, from_hf(link, [tensors[k] for k in link.theirs])))
     with torch.device("meta"):
         want = cfg.build().state_dict()
     for key, t in want.items():
@@ -439,7 +412,7 @@ def state_from_hf(tensors: dict[str, torch.Tensor], hf: dict, cfg: ModelConfig,
             got = tuple(sd[key].shape) if key in sd else "nothing"
             raise MoeifyError(f"the checkpoint's weights do not match config.json: {key} needs "
                               f"shape {tuple(t.shape)}, the checkpoint gives {got}")
-    return {k: sd[k].contiguous() for k in want}
+    return {k: sd[k].to(dtype).contiguous() for k in want}
 
 
 # ---------------------------------------------------------------------- the run directory
@@ -461,6 +434,34 @@ def _special_tokens(src: Path) -> dict[str, Any]:
         return {}
     return {k: data[k] for k in TOKENIZER_CONFIG_KEYS if isinstance(data, dict)
             and isinstance(data.get(k), (str, dict))}
+
+
+def _generation_config(src: Path) -> dict[str, Any]:
+    """The token ids of the checkpoint's generation_config.json ({} without one)."""
+    try:
+        data = json.loads((src / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: data[k] for k in keys if isinstance(data, dict) and data.get(k) is not None}
+
+
+def source_eos_ids(run_dir: str | Path) -> list[int] | None:
+    """The end-of-sequence ids of an imported run's source: generation_config.json's
+    ``eos_token_id`` (an int or a list), else config.json's, as transformers' generate reads
+    them; None for a run that was not imported."""
+    imported = False
+    for name in (HF_GENERATION_CONFIG_COPY, HF_CONFIG_COPY):
+        try:
+            data = json.loads((Path(run_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        imported = True
+        value = data.get("eos_token_id") if isinstance(data, dict) else None
+        if value is not None:
+            return [v for v in (value if isinstance(value, list) else [value])
+                    if isinstance(v, int)]
+    return [] if imported else None
 
 
 def _check_out(out: Path) -> None:
@@ -491,18 +492,21 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     hf = read_hf_config(src)
     cfg = model_config_from_hf(hf)
     tokenizer = _read_tokenizer(src, cfg.vocab_size)
-    tensors = read_hf_weights(src)
+    tensors = dequantize_fp8(hf, read_hf_weights(src))
     _check_finite(src, tensors)
-    state = state_from_hf(tensors, hf, cfg)
+    state = state_from_hf(tensors, hf, cfg, weights_dtype(tensors))
 
     with atomic_directory(out, "import") as tmp:
         write_run_files(tmp, TrainConfig(preset=RUN_MODEL_PRESET), cfg, tokenizer)
         (tmp / HF_CONFIG_COPY).write_text(json.dumps(hf, indent=2) + "\n")
         (tmp / HF_TOKENIZER_CONFIG_COPY).write_text(json.dumps(_special_tokens(src)) + "\n")
+        generation = _generation_config(src)
+        if generation:
+            (tmp / HF_GENERATION_CONFIG_COPY).write_text(json.dumps(generation) + "\n")
         meta = {"preset": RUN_MODEL_PRESET, "model_config": model_config_dict(cfg),
                 "weights_only": True,
                 "imported_from": {"path": str(src.resolve()),
                                   "architecture": SUPPORTED_ARCHITECTURES[hf["model_type"]]}}
-        train_checkpoint.save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True},
+        run_write.save_checkpoint(tmp, 0, state, {"step": 0, "weights_only": True},
                                          meta=meta)
     return out

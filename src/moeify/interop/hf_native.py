@@ -26,8 +26,10 @@ that trained differently in transformers would not be the same model).
 Config: the source's config.json (same type) is the base, so token ids, the sliding window (the
 moeify run's context was capped at it: within the context both agree), the initializer range and
 the aux-loss coefficient survive a round trip; every structural key is then set from the moeify
-model. Weights: float32, the per-expert layout save_pretrained writes (transformers fuses the
-experts on load).
+model; RoPE scaling (linear, dynamic, YaRN, Llama 3.1) is written back as ``rope_parameters``.
+Weights: in the run's dtype (a bfloat16 import stays bfloat16), the per-expert layout
+save_pretrained writes (transformers fuses the experts on load), named by the same links the
+import reads (moeify.interop.hf_mapping).
 """
 
 from __future__ import annotations
@@ -39,19 +41,14 @@ import torch
 
 from moeify.errors import MoeifyError
 from moeify.interop.hf_import import offline
+from moeify.interop.hf_mapping import (ARCHITECTURES, DENSE_TYPES, MOE_TYPES, activation_to_hf,
+                                       rope_to_hf, tensor_links, to_hf)
+from moeify.rundir.model import weights_dtype
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.switch_ff import SwitchFFConfig
 
-DENSE_TYPES = ("gpt2", "llama", "mistral", "qwen2")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 NATIVE_TYPES = DENSE_TYPES + MOE_TYPES
-ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
-_HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
-_GPT2_ACT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 # Keys of a source config that describe a structure the export sets itself (or drops).
 _DROP = ("rope_theta", "rope_scaling", "architectures", "auto_map", "transformers_version",
          "torch_dtype", "dtype", "_name_or_path", "quantization_config", "layer_types")
@@ -121,7 +118,8 @@ def _rms_llama(m: _Model, qk_norm: str = "none") -> None:
 def _dense_swiglu(m: _Model, bias_ok: bool) -> None:
     _need(m.moe is None, "it has MoE feedforwards")
     _need(isinstance(m.dense, GatedMLPConfig), f"its MLP is {type(m.dense).__name__}, not SwiGLU")
-    _need(m.dense.activation in _HF_ACT, f"its MLP activation is {m.dense.activation}")
+    _need(activation_to_hf(m.dense.activation, gpt2=False) is not None,
+          f"its MLP activation is {m.dense.activation}")
     _need(bias_ok or not m.dense.bias, "its MLP has biases")
 
 
@@ -130,8 +128,8 @@ def _experts(m: _Model, *, renormalize: bool | None, shared: bool, dense_ok: boo
     _need(f is not None, "it has no MoE feedforward")
     _need(f.gated, "its experts are not gated (SwiGLU): act(W_in x) alone, as in Switch, has "
           "no native form")
-    _need(f.activation in _HF_ACT and not f.bias, "its experts have biases or activation "
-          f"{f.activation}")
+    _need(activation_to_hf(f.activation, gpt2=False) is not None and not f.bias,
+          f"its experts have biases or activation {f.activation}")
     _need(f.noop_experts == 0, "it has no-op experts (integrated MoDE)")
     _need(f.dropless, "its routing has a capacity limit (dropless=False) that drops tokens; "
           "transformers' MoE blocks drop none")
@@ -168,7 +166,8 @@ def _check(kind: str, m: _Model) -> None:
               "its attention is not GPT-2's (biases everywhere, no query/key norm)")
         _need(m.moe is None and isinstance(m.dense, MLPConfig) and m.dense.bias,
               "its feedforward is not a biased two-layer MLP")
-        _need(m.dense.activation in _GPT2_ACT, f"its MLP activation is {m.dense.activation}")
+        _need(activation_to_hf(m.dense.activation, gpt2=True) is not None,
+              f"its MLP activation is {m.dense.activation}")
         return
     if kind in MOE_TYPES:  # the experts first: for an MoE model their form matters most
         _experts(m, renormalize=True if kind == "mixtral" else None,
@@ -238,24 +237,25 @@ def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
         else {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         base.setdefault(k, None)  # never a type's default id, which may lie past the vocabulary
-    out = {**base, "model_type": kind, "architectures": [ARCHITECTURE[kind]],
+    out = {**base, "model_type": kind, "architectures": [ARCHITECTURES[kind]],
            "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
            "use_cache": True}
     L, D = cfg.n_layers, cfg.d_model
     if kind == "gpt2":
         out.update(n_embd=D, n_layer=L, n_head=a.n_heads, n_positions=cfg.max_positions,
-                   n_inner=m.dense.d_ff, activation_function=_GPT2_ACT[m.dense.activation],
+                   n_inner=m.dense.d_ff,
+                   activation_function=activation_to_hf(m.dense.activation, gpt2=True),
                    layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
                    attn_pdrop=0.0, scale_attn_weights=True,
                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
         return out
     out.update(hidden_size=D, num_hidden_layers=L, num_attention_heads=a.n_heads,
                num_key_value_heads=a.n_kv_heads, head_dim=a.d_head, rms_norm_eps=cfg.norm.eps,
-               rope_parameters={"rope_type": "default", "rope_theta": a.rope_base},
+               rope_parameters=rope_to_hf(a.rope_base, a.rope_scaling),
                attention_dropout=0.0,
                max_position_embeddings=base.get("max_position_embeddings", cfg.context_length))
     ff = m.moe or m.dense
-    out["hidden_act"] = _HF_ACT[ff.activation]
+    out["hidden_act"] = activation_to_hf(ff.activation, gpt2=False)
     if kind in ("llama", "qwen3_moe", "olmoe"):
         out["attention_bias"] = a.qkv_bias
     if kind == "llama":
@@ -295,95 +295,19 @@ def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
 # ---------------------------------------------------------------------- weights
 
 def native_state(kind: str, cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The moeify state dict under transformers' names and layouts for ``kind`` (the inverse of
-    moeify.interop.hf_import's conversion), float32 and contiguous."""
-    sd = _Tracked({k: v.detach().float().cpu() for k, v in state.items()})
-    out = _native_tensors(kind, cfg, sd)
-    unused = sorted(set(sd) - sd.read)
+    """The moeify state dict under transformers' names and layouts for ``kind``, through the
+    family's links (moeify.interop.hf_mapping: the inverse of the import), in the state's own
+    dtype, contiguous."""
+    sd = {k: v.detach().cpu() for k, v in state.items()}
+    links = tensor_links(kind, cfg)
+    unused = sorted(set(sd) - {k for link in links for k in link.ours})
     if unused:  # a tensor the mapping does not know: an export without it would be wrong
         raise MoeifyError(f"the model's tensor {unused[0]} has no place in a native {kind} "
                           "checkpoint; export it with --format moeify")
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-class _Tracked(dict):
-    """A state dict that remembers which tensors were read."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-
-def _native_tensors(kind: str, cfg, sd: _Tracked) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    if kind == "gpt2":
-        out.update({"transformer.wte.weight": sd["embedding.weight"],
-                    "transformer.wpe.weight": sd["pos_embedding.weight"],
-                    "transformer.ln_f.weight": sd["ln_f.weight"],
-                    "transformer.ln_f.bias": sd["ln_f.bias"]})
-        for i in range(cfg.n_layers):
-            h, b = f"transformer.h.{i}.", f"blocks.{i}."
-            att = b + "attention."
-            out[h + "attn.c_attn.weight"] = torch.cat(
-                [sd[att + f"{n}.weight"].t() for n in ("w_q", "w_k", "w_v")], 1)
-            out[h + "attn.c_attn.bias"] = torch.cat(
-                [sd[att + f"{n}.bias"] for n in ("w_q", "w_k", "w_v")])
-            out[h + "attn.c_proj.weight"] = sd[att + "w_o.weight"].t()
-            out[h + "attn.c_proj.bias"] = sd[att + "w_o.bias"]
-            out[h + "mlp.c_fc.weight"] = sd[b + "feedforward.w1.weight"].t()
-            out[h + "mlp.c_fc.bias"] = sd[b + "feedforward.w1.bias"]
-            out[h + "mlp.c_proj.weight"] = sd[b + "feedforward.w2.weight"].t()
-            out[h + "mlp.c_proj.bias"] = sd[b + "feedforward.w2.bias"]
-            for ln, hf_ln in (("ln1", "ln_1"), ("ln2", "ln_2")):
-                out[h + f"{hf_ln}.weight"] = sd[b + f"{ln}.weight"]
-                out[h + f"{hf_ln}.bias"] = sd[b + f"{ln}.bias"]
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = sd["output.weight"]
-        return out
-
-    out["model.embed_tokens.weight"] = sd["embedding.weight"]
-    out["model.norm.weight"] = sd["ln_f.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
-    names = (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_o", "o_proj"))
-    for i, f in enumerate(cfg.feedforward_layers()):
-        h, b = f"model.layers.{i}.", f"blocks.{i}."
-        for ours, theirs in names + (("q_norm", "q_norm"), ("k_norm", "k_norm")):
-            for part in ("weight", "bias"):
-                key = f"{b}attention.{ours}.{part}"
-                if key in sd:
-                    out[f"{h}self_attn.{theirs}.{part}"] = sd[key]
-        out[h + "input_layernorm.weight"] = sd[b + "ln1.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[b + "ln2.weight"]
-        ff = b + "feedforward."
-        if not isinstance(f, SwitchFFConfig):
-            out.update(_swiglu(sd, ff, h + "mlp."))
-            continue
-        block, (g, u, d) = (("block_sparse_moe.", ("w1", "w3", "w2")) if kind == "mixtral"
-                            else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
-        out[h + block + "gate.weight"] = sd[ff + "w_router"]
-        for e in range(f.n_experts):
-            x = f"{h}{block}experts.{e}."
-            out[x + f"{g}.weight"] = sd[ff + "w_gate"][e].t()
-            out[x + f"{u}.weight"] = sd[ff + "w_in"][e].t()
-            out[x + f"{d}.weight"] = sd[ff + "w_out"][e].t()
-        if f.shared is not None:
-            out.update(_swiglu(sd, ff + "shared.", h + block + "shared_expert."))
-            out[h + block + "shared_expert_gate.weight"] = sd[ff + "shared_gate.weight"]
-    return out
-
-
-def _swiglu(sd, ours: str, theirs: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for o, t in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-        for part in ("weight", "bias"):
-            if f"{ours}{o}.{part}" in sd:
-                out[f"{theirs}{t}.{part}"] = sd[f"{ours}{o}.{part}"]
-    return out
+    for link in links:
+        out.update(zip(link.theirs, to_hf(link, [sd[k] for k in link.ours])))
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def native_export(cfg, state: dict[str, torch.Tensor], hf_source: dict | None = None,
@@ -400,8 +324,15 @@ def native_export(cfg, state: dict[str, torch.Tensor], hf_source: dict | None = 
             from None
     hf_cfg = AutoConfig.for_model(**entries)
     config = hf_cfg.to_dict()
-    config.update(architectures=[ARCHITECTURE[kind]], dtype="float32")
-    return kind, config, native_state(kind, cfg, state)
+    tensors = native_state(kind, cfg, state)
+    config.update(architectures=[ARCHITECTURES[kind]], dtype=state_dtype_name(tensors))
+    return kind, config, tensors
+
+
+def state_dtype_name(state: dict[str, torch.Tensor]) -> str:
+    """config.json's ``dtype`` of a state dict: its floating tensors' one dtype (float32 for a
+    mix, which transformers' loading then keeps as saved)."""
+    return str(weights_dtype(state)).removeprefix("torch.")
 
 
 __all__ = ["NATIVE_TYPES", "native_type", "native_config", "native_state", "native_export"]

@@ -26,7 +26,6 @@ from moeify.layers.common import (
     check_positive,
     init_scale,
     project_by_input,
-    rename_legacy_keys,
     trunc_normal_exact_std_,
 )
 from moeify.layers.kv_cache import KVCache
@@ -56,22 +55,18 @@ def core_config(cfg, *, n_heads: int, n_kv_heads: int | None = None, xl_heads: i
     return AttentionCoreConfig(d_model=cfg.d_model, n_heads=n_heads, d_head=cfg.d_head,
                                n_kv_heads=n_kv_heads, pos=cfg.pos, xl_heads=xl_heads,
                                xl_biases=xl_biases, rope_fraction=cfg.rope_fraction,
-                               rope_base=cfg.rope_base, attn_dropout=cfg.attn_dropout,
+                               rope_base=cfg.rope_base,
+                               rope_scaling=getattr(cfg, "rope_scaling", None),
+                               attn_dropout=cfg.attn_dropout,
                                attn_impl=cfg.attn_impl)
-
-
-def rename_legacy_core_keys(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Checkpoints written before the core existed hold ``w_pos`` (and the dense ``bias_u``,
-    ``bias_v``, ``scale``) on the layer itself: load them into ``core.*``
-    (moeify.layers.common.rename_legacy_keys)."""
-    rename_legacy_keys(module, {n: "core." + n for n in names})
 
 
 @dataclass(frozen=True, kw_only=True)
 class DenseAttentionConfig:
     """Multi-head attention with H heads of width d_head, no biases (the paper's baselines).
 
-    n_layers: model depth L, for the init std sqrt(2 / (L · fan_in)) (spec §3, dense baseline).
+    n_layers: model depth L, for the init std sqrt(2 / (L · fan_in)) (SwitchHead appendix, dense
+    baseline).
     attn_dropout: dropout on attention probabilities (0 in every paper run).
     attn_impl: "auto" (SDPA where no XL term) or "reference" (explicit softmax).
     """
@@ -114,11 +109,11 @@ class DenseAttention(nn.Module):
         self.w_o = nn.Parameter(torch.empty(hc, D))
         self.core = AttentionCore(core_config(c, n_heads=c.n_heads, xl_biases=True))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos", "bias_u", "bias_v", "scale"))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Every projection trunc-normal (±2 std) with std sqrt(2 / (L · fan_in)) (spec §3),
+        """Every projection trunc-normal (±2 std) with std sqrt(2 / (L · fan_in)) (SwitchHead
+        appendix),
         rescaled to exactly that std as the authors' code does (trunc_normal_exact_std_)."""
         s = init_scale(self.config.n_layers)
         for w in (self.w_q, self.w_k, self.w_v, self.w_o) + (

@@ -6,7 +6,7 @@ Shape legend
     B batch    T query (destination) tokens    S source tokens (keys/values; memory + current)
     D d_model  H query heads    Hk key/value heads (dividing H)    C d_head
 
-Positional variants (SwitchHead spec §2):
+Positional variants (SwitchHead appendix):
     "xl"        Transformer-XL relative positions: logits = scale · ((q + u)·k + (q + v)·P(p_i -
                 p_j)), P the projection of sinusoidal distance embeddings ``w_pos`` (d_model ->
                 ``xl_heads`` x d_head; one head broadcasts over the query heads, as MoA). With
@@ -33,9 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeify.layers.common import load_scalars_as_vectors
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.attention import ATTENTION_IMPLS, attend, build_mask
 from moeify.ops.positional import (
+    ROPE_TYPES,
     XLPositionTableCache,
     apply_rope,
     default_positions,
@@ -47,6 +49,54 @@ from moeify.ops.positional import (
 from moeify.ops.xl_attention import xl_attention
 
 POSITIONAL = ("xl", "rope", "none", "absolute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How the RoPE frequencies of a long-context checkpoint are rescaled
+    (moeify.ops.positional.scaled_rope_inv_freq), as transformers' ``rope_type`` of that name.
+
+    kind               "linear"  position interpolation: every frequency / ``factor``
+                                 (Chen et al. 2023, arXiv:2306.15595, §2.2)
+                       "dynamic" dynamic NTK: base · (factor · S / original - (factor - 1))
+                                 ^ (n / (n - 2)) once S = the call's largest position + 1
+                                 exceeds ``original``
+                                 (deviation: transformers keeps the largest S of earlier calls
+                                 until a call fits the original context again; moeify reads each
+                                 call's own S, so the two agree on every single forward and on
+                                 decoding, whose S only grows)
+                       "yarn"    YaRN (Peng et al. 2023, arXiv:2309.00071): per-frequency ramp
+                                 between interpolation and extrapolation (Eq. 17-18, corrections
+                                 beta_fast / beta_slow) and the attention temperature
+                                 0.1 ln(factor) + 1 on cos and sin (Eq. 21-22)
+                       "llama3"  Llama 3.1: low frequencies / factor, high ones kept, a linear
+                                 blend in wavelength between (low_freq_factor, high_freq_factor)
+    original_context   the pretraining context (original_max_position_embeddings)
+    attention_factor   YaRN's factor on cos and sin (None: from factor, mscale, mscale_all_dim)
+    """
+
+    kind: str
+    factor: float
+    original_context: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_TYPES[1:]:
+            raise ValueError(f"RopeScaling.kind must be one of {', '.join(ROPE_TYPES[1:])}, "
+                             f"got {self.kind!r}")
+        if not self.factor > 0 or self.original_context < 1:
+            raise ValueError(f"RopeScaling needs factor > 0 and original_context >= 1, got "
+                             f"{self.factor} and {self.original_context}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("RopeScaling (llama3): high_freq_factor must exceed low_freq_factor")
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +118,7 @@ class AttentionCoreConfig:
     xl_biases: bool = False
     rope_fraction: float = 0.5
     rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     attn_dropout: float = 0.0
     attn_impl: str = "auto"
 
@@ -131,7 +182,9 @@ class AttentionCore(nn.Module):
             if c.xl_biases:
                 self.bias_u = nn.Parameter(torch.zeros(c.n_heads, c.d_head))
                 self.bias_v = nn.Parameter(torch.zeros(c.n_heads, c.d_head))
-                self.scale = nn.Parameter(torch.tensor(1.0 / math.sqrt(c.d_head)))
+                # [1], not 0-dim: FSDP2 shards dim 0 of every parameter
+                self.scale = nn.Parameter(torch.full((1,), 1.0 / math.sqrt(c.d_head)))
+                load_scalars_as_vectors(self, "scale")
         self.rope_n = rope_dims(c.d_head, c.rope_fraction) if c.pos == "rope" else 0
 
     def reset_parameters(self) -> None:
@@ -144,7 +197,7 @@ class AttentionCore(nn.Module):
 
     def _scale(self):
         c = self.config
-        return self.scale if c.pos == "xl" and c.xl_biases else 1.0 / math.sqrt(c.d_head)
+        return self.scale[0] if c.pos == "xl" and c.xl_biases else 1.0 / math.sqrt(c.d_head)
 
     def forward(self, q_BHTC, k_BHSC, v_BHSC, *, causal: bool = True, self_attention: bool = True,
                 cache: KVCache | None = None, pos_q=None, pos_k=None, valid_k=None,
@@ -179,8 +232,10 @@ class AttentionCore(nn.Module):
         pk_BS = dk_BS if pos_k is None else pos_k.to(torch.int64)
 
         if c.pos == "rope":
-            q_BHTC = apply_rope(q_BHTC, pq_BT, n_rot=self.rope_n, base=c.rope_base)
-            k_BHSC = apply_rope(k_BHSC, pk_BS, n_rot=self.rope_n, base=c.rope_base)
+            q_BHTC = apply_rope(q_BHTC, pq_BT, n_rot=self.rope_n, base=c.rope_base,
+                                scaling=c.rope_scaling)
+            k_BHSC = apply_rope(k_BHSC, pk_BS, n_rot=self.rope_n, base=c.rope_base,
+                                scaling=c.rope_scaling)
         valid = valid_k
         if cache is not None:
             k_BHSC, v_BHSC, pk_BS, valid = cache.append(k_BHSC, v_BHSC, pk_BS, valid_k,

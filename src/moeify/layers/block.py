@@ -1,4 +1,4 @@
-"""The pre-LN Transformer block (SwitchHead spec §3), generic over its attention and feedforward.
+"""The pre-LN Transformer block (SwitchHead appendix), generic over its attention and feedforward.
 
     x = x + Drop(Att(LN1(x), LN1([mem ; x])))
     x = x + Drop(FF(LN2(x)))            (the feedforward applies its own inner dropout)

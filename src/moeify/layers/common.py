@@ -1,6 +1,6 @@
 """What every layer shares: the Aux record it returns beside its output, the training-only usage
 buffers of routed layers, the config checks, the initialisers of the papers' recipes, and the
-load-time renaming of legacy state-dict keys.
+load-time mapping of moved state-dict keys.
 
 Parameter names (they are state-dict keys: checkpoints, Hugging Face key maps, expert
 parallelism and upcycling name them). Names say the role; the shape is documented beside the
@@ -15,7 +15,7 @@ Parameter (and in each file's shape legend), not spelled into the name:
                                  no-decay group must still load).
                                  SwitchHead's two sides: ``w_router_src`` (source side, serves V
                                  and K) and ``w_router_dst`` (destination side, serves O and Q).
-                                 A router bias is ``bias_router`` [X] (MoD's scalar one: []).
+                                 A router bias is ``bias_router`` [X] (MoD's single one: [1]).
     stacked expert weights       ``w_<role>`` with the expert (or head) first: the feedforward
                                  MoEs' ``w_in`` [E, D, G], ``w_gate`` [E, D, G] (gated experts)
                                  and ``w_out`` [E, G, D]; the attention projections ``w_q``,
@@ -28,22 +28,18 @@ G is the expert's hidden width (sigma-MoE's expert_size, Switch's d_ff). Buffers
 own names (``usage*``, ``expert_bias`` of loss-free balancing), as do nn.Linear sub-modules
 (``shared_gate.weight``, dense MLPs' ``w1`` / ``w_up``, ...), whose names follow torch's.
 
-Checkpoints written with earlier names still load: every layer that renamed a Parameter
-registers its old names with ``rename_legacy_keys`` (a load_state_dict pre-hook), and
-``upgrade_legacy_keys`` applies the same renames to a whole model's state dict for code that
-reads a checkpoint by key before loading it (expert parallelism). Loaders that match keys
-themselves carry the same renames: sharded checkpoints (moeify.train.sharded) and transformers'
-loading of exported directories (moeify.interop.hf_legacy). The renames of the naming
-convention (earlier name -> current):
+The routed experts of the feedforward MoEs live in their ``experts`` sub-module
+(moeify.layers.experts): ``experts.w_in`` and so on. Runs whose layers held those weights
+themselves (``w_in`` on the layer) still load: the layers register the move with
+``rename_legacy_keys`` (a load_state_dict pre-hook), ``upgrade_legacy_keys`` applies it to a
+whole model's state dict for code that reads a checkpoint by key before loading it (expert
+parallelism), and sharded checkpoints read it too (moeify.rundir.sharded).
 
-    SwitchHeadAttention  w_sel -> w_router, w_sel_src -> w_router_src, w_sel_dst -> w_router_dst
-    SigmaMoE             w_sel_ED -> w_router, keys_EDG -> w_in, values_EGD -> w_out,
-                         bias_EG -> bias_in, bias_D -> bias_out
-    SwitchFeedForward    w_router_RD -> w_router, w_in_EDF -> w_in, w_gate_EDF -> w_gate,
-                         w_out_EFD -> w_out, bias_EF -> bias_in, bias_D -> bias_out
-    MixtureOfDepths      router_D -> w_router, router_bias -> bias_router
-    MoSAAttention        w_r -> w_router
-    attention layers     w_pos, bias_u, bias_v, scale -> core.* (the attention core's)
+No Parameter is 0-dim (FSDP2 shards dim 0 of every parameter): a learned scalar is a vector of
+one element, and a state dict that holds it 0-dim (written before) loads through
+``load_scalars_as_vectors`` (the attention core's ``scale``, MoD's ``bias_router``); the
+optimizer state of such a parameter is reshaped the same way by whoever restores it
+(moeify.rundir.checkpoints.reshape_like).
 
 Shape legend: X rows of a selection matrix (one per expert), D d_model.
 """
@@ -56,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moeify.ops.aux_losses import pooled_entropy_loss
+from moeify.ops.aux_losses import balance_from_counts, pooled_entropy_loss
 from moeify.ops.dropout import dropout
 from moeify.ops.moe import implementations
 from moeify.ops.memo import stamps
@@ -64,7 +60,8 @@ from moeify.ops.routing import count_selections
 
 
 ROUTING_KINDS = {"switchhead": "SwitchHead", "moa": "MoA heads", "sigma_moe": "\u03c3-MoE experts",
-                 "switch": "Switch experts", "mod": "MoD fraction routed"}
+                 "switch": "Switch experts", "mod": "MoD fraction routed",
+                 "moh": "MoH routed heads", "mor": "MoR recursion depths"}
 
 
 class RoutingStats:
@@ -197,6 +194,26 @@ class PooledEntropy:
         return self.coef * pooled_entropy_loss(self.psum, self.count)
 
 
+@dataclass(frozen=True)
+class GlobalBalance:
+    """A balance loss whose f_i may come from a larger batch than one forward's: the global-batch
+    balance loss (Qiu et al. 2025, arXiv 2501.11873; Switch with ``balance_scope="global"``).
+    ``probs`` [E]: the mean router probability over this forward's valid tokens (it carries the
+    gradient); ``counts`` [E]: this forward's top-1 counts (float32, no gradient). ``loss()``
+    takes f_i from this forward's counts (the per-batch Switch loss); the trainer passes the
+    update's counts, every micro-batch and process (moeify.train.balancing). The loss is taken
+    outside the layer, so a forward that is run again (activation recomputation) counts
+    nothing twice."""
+
+    coef: float
+    probs: torch.Tensor
+    counts: torch.Tensor
+
+    def loss(self, counts: torch.Tensor | None = None) -> torch.Tensor:
+        return self.coef * balance_from_counts(self.probs, self.counts if counts is None
+                                               else counts)
+
+
 @dataclass
 class Aux:
     """Auxiliary outputs of a layer, returned (never stored in globals).
@@ -208,12 +225,15 @@ class Aux:
     pooled:  losses not yet taken (``PooledEntropy``): the model pools them over the
              applications of a shared block and adds ``loss()`` to its losses under the same
              name (MoEUT's regularisers).
+    balance: losses whose batch statistics a trainer may widen (``GlobalBalance``): the model
+             adds ``loss()`` to its losses under the same name and returns the record too.
     """
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     routing: dict[str, RoutingStats] = field(default_factory=dict)
     pooled: dict[str, PooledEntropy] = field(default_factory=dict)
+    balance: dict[str, GlobalBalance] = field(default_factory=dict)
 
     def update(self, other: "Aux", prefix: str = "") -> "Aux":
         for k, v in other.losses.items():
@@ -224,11 +244,14 @@ class Aux:
             self.routing[prefix + k] = v
         for k, v in other.pooled.items():
             self.pooled[prefix + k] = v
+        for k, v in other.balance.items():
+            self.balance[prefix + k] = v
         return self
 
     def total_loss(self) -> torch.Tensor | None:
         """The weighted losses, pooled ones taken over this one application."""
-        terms = list(self.losses.values()) + [p.loss() for p in self.pooled.values()]
+        terms = (list(self.losses.values()) + [p.loss() for p in self.pooled.values()]
+                 + [b.loss() for b in self.balance.values()])
         return sum(terms) if terms else None
 
 
@@ -319,11 +342,12 @@ def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> to
 
 
 # ----------------------------------------------------------------------------------------------
-# Legacy state-dict keys.
+# Moved state-dict keys.
 
 
 def rename_legacy_keys(module: nn.Module, renames: dict) -> None:
-    """Let ``module`` load state dicts written with earlier names of its own entries:
+    """Let ``module`` load state dicts that hold its entries under the keys they had before they
+    moved (moeify.layers.experts.EXPERT_KEYS):
     ``renames`` maps an old key (relative to the module) to the current one, or to
     ``(current, fn)`` where the tensor also changed form (``fn(old_tensor)``). Applied by a
     load_state_dict pre-hook, so ``load_state_dict`` of the module or of any model holding it
@@ -352,9 +376,21 @@ def _rename_into(state_dict, prefix: str, table: dict) -> None:
             state_dict[prefix + new] = value if fn is None else fn(value)
 
 
+def load_scalars_as_vectors(module: nn.Module, *names: str) -> None:
+    """Let ``module`` load a state dict that holds its one-element vectors ``names`` as 0-dim
+    tensors (a load_state_dict pre-hook; module docstring)."""
+    def hook(state_dict, prefix, *args):
+        for n in names:
+            t = state_dict.get(prefix + n)
+            if isinstance(t, torch.Tensor) and t.dim() == 0:
+                state_dict[prefix + n] = t.reshape(1)
+
+    module._register_load_state_dict_pre_hook(hook)
+
+
 def upgrade_legacy_keys(model: nn.Module, state_dict: dict) -> dict:
-    """A copy of ``state_dict`` (a state dict of ``model``, perhaps written with earlier names)
-    with every legacy key renamed as ``model.load_state_dict`` would rename it: for code that
+    """A copy of ``state_dict`` (a state dict of ``model``, perhaps with moved keys at their old
+    places) with every such key renamed as ``model.load_state_dict`` would rename it: for code that
     indexes a checkpoint by the current names before loading it."""
     out = dict(state_dict)
     for name, module in model.named_modules():
@@ -420,16 +456,8 @@ def check_token_input(who: str, x_BTD: torch.Tensor, d_model: int,
 
 def init_scale(n_layers: int) -> float:
     """s = sqrt(2 / L), the depth scale of the SwitchHead and sigma-MoE initialisation
-    (switchhead.md §3, moe-family.md)."""
+    (SwitchHead appendix; sigma-MoE, arXiv 2310.10837, its initialisation)."""
     return math.sqrt(2.0 / n_layers)
-
-
-@torch.no_grad()
-def later_option(default):
-    """A layer-config field added after run directories were written: a dataclass field whose
-    default is left out of the config's JSON (moeify.models.config), so that model.json and the
-    checkpoints of existing runs, written without it, still read back equal."""
-    return field(default=default, metadata={"omit_default": True})
 
 
 def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:
@@ -452,8 +480,23 @@ def trunc_normal_exact_std_(w: torch.Tensor, std: float) -> torch.Tensor:
 @torch.no_grad()
 def renorm_rows_(w_XD: torch.Tensor) -> torch.Tensor:
     """Rescale every row of a selection matrix to the same L2 norm while keeping the overall
-    standard deviation (switchhead.md §3; the authors' renorm_keep_std): no expert starts with a
-    larger router norm than another."""
+    standard deviation: no expert starts with a larger router norm than another. sigma-MoE's
+    expert selection (the authors' ``renorm_keep_std(expert_sel, dim=1)``, in
+    github.com/RobertCsordas/moe and in ``SigmaMoE`` of github.com/RobertCsordas/moeut;
+    sigma-MoE arXiv 2310.10837)."""
     std = w_XD.std()
     w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return w_XD.mul_(std / w_XD.std())
+
+
+@torch.no_grad()
+def renorm_rows_keep_row_std_(w_XD: torch.Tensor) -> torch.Tensor:
+    """SwitchHead's selection matrices (the authors' ``SwitchHeadCore.renorm_rows`` in
+    github.com/RobertCsordas/moeut, moeut.py, the rule of ``renorm_rows`` in
+    github.com/RobertCsordas/moe_attention; SwitchHead arXiv 2312.07987): row i becomes its
+    unit vector times its own standard deviation sigma_i (unbiased, before the change), the
+    whole then divided by the standard deviation of the unit rows. Row norms stay
+    proportional to the rows' own spreads (a few percent apart), unlike ``renorm_rows_``."""
+    std_X1 = w_XD.std(dim=-1, keepdim=True)
+    w_XD.div_(w_XD.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return w_XD.mul_(std_X1 / w_XD.std())

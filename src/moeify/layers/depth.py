@@ -1,7 +1,8 @@
 """Mixture-of-Depths (Raposo et al. 2024): a scalar router decides which tokens of each sequence a
 whole block (attention + feedforward) processes; the others skip it unchanged.
 
-Training and teacher-forced evaluation (no cache), per sequence of T tokens (moe-family.md, MoD):
+Training and teacher-forced evaluation (no cache), per sequence of T tokens
+(Raposo et al. 2024, arXiv 2404.02258):
 
     r_t    = wᵀ x_t + b                              scalar router, float32
     sel    = top-C tokens by r, C = ceil(capacity · T) (at least 1), in ascending position
@@ -61,8 +62,8 @@ from moeify.layers.common import (
     check_positive,
     check_token_input,
     init_scale,
+    load_scalars_as_vectors,
     register_usage,
-    rename_legacy_keys,
 )
 from moeify.ops.depth_routing import (
     causal_route,
@@ -124,14 +125,14 @@ class MixtureOfDepths(nn.Module):
         # [1, D], so that it stays a vector (no weight decay: the trainer decays matrices only,
         # and an optimizer state saved with it in the no-decay group still loads).
         self.w_router = nn.Parameter(torch.empty(config.d_model))
-        self.bias_router = nn.Parameter(torch.zeros(()))
+        self.bias_router = nn.Parameter(torch.zeros(1))  # [1], not 0-dim: FSDP2 shards dim 0
         self.predictor = None
         if config.causal_router == "predictor":
             self.predictor = nn.Sequential(
                 nn.Linear(config.d_model, config.predictor_hidden), nn.ReLU(),
                 nn.Linear(config.predictor_hidden, 1))
         register_usage(self, "usage", (2,))
-        rename_legacy_keys(self, {"router_D": "w_router", "router_bias": "bias_router"})
+        load_scalars_as_vectors(self, "bias_router")
         self.reset_parameters()
 
     @torch.no_grad()
@@ -141,7 +142,7 @@ class MixtureOfDepths(nn.Module):
 
     def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """r = wᵀx + b, float32 [B, T] (also under autocast: the top-k is sensitive to rounding)."""
-        return routing.router_logits(x_BTD, self.w_router[None], self.bias_router[None]).squeeze(-1)
+        return routing.router_logits(x_BTD, self.w_router[None], self.bias_router).squeeze(-1)
 
     def causal_logits(self, x_BTD: torch.Tensor, logits_BT: torch.Tensor) -> torch.Tensor:
         """Logits of the causal rule: the router itself, or the stop-gradient predictor."""

@@ -32,7 +32,7 @@ from moeify.layers.common import (
 
 @dataclass(frozen=True, kw_only=True)
 class DenseFFConfig:
-    """The paper baseline's MLP (switchhead.md §3): W2 · Drop(ReLU(W1 · x + b1)) + b2.
+    """The paper baseline's MLP (SwitchHead appendix): W2 · Drop(ReLU(W1 · x + b1)) + b2.
 
     n_layers: model depth L, for the initialisation std sqrt(2 / (L · fan_in)).
     dropout:  on the hidden activations (0.1 small / 0.2 big models in the paper)."""
@@ -63,7 +63,7 @@ class DenseFeedForward(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # switchhead.md §3: dense baseline Linears trunc-normal, std sqrt(2 / (L · fan_in)),
+        # SwitchHead appendix: dense baseline Linears trunc-normal, std sqrt(2 / (L · fan_in)),
         # rescaled to exactly that std as the authors' code does.
         s = init_scale(self.config.n_layers)
         for lin in (self.w1, self.w2):

@@ -14,7 +14,9 @@ SDPA's ``enable_gqa``. Positions: "rope" rotates ``rope_fraction`` of each head'
 ``rope_base`` in moeify's rotate-half convention (channel i pairs with i + n/2), which is the
 convention of Hugging Face's Llama code, so its checkpoints need no channel permutation;
 "absolute" leaves positions to the model's learned embedding (ModelConfig.max_positions, GPT-2),
-so inside the layer it is "none", no positional information.
+so inside the layer it is "none", no positional information. ``rope_scaling`` (a
+moeify.layers.attention_core.RopeScaling: linear, dynamic NTK, YaRN, Llama 3.1) rescales the RoPE
+frequencies of long-context checkpoints as transformers' ``rope_type`` of that name does.
 
 Query/key normalisation (``qk_norm``, before RoPE), as the MoE families moeify imports define it:
 "head" is an RMSNorm over each head's C channels, one weight [C] shared by the heads (Qwen3,
@@ -35,8 +37,8 @@ import torch
 from torch import nn
 
 from moeify.layers.attention import check_inputs, core_config
-from moeify.layers.attention_core import AttentionCore, check_core_fields
-from moeify.layers.common import (Aux, check_positive, init_scale, later_option,
+from moeify.layers.attention_core import AttentionCore, RopeScaling, check_core_fields
+from moeify.layers.common import (Aux, check_positive, init_scale,
                                   trunc_normal_exact_std_)
 from moeify.layers.kv_cache import KVCache
 from moeify.layers.norm import RMSNorm
@@ -64,8 +66,9 @@ class GroupedQueryAttentionConfig:
     n_layers: int = 1
     attn_dropout: float = 0.0
     attn_impl: str = "auto"
-    qk_norm: str = later_option("none")
-    qk_norm_eps: float = later_option(1e-6)
+    qk_norm: str = "none"
+    qk_norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "n_kv_heads", "d_head", "n_layers")
@@ -76,6 +79,8 @@ class GroupedQueryAttentionConfig:
         if not self.qk_norm_eps > 0:
             raise ValueError(f"GroupedQueryAttentionConfig.qk_norm_eps must be positive, "
                              f"got {self.qk_norm_eps}")
+        if self.rope_scaling is not None and self.pos != "rope":
+            raise ValueError("GroupedQueryAttentionConfig.rope_scaling needs pos='rope'")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"GroupedQueryAttentionConfig: n_kv_heads={self.n_kv_heads} must "
                              f"divide n_heads={self.n_heads}")
@@ -115,7 +120,7 @@ class GroupedQueryAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """As the dense baseline: trunc-normal rescaled to std sqrt(2 / (L · fan_in))
-        (switchhead.md §3), biases zero."""
+        (SwitchHead appendix), biases zero."""
         s = init_scale(self.config.n_layers)
         for lin in (self.w_q, self.w_k, self.w_v, self.w_o):
             trunc_normal_exact_std_(lin.weight, s / lin.in_features ** 0.5)

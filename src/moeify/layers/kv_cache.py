@@ -8,7 +8,8 @@ on its own position), keys before any Transformer-XL position term (that term de
 too, so it is recomputed from the stored positions), values after SwitchHead's expert mixing (the
 V selection depends only on the source token itself). Every entry keeps its absolute integer
 position and its validity, so later queries mask and position it exactly as a full forward pass
-does; decoding therefore never restarts positions at 0 (the defect SwitchHead spec §2 warns of).
+does; decoding therefore never restarts positions at 0 (the defect the SwitchHead appendix warns
+of).
 
 The cache does not detach: decoding normally runs under torch.no_grad().
 """

@@ -8,7 +8,7 @@ Activations: moeify.layers.ff_common.ACTIVATIONS ("gelu_tanh", GPT-2's gelu_new;
 "relu"; "silu", SwiGLU's). Both layers have the feedforward interface of
 docs/interfaces.md: ``y_BTD, aux = ff(x_BTD, *, valid_BT=None)``; nothing is routed, so the Aux
 is empty. Weights are nn.Linear ([out, in]); initialisation as the dense baseline (trunc-normal,
-std sqrt(2 / (L · fan_in)), switchhead.md §3), biases zero.
+std sqrt(2 / (L · fan_in)), SwitchHead appendix), biases zero.
 
 Shape legend: B batch, T tokens, D d_model, F hidden width (d_ff).
 """

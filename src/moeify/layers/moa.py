@@ -1,4 +1,4 @@
-"""MoA, Mixture of Attention heads (Zhang et al., EMNLP 2022; spec moe-family.md, MoA section).
+"""MoA, Mixture of Attention heads (Zhang et al., EMNLP 2022, arXiv 2210.05144).
 
 Shape legend
     B batch     T destination (query) tokens    S source (key/value) tokens, memory included
@@ -35,7 +35,6 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
-    rename_legacy_core_keys,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -60,7 +59,7 @@ from moeify.ops.routing import selection_logits, softmax_topk
 class MoAConfig:
     """Mixture of attention heads: E experts, k selected per token (``n_heads`` is k).
 
-    n_layers: model depth L for the init s = sqrt(2 / L) (as SwitchHead, spec §3).
+    n_layers: model depth L for the init s = sqrt(2 / L) (as SwitchHead, its appendix).
     renormalize: rescale the k kept gates to sum to 1 (off in the authors' code).
     balance_coef, z_coef, cv_coef: auxiliary-loss coefficients (MoA's defaults).
     """
@@ -123,7 +122,6 @@ class MoAAttention(nn.Module):
         # one head shared by the slots.
         self.core = AttentionCore(core_config(c, n_heads=c.k, n_kv_heads=1, xl_heads=1))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos",))
         register_usage(self, "usage", (E,))
         self.reset_parameters()
 

@@ -19,10 +19,12 @@ through shared layers):
 final LayerNorm before the output layer is the LM's ``ln_f``.
 
 Layer grouping and weight sharing (the paper's G) live in the model (ModelConfig.group_size,
-models/lm.py): G blocks are built and applied in order n_layers / G times. The initialisation
-(the authors' reset_parameters) is that of SwitchHead and sigma-MoE with s = sqrt(2 / L), L the
-number of layer *applications* (the authors' ``sqrt(2 / (n_repeats * G))``), which the layer
-configs' ``n_layers`` carries.
+models/lm.py): G blocks are built and applied in order n_layers / G times. The blocks'
+initialisation is the authors' (their reset_parameters): that of SwitchHead and sigma-MoE with
+s = sqrt(2 / L), L the number of layer *applications* (the authors' ``sqrt(2 / (n_repeats *
+G))``), which the layer configs' ``n_layers`` carries. Deviation, the only one in the
+initialisation of a MoEUT model: the untied output layer is the library's (N(0, 1/d), a zero
+bias; models/lm.py), where the authors keep PyTorch's default Linear init.
 
 Regularisers (the authors' MoEUT.forward: ``entropy_reg * SigmaMoE.get_reg_loss() +
 att_entropy_reg * SwitchHeadCore.get_reg_loss()``, gamma = 0.01, delta = 0.001): the block

@@ -52,9 +52,13 @@ each position on its own prefix, independent of how the tokens are chunked
 (tests/models/test_mosa_presets.py); it is not the teacher-forced full forward, whose routing
 sees later tokens (as with Mixture-of-Depths).
 
-Initialisation (deviation): W_Q, W_K, W_V and the router N(0, s²/d), W_O N(0, s²/(H·h')) with
-s = sqrt(2/L), as SwitchHead's in this library; the authors' code draws uniform weights
-(±1/sqrt(3h') for QKV, ±1/sqrt(H·d) for O, PyTorch's Linear default for the router).
+Initialisation (deviation): W_Q, W_K, W_V and the router N(0, s²/d), W_O N(0, s²/((H +
+H_dense)·h')) with s = sqrt(2/L), as SwitchHead's in this library (the fan-in of W_O counts a
+hybrid's dense heads, whose outputs are added to the MoSA heads'); the authors' code draws
+uniform weights (±1/sqrt(3h') for QKV, ±1/sqrt(H·d) for O, PyTorch's Linear default for the
+router). A hybrid's dense heads are a DenseAttention and keep the dense baseline's
+initialisation (trunc-normal, std s/sqrt(fan_in), their W_O's fan-in H_dense·h' alone), not
+the authors' uniform one either.
 
 Shape legend: B batch, T tokens, S cached tokens, D d_model, H MoSA heads, K selected tokens per
 head (k), C d_head (h').
@@ -71,7 +75,7 @@ from torch import nn
 
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.attention_core import check_core_fields
-from moeify.layers.common import Aux, check_positive, init_scale, rename_legacy_keys
+from moeify.layers.common import Aux, check_positive, init_scale
 from moeify.ops.positional import apply_rope, rope_dims
 from moeify.ops.routing import selection_logits, top_indices
 
@@ -176,7 +180,6 @@ class MoSAAttention(nn.Module):
         dense = c.dense_config()
         self.dense = None if dense is None else dense.build()
         self.n_rot = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
-        rename_legacy_keys(self, {"w_r": "w_router"})
         self.reset_parameters()
 
     @torch.no_grad()

@@ -2,14 +2,15 @@
 Feedforward Networks for Efficient Transformers"); the feedforward half of SwitchAll.
 
 A two-layer ReLU MLP of hidden size E·G cut into E experts of G hidden units each. Per token
-(moe-family.md, sigma-MoE):
+(the paper's σ-MoE):
 
     s   = sigmoid(x · W_routerᵀ)                   float32, [E]
     sel = top-k of s                                (indices carry no gradient)
     y   = sum over e in sel of  s_e · ReLU(x · W_in,e) · W_out,e    no biases
 
-(the paper's keys K_e and values V_e are ``w_in`` [E, D, G] and ``w_out`` [E, G, D]; ``w_router``
-[E, D] is its W_sel. ``bias`` and ``activation`` generalise the expert to
+(the paper's keys K_e and values V_e are ``experts.w_in`` [E, D, G] and ``experts.w_out``
+[E, G, D], moeify.layers.experts; ``w_router`` [E, D] is its W_sel. ``bias`` and ``activation``
+generalise the expert to
 act(x · W_in,e + b_e) · W_out,e, plus an ungated output bias: the form of a dense MLP with
 biases and another activation, for upcycling.)
 
@@ -47,17 +48,16 @@ from moeify.layers.common import (
     check_probability,
     check_token_input,
     init_scale,
-    later_option,
     register_usage,
     rename_legacy_keys,
     routing_record,
     renorm_rows_,
 )
-from moeify.layers.ff_common import check_activation, expert_activation, routing_stats
+from moeify.layers.experts import EXPERT_KEYS, RoutedExperts
+from moeify.layers.ff_common import check_activation, routing_stats
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
 from moeify.ops.aux_losses import batch_entropy_loss, sequence_prob_sums
-from moeify.ops.moe import expert_mlp, make_plan
 from moeify.ops.routing import router_logits, sigmoid_topk
 
 
@@ -106,12 +106,12 @@ class SigmaMoEConfig:
     expert_impl: str = "auto"
     bias: bool = False
     activation: str = "relu"
-    shared: MLPConfig | GatedMLPConfig | None = later_option(None)
-    n_shared: int = later_option(0)
-    shared_gate: bool = later_option(False)
-    lossfree_rate: float = later_option(0.0)
-    lossfree_centre: bool = later_option(False)
-    entropy_pool: str = later_option("batch")
+    shared: MLPConfig | GatedMLPConfig | None = None
+    n_shared: int = 0
+    shared_gate: bool = False
+    lossfree_rate: float = 0.0
+    lossfree_centre: bool = False
+    entropy_pool: str = "batch"
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_experts", "expert_size", "n_layers")
@@ -148,45 +148,38 @@ class SigmaMoE(nn.Module):
         super().__init__()
         self.config = config
         E, D, G = config.n_experts, config.d_model, config.expert_size
-        # Names: moeify.layers.common (the naming convention); registration order kept, as
-        # optimizer states are saved by parameter index.
         self.w_router = nn.Parameter(torch.empty(E, D))  # [E, D]
-        self.w_in = nn.Parameter(torch.empty(E, D, G))  # [E, D, G], the paper's keys
-        self.w_out = nn.Parameter(torch.empty(E, G, D))  # [E, G, D], the paper's values
         if config.bias:
-            self.bias_in = nn.Parameter(torch.zeros(E, G))  # [E, G]
             self.bias_out = nn.Parameter(torch.zeros(D))  # [D]
-        rename_legacy_keys(self, {"w_sel_ED": "w_router", "keys_EDG": "w_in",
-                                  "values_EGD": "w_out", "bias_EG": "bias_in",
-                                  "bias_D": "bias_out"})
+        # The paper's keys and values: experts.w_in [E, D, G], experts.w_out [E, G, D].
+        self.experts = RoutedExperts(E, D, G, bias=config.bias, activation=config.activation,
+                                     dropout=config.dropout, impl=config.expert_impl)
+        rename_legacy_keys(self, EXPERT_KEYS)
         build_shared(self, config)
         if config.lossfree_rate > 0:  # persistent: a resumed run keeps its balance
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         register_usage(self, "usage", (E,))
-        # Injected from moeify.train (never set by the model): dispatch(layer, x_MD, idx_MK,
-        # gates_MK, keep_MK) -> y_MD runs the experts elsewhere (expert parallelism).
-        self.dispatch = None
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        # moe-family.md sigma-MoE init: keys and selection N(0, s²/d), values N(0, s²/(E·G)),
+        # sigma-MoE's initialisation: keys and selection N(0, s²/d), values N(0, s²/(E·G)),
         # selection rows renormalised to equal norm.
         c = self.config
         s = init_scale(c.n_layers)
-        nn.init.normal_(self.w_in, std=s / c.d_model ** 0.5)
+        nn.init.normal_(self.experts.w_in, std=s / c.d_model ** 0.5)
         nn.init.normal_(self.w_router, std=s / c.d_model ** 0.5)
-        nn.init.normal_(self.w_out, std=s / (c.n_experts * c.expert_size) ** 0.5)
+        nn.init.normal_(self.experts.w_out, std=s / (c.n_experts * c.expert_size) ** 0.5)
         renorm_rows_(self.w_router)
         if c.bias:
-            self.bias_in.zero_()
+            self.experts.bias_in.zero_()
             self.bias_out.zero_()
         reset_shared_gate(self, c)
 
     def route(self, x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits_ME float32, gates_MK float32, idx_MK) with expert dropout in training."""
         c = self.config
-        logits_ME = router_logits(x_MD, self.w_router)  # float32 even under autocast (spec)
+        logits_ME = router_logits(x_MD, self.w_router)  # float32 even under autocast
         exclude_ME = None
         if self.training and c.expert_dropout > 0:
             exclude_ME = torch.rand_like(logits_ME) < c.expert_dropout
@@ -194,7 +187,8 @@ class SigmaMoE(nn.Module):
                            bias=self.expert_bias if c.lossfree_rate > 0 else None)
         gates_MK = top.gates
         if exclude_ME is not None:
-            # A dropped expert's score is 0 (spec): picked only when fewer than k survive.
+            # A dropped expert's score is 0 (sigma-MoE's expert dropout): picked only when
+            # fewer than k survive.
             gates_MK = gates_MK.masked_fill(exclude_ME.gather(-1, top.idx), 0.0)
         return logits_ME, gates_MK, top.idx
 
@@ -214,11 +208,9 @@ class SigmaMoE(nn.Module):
             x_MD if router_BTD is None else router_BTD.reshape(B * T, D))
         M, K = idx_MK.shape
 
-        if self.dispatch is not None:
-            keep = None if valid_M is None else valid_M[:, None].expand(M, K)
-            y_MD = self.dispatch(self, x_MD, idx_MK, gates_MK, keep)
-        else:
-            y_MD = self._mlp(x_MD, idx_MK, gates_MK)
+        # Every pair is computed, padding included (its output is never read); the gate
+        # multiplies inside the experts' matmul.
+        y_MD = self.experts(x_MD, idx_MK, gates_MK)
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_out.to(y_BTD.dtype)
@@ -239,21 +231,3 @@ class SigmaMoE(nn.Module):
             aux.stats["batch_entropy"] = -batch_entropy_loss(logits_ME.detach(), valid_M)
         accumulate_usage(self, "usage", counts_E)
         return y_BTD, aux
-
-    def _mlp(self, x_RD: torch.Tensor, ids_RK: torch.Tensor, gates_RK: torch.Tensor,
-             *, w_in: torch.Tensor | None = None, w_out: torch.Tensor | None = None,
-             bias_in: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts on rows ``x_RD``: sum over k of gate · expert_{ids[r, k]}(x_r), [R, D].
-        The weights default to the layer's own; expert parallelism passes this process's
-        shard of them (E_local experts, ids in [0, E_local))."""
-        c = self.config
-        w_in = self.w_in if w_in is None else w_in
-        w_out = self.w_out if w_out is None else w_out
-        if bias_in is None and c.bias:
-            bias_in = self.bias_in
-        # One sort of the routed pairs serves both expert matmuls (moeify.ops.moe.policy decides
-        # "auto"), and the hidden units stay in expert order between them.
-        return expert_mlp(x_RD, ids_RK, w_in, w_out, gates_RK,
-                          impl=c.expert_impl, plan=make_plan(ids_RK, w_in.shape[0]),
-                          dropout=c.dropout, training=self.training, bias_EG=bias_in,
-                          activation=expert_activation(c.activation))

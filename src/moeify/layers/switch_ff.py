@@ -1,7 +1,7 @@
 """Switch Transformer feedforward (Fedus, Zoph, Shazeer, JMLR 2022), with the router z-loss of
 ST-MoE (Zoph et al. 2022) and the no-op experts of integrated MoDE (Raposo et al. 2024, §4).
 
-Per token (moe-family.md, Switch):
+Per token (Switch Transformer §2.1; ST-MoE for the router z-loss):
 
     p = softmax(W_r · x)                 float32 ("selective precision"), over E + Z outputs
     top-k of p (k = 1 in the paper)      choices ordered best first
@@ -24,9 +24,11 @@ exact form of the checkpoint's computation (moeify.interop.hf_import):
 Balancing, besides the per-batch balance loss (moeify.ops.aux_losses):
 
     balance_scope="global"  the balance loss's f_i from the top-1 counts of the whole update
-                 (all processes, the micro-batches so far: arXiv 2501.11873), handed to the layer
-                 by the trainer through ``count_sync`` (layers never touch torch.distributed);
-                 without one (a single forward) it is the per-batch loss.
+                 (all processes, every micro-batch: arXiv 2501.11873). The layer returns the
+                 loss's parts (``Aux.balance``, a ``GlobalBalance``: the mean router
+                 probabilities and this forward's top-1 counts); its loss from this forward's
+                 counts alone is the per-batch loss, and the trainer takes it with the counts of
+                 the whole update (moeify.train.balancing).
     lossfree_rate=gamma     loss-free balancing (arXiv 2408.15664): a buffer ``expert_bias``
                  [E + Z] is added to the softmax probabilities for the top-k choice only; the
                  trainer updates it after each optimizer step (moeify.train.balancing).
@@ -71,24 +73,23 @@ from torch import nn
 
 from moeify.layers.common import (
     Aux,
+    GlobalBalance,
     accumulate_usage,
     check_expert_impl,
     check_nonnegative,
     check_positive,
     check_probability,
     check_token_input,
-    later_option,
     register_usage,
     rename_legacy_keys,
     routing_record,
     trunc_normal_,
 )
-from moeify.layers.ff_common import (ACTIVATIONS, check_activation, expert_activation,
-                                     routing_stats)
+from moeify.layers.experts import EXPERT_KEYS, RoutedExperts
+from moeify.layers.ff_common import check_activation, routing_stats
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 from moeify.layers.shared_expert import add_shared, build_shared, check_shared, reset_shared_gate
-from moeify.ops.aux_losses import global_balance_loss, switch_balance_loss, z_loss
-from moeify.ops.moe import expert_mlp, gated_expert_mlp, make_plan
+from moeify.ops.aux_losses import mean_router_probs, switch_balance_loss, z_loss
 from moeify.ops.routing import (capacity_mask, count_selections, expert_capacity,
                                 router_logits, softmax_topk)
 
@@ -142,14 +143,14 @@ class SwitchFFConfig:
     expert_impl: str = "auto"
     bias: bool = False
     activation: str = "relu"
-    gated: bool = later_option(False)
-    renormalize: bool = later_option(False)
-    shared: GatedMLPConfig | MLPConfig | None = later_option(None)
-    n_shared: int = later_option(0)
-    shared_gate: bool = later_option(False)
-    balance_scope: str = later_option("batch")
-    lossfree_rate: float = later_option(0.0)
-    lossfree_centre: bool = later_option(False)
+    gated: bool = False
+    renormalize: bool = False
+    shared: GatedMLPConfig | MLPConfig | None = None
+    n_shared: int = 0
+    shared_gate: bool = False
+    balance_scope: str = "batch"
+    lossfree_rate: float = 0.0
+    lossfree_centre: bool = False
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
@@ -195,27 +196,16 @@ class SwitchFeedForward(nn.Module):
         self.config = config
         E, D, Fh = config.n_experts, config.d_model, config.d_ff
         R = E + config.noop_experts
-        # Names: moeify.layers.common (the naming convention); registration order kept, as
-        # optimizer states are saved by parameter index.
         self.w_router = nn.Parameter(torch.empty(R, D))  # [R, D]
-        self.w_in = nn.Parameter(torch.empty(E, D, Fh))  # [E, D, F]
-        self.w_out = nn.Parameter(torch.empty(E, Fh, D))  # [E, F, D]
-        if config.gated:
-            self.w_gate = nn.Parameter(torch.empty(E, D, Fh))  # [E, D, F]
+        if config.bias:
+            self.bias_out = nn.Parameter(torch.zeros(D))  # [D]
+        self.experts = RoutedExperts(E, D, Fh, gated=config.gated, bias=config.bias,
+                                     activation=config.activation,
+                                     dropout=config.expert_dropout, impl=config.expert_impl)
+        rename_legacy_keys(self, EXPERT_KEYS)
         build_shared(self, config)
         if config.lossfree_rate > 0:  # persistent: a resumed run keeps its balance
             self.register_buffer("expert_bias", torch.zeros(R, dtype=torch.float32))
-        # Injected from moeify.train (never set by the model): count_sync(counts_R) -> the
-        # update's global top-1 counts (balance_scope="global"); dispatch(layer, x_MD, idx_MK,
-        # gates_MK, keep_MK) -> y_MD, the experts run elsewhere (expert parallelism).
-        self.count_sync = None
-        self.dispatch = None
-        if config.bias:
-            self.bias_in = nn.Parameter(torch.zeros(E, Fh))  # [E, F]
-            self.bias_out = nn.Parameter(torch.zeros(D))  # [D]
-        rename_legacy_keys(self, {"w_router_RD": "w_router", "w_in_EDF": "w_in",
-                                  "w_out_EFD": "w_out", "w_gate_EDF": "w_gate",
-                                  "bias_EF": "bias_in", "bias_D": "bias_out"})
         register_usage(self, "usage", (R,))
         register_usage(self, "dropped", ())
         self.reset_parameters()
@@ -225,13 +215,13 @@ class SwitchFeedForward(nn.Module):
         # Switch §2.4: truncated normal, std sqrt(0.1 / fan_in) (a tenth of the usual scale).
         c = self.config
         trunc_normal_(self.w_router, (0.1 / c.d_model) ** 0.5)
-        trunc_normal_(self.w_in, (0.1 / c.d_model) ** 0.5)
-        trunc_normal_(self.w_out, (0.1 / c.d_ff) ** 0.5)
+        trunc_normal_(self.experts.w_in, (0.1 / c.d_model) ** 0.5)
+        trunc_normal_(self.experts.w_out, (0.1 / c.d_ff) ** 0.5)
         if c.gated:
-            trunc_normal_(self.w_gate, (0.1 / c.d_model) ** 0.5)
+            trunc_normal_(self.experts.w_gate, (0.1 / c.d_model) ** 0.5)
         reset_shared_gate(self, c)
         if c.bias:
-            self.bias_in.zero_()
+            self.experts.bias_in.zero_()
             self.bias_out.zero_()
 
     def capacity(self, num_rows: int) -> int | None:
@@ -256,7 +246,7 @@ class SwitchFeedForward(nn.Module):
         top = softmax_topk(logits_MR, K, renormalize=c.renormalize,
                            bias=self.expert_bias if c.lossfree_rate > 0 else None)
         # Best choice first: position priority puts every first choice before any second one.
-        gates_MK, order_MK = top.gates.sort(-1, descending=True)
+        gates_MK, order_MK = top.gates.sort(dim=-1, descending=True, stable=True)
         idx_MK = top.idx.gather(-1, order_MK)
 
         real_MK = idx_MK < E
@@ -268,11 +258,8 @@ class SwitchFeedForward(nn.Module):
         else:
             keep_MK = capacity_mask(idx_MK, R, cap, valid_M=valid_M) & real_MK
 
-        if self.dispatch is not None:
-            y_MD = self.dispatch(self, x_MD, idx_MK, gates_MK, keep_MK)
-        else:
-            y_MD = self._experts(x_MD, idx_MK, gates_MK, keep_MK,
-                                 N if cap is None else min(N, E * cap))
+        y_MD = self.experts(x_MD, idx_MK, gates_MK, keep_MK,
+                            rows=None if cap is None else min(N, E * cap))
         y_BTD = y_MD.view(B, T, D)
         if c.bias:
             y_BTD = y_BTD + self.bias_out.to(y_BTD.dtype)
@@ -280,11 +267,9 @@ class SwitchFeedForward(nn.Module):
 
         aux = Aux()
         if c.balance_coef != 0 and c.balance_scope == "global":
-            top1_R = count_selections(idx_MK[:, 0], R, valid_M)
-            if self.count_sync is not None:
-                top1_R = self.count_sync(top1_R)
-            aux.losses["balance"] = c.balance_coef * global_balance_loss(
-                top.scores, top1_R, valid_M)
+            aux.balance["balance"] = GlobalBalance(
+                c.balance_coef, mean_router_probs(top.scores, valid_M),
+                count_selections(idx_MK[:, 0], R, valid_M).float())
         elif c.balance_coef != 0:
             aux.losses["balance"] = c.balance_coef * switch_balance_loss(
                 top.scores, idx_MK[:, 0], valid_M)
@@ -306,54 +291,3 @@ class SwitchFeedForward(nn.Module):
         accumulate_usage(self, "usage", counts_R)
         accumulate_usage(self, "dropped", dropped)
         return y_BTD, aux
-
-    def _experts(self, x_MD, idx_MK, gates_MK, keep_MK, P: int) -> torch.Tensor:
-        """Expert outputs summed per token, [M, D]; pairs not kept contribute zero. With a
-        capacity (P < N) the kept pairs are packed into P rows (a stable sort puts them first, in
-        pair order); rows past the kept ones go to expert 0 with gate 0. Dropless (P = N), every
-        pair is routed where it is, a dropped (no-op) one to expert 0 with gate 0."""
-        M, K = idx_MK.shape
-        N = M * K
-        keep_N = keep_MK.reshape(-1)
-        if P == N:
-            ids_MK = torch.where(keep_MK, idx_MK, 0)
-            return self._mlp(x_MD, ids_MK, torch.where(keep_MK, gates_MK, 0.0))
-        sort_N = torch.argsort((~keep_N).to(torch.uint8), stable=True)
-        pairs_P = sort_N[:P]
-        keep_P = keep_N[pairs_P]
-        ids_P1 = torch.where(keep_P, idx_MK.reshape(-1)[pairs_P], 0)[:, None]
-        gates_P1 = torch.where(keep_P, gates_MK.reshape(-1)[pairs_P], 0.0)[:, None]
-        x_PD = x_MD.index_select(0, torch.div(pairs_P, K, rounding_mode="floor"))
-        # Rows past the kept ones have gate 0: their bias never reaches the output.
-        y_PD = self._mlp(x_PD, ids_P1, gates_P1)
-        # Back to pair order by a gather (deterministic): pair n sits at packed row pos_N[n].
-        pos_N = torch.empty_like(sort_N)
-        pos_N[sort_N] = torch.arange(N, device=sort_N.device)
-        packed_N = pos_N < P
-        y_ND = y_PD.index_select(0, pos_N.clamp_max(P - 1)) * packed_N[:, None].to(y_PD.dtype)
-        return y_ND.view(M, K, -1).sum(1)
-
-    def _mlp(self, x_RD, ids_RK, gates_RK, *, w_in=None, w_gate=None, w_out=None,
-             bias_in=None) -> torch.Tensor:
-        """The experts on rows ``x_RD``, [R, D]. The weights default to the layer's own; expert
-        parallelism passes this process's shard of them (E_local experts, ids in [0, E_local))."""
-        # One plan for both matmuls; moeify.ops.moe.policy decides "auto". The plan spans the
-        # experts the weights hold (a shard of them under expert parallelism).
-        c = self.config
-        w_in = self.w_in if w_in is None else w_in
-        w_out = self.w_out if w_out is None else w_out
-        if c.gated and w_gate is None:
-            w_gate = self.w_gate
-        if c.bias and bias_in is None:
-            bias_in = self.bias_in
-        E_here = w_in.shape[0]
-        if c.gated:
-            return gated_expert_mlp(x_RD, ids_RK, w_gate, w_in, w_out,
-                                    gates_RK, activation=ACTIVATIONS[c.activation],
-                                    impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
-                                    dropout=c.expert_dropout, training=self.training)
-        return expert_mlp(x_RD, ids_RK, w_in, w_out, gates_RK,
-                          impl=c.expert_impl, plan=make_plan(ids_RK, E_here),
-                          dropout=c.expert_dropout, training=self.training,
-                          bias_EG=bias_in if c.bias else None,
-                          activation=expert_activation(c.activation))

@@ -1,4 +1,5 @@
-"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024; spec switchhead.md §1-3).
+"""SwitchHead: Mixture-of-Experts attention (Csordás et al., NeurIPS 2024,
+arXiv 2312.07987: Eq. 7-10 and the appendix).
 
 Shape legend
     B batch     T destination (query) tokens    S source (key/value) tokens, memory included
@@ -24,9 +25,9 @@ one selection matrix serves both sides, and in self-attention its scores are com
 
 Speed: each selection's top-k is taken once and its routing plan built once (``make_plan``,
 grouped by head: ``group_size=E``); every expert matmul sharing it reuses that plan and the
-layouts cached on it. On CPU that is the set layout (moeify.ops.moe.switchhead: the (token,
+layouts cached on it. On CPU that is the set layout (moeify.ops.moe.cpu.sets: the (token,
 head) units sorted by their set of k experts, each set's k matrices side by side in one matmul)
-once there are enough units per set, else the padded layout (moeify.ops.moe.kernels.padded: one
+once there are enough units per set, else the padded layout (moeify.ops.moe.cpu.padded: one
 batched matmul for all H·E experts); the policy (moeify.ops.moe.policy) decides. Source-side experts run with rows = source tokens, ids = h·E + e
 and ``groups=H`` and come out as [B, H, S, C], the layout attention takes, so the gate-weighted
 sum per head never materialises a [rows, k, C] tensor; O experts run with rows = destination
@@ -54,7 +55,6 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
-    rename_legacy_core_keys,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -65,19 +65,18 @@ from moeify.layers.common import (
     check_positive,
     destination_validity,
     init_scale,
-    later_option,
     project_by_input,
     register_usage,
-    rename_legacy_keys,
     routing_record,
-    renorm_rows_,
+    renorm_rows_keep_row_std_,
 )
 from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import sequence_prob_sums
 from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
+from moeify.ops.moe.cpu.decoding import gated_group_sum_all, gated_sum_of_all
+from moeify.ops.moe.cpu.policy import decodes_all
 from moeify.ops.moe.matmul import trace
-from moeify.ops.moe.policy import decodes_all, planless
-from moeify.ops.moe.switchhead import gated_group_sum_all, gated_sum_of_all
+from moeify.ops.moe.policy import planless
 from moeify.ops.routing import selection_logits, sigmoid_topk
 
 EXPERT_NAMES = ("q", "k", "v", "o")
@@ -92,7 +91,7 @@ class SwitchHeadConfig:
     experts: which projections are experts, a subset of {"q", "k", "v", "o"} (default V and O).
     shared_selection: one selection matrix for both sides (Tables 4 and 8); needs experts on both
         sides (V or K, and O or Q).
-    n_layers: model depth L for the init s = sqrt(2 / L) (spec §3).
+    n_layers: model depth L for the init s = sqrt(2 / L) (SwitchHead appendix).
     attn_dropout: dropout on attention probabilities (never used in the paper).
     entropy_coef: MoEUT's attention entropy regulariser delta (0.001 in MoEUT; 0 = none, as the
         SwitchHead paper), pooled per sequence over a shared layer's applications.
@@ -114,7 +113,7 @@ class SwitchHeadConfig:
     rope_base: float = 10000.0
     attn_impl: str = "auto"
     expert_impl: str = "auto"
-    entropy_coef: float = later_option(0.0)
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         check_positive(self, "n_heads", "n_experts", "k")
@@ -156,7 +155,7 @@ class SwitchHeadConfig:
 
     def param_count(self) -> int:
         """Per projection: H·E·d·d_h as experts, d·H·d_h dense; d·H·E per selection matrix;
-        d·H·d_h for the XL position projection (spec §1; §6's n_sels)."""
+        d·H·d_h for the XL position projection (SwitchHead Eq. 7-10; §6's n_sels)."""
         D, H, C, E = self.d_model, self.n_heads, self.d_head, self.n_experts
         n = sum(H * E * D * C if p in self.experts else D * H * C for p in EXPERT_NAMES)
         n += self.n_selections * D * H * E
@@ -202,9 +201,6 @@ class SwitchHeadAttention(nn.Module):
                 self.w_router_dst = nn.Parameter(torch.empty(X, D))
         self.core = AttentionCore(core_config(c, n_heads=H))
         self._weight_memo: dict = {}  # fused projection weights (project_by_input)
-        rename_legacy_core_keys(self, ("w_pos",))
-        rename_legacy_keys(self, {"w_sel": "w_router", "w_sel_src": "w_router_src",
-                                  "w_sel_dst": "w_router_dst"})
         self.register_buffer("head_offset", torch.arange(H) * E, persistent=False)
         for p in sorted(c.experts):
             register_usage(self, f"usage_{p}", (H, E))
@@ -212,7 +208,8 @@ class SwitchHeadAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """Spec §3: W_Q, W_K, W_V, W_S and the position projection ~ N(0, (s/sqrt(d))²), W_O ~
-        N(0, (s/sqrt(H·d_h))²), s = sqrt(2/L); selection rows then renormalised to equal norm."""
+        N(0, (s/sqrt(H·d_h))²), s = sqrt(2/L); selection rows then rescaled as the authors'
+        code does (``renorm_rows_keep_row_std_``: each row's norm proportional to its std)."""
         c = self.config
         s = init_scale(c.n_layers)
         std_in, std_out = s / math.sqrt(c.d_model), s / math.sqrt(c.n_heads * c.d_head)
@@ -220,7 +217,7 @@ class SwitchHeadAttention(nn.Module):
             for name, p in self.named_parameters(recurse=False):
                 p.normal_(0.0, std_out if name == "w_o" else std_in)
                 if name.startswith("w_router"):
-                    renorm_rows_(p)
+                    renorm_rows_keep_row_std_(p)
             if c.pos == "xl":
                 self.core.w_pos.normal_(0.0, std_in)
 

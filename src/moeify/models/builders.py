@@ -1,5 +1,5 @@
 """The pieces presets are built from: layer-config builders (the only place that knows the layer
-configs' field names), the paper's model shapes (``Size``, switchhead.md §4) and one LM builder
+configs' field names), the paper's model shapes (``Size``, SwitchHead Table 9) and one LM builder
 per paper family. moeify.models.presets lists the presets themselves.
 """
 
@@ -55,7 +55,7 @@ def mod(*, d: int, L: int, capacity: float = 0.125):
 
 @dataclass(frozen=True, kw_only=True)
 class Size:
-    """The shape shared by a group of paper rows (switchhead.md §4); keyword-only, so that a
+    """The shape shared by a group of paper rows (SwitchHead Table 9); keyword-only, so that a
     row reads as what each number is."""
 
     vocab: int         # vocabulary size
@@ -113,7 +113,7 @@ def switchhead_lm(size: Size, *, H: int, d_h: int, E: int, k: int, d_ff: int,
 
 def switchall_lm(size: Size, *, H: int, d_h: int, E: int, k: int, ff_experts: int,
                  entropy_coef: float, expert_dropout: float) -> ModelConfig:
-    # moe-family.md: sigma-MoE with G = 128, k = 4; no dropout inside the experts.
+    # SwitchAll's sigma-MoE (SwitchHead Table 9): G = 128, k = 4; no dropout inside the experts.
     return lm(size, switchhead_attn(d=size.d, L=size.L, H=H, d_h=d_h, E=E, k=k, pos=pos_of(size)),
                sigma_moe_ff(d=size.d, L=size.L, E=ff_experts, G=128, k=4,
                             entropy_coef=entropy_coef, expert_dropout=expert_dropout))

@@ -19,9 +19,11 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from moeify.errors import MoeifyError
 from moeify.layers.common import check_positive, check_probability
 from moeify.layers.feedforward import SigmaMoEConfig
 from moeify.layers.norm import NormConfig
+from moeify.layers.recursion import MoRConfig
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM
 
@@ -36,18 +38,20 @@ LAYER_CONFIG_MODULES = (
     "moeify.layers.mlp",
     "moeify.layers.norm",
     "moeify.layers.mosa",
+    "moeify.layers.moh",
+    "moeify.layers.recursion",
 )
 
 # Fields written to JSON only when they differ from their default, so that the model.json and
 # checkpoint records of models without them read exactly as before these options existed.
 OPTIONAL_FIELDS = ("norm", "max_positions", "tie_embeddings", "output_bias", "group_size",
-                   "block")
+                   "block", "recursion")
 BLOCKS = ("pre_ln", "peri_ln")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only language model (switchhead.md §3).
+    """A decoder-only language model (SwitchHead appendix).
 
     vocab_size:     tokens in the vocabulary (8000 BPE for the paper's text presets).
     d_model:        residual width d.
@@ -73,6 +77,11 @@ class ModelConfig:
     block:          "pre_ln" (the papers' pre-LN block, layers/block.py) or "peri_ln" (MoEUT's
                     peri-layernorm, layers/moeut.py; SwitchHead attention, sigma-MoE
                     feedforward, no XL memory).
+    recursion:      None, or a MoRConfig (Mixture-of-Recursions, layers/recursion.py): the
+                    layers between the unshared first and last (Middle-Cycle; all layers with
+                    Cycle sharing) are N_r repetitions of one shared stack whose first
+                    (n_layers - 2) / N_r layer configs build it, and a router picks each
+                    token's number of repetitions. No XL memory, group_size or depth routing.
     """
 
     vocab_size: int
@@ -90,6 +99,7 @@ class ModelConfig:
     output_bias: bool = True
     group_size: int = 0
     block: str = "pre_ln"
+    recursion: Any = None
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "d_model", "n_layers", "context_length")
@@ -112,6 +122,7 @@ class ModelConfig:
         for name in ("attention", "feedforward", "depth"):
             object.__setattr__(self, name, self._pattern(name, getattr(self, name)))
         self._check_grouping()
+        self._check_recursion()
         if self.xl_memory and any(d is not None for d in self.depth):
             # The memory would hold tokens a routed block never saw (layers/depth.py).
             raise ValueError("depth routing (Mixture-of-Depths) cannot be combined with XL "
@@ -138,6 +149,21 @@ class ModelConfig:
             if self.xl_memory:
                 raise ValueError("block='peri_ln' (MoEUT) takes no XL memory; set "
                                  "xl_memory=False and use RoPE attention")
+
+    def _check_recursion(self) -> None:
+        mor = self.recursion
+        if mor is None:
+            return
+        if not isinstance(mor, MoRConfig):
+            raise ValueError(f"ModelConfig.recursion must be None or a MoRConfig, got {mor!r}")
+        if mor.d_model != self.d_model:
+            raise ValueError(f"ModelConfig.recursion has d_model={mor.d_model} but the model has "
+                             f"d_model={self.d_model}; make them equal")
+        mor.stack_layers(self.n_layers)  # ValueError when the depth does not split
+        if self.xl_memory or self.group_size or any(d is not None for d in self.depth):
+            raise ValueError("Mixture-of-Recursions (ModelConfig.recursion) takes no XL memory, "
+                             "group_size or depth routing: set xl_memory=False (RoPE "
+                             "attention), group_size=0 and depth=None")
 
     @property
     def n_blocks(self) -> int:
@@ -245,15 +271,22 @@ def known_fields(cls: type, data: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------- layer-config codec
 
 def layer_config_class(tag: str) -> type:
-    """The layer config dataclass named ``tag`` in one of LAYER_CONFIG_MODULES."""
+    """The layer config dataclass named ``tag`` in one of LAYER_CONFIG_MODULES. A module that
+    fails to import is named in the error when ``tag`` is found nowhere else (it may be the one
+    that defines it), never taken for a module without it."""
+    broken = []
     for mod_name in LAYER_CONFIG_MODULES:
         try:
             mod = importlib.import_module(mod_name)
-        except ImportError:
+        except ImportError as e:
+            broken.append(f"{mod_name} failed to import ({type(e).__name__}: {e})")
             continue
         cls = getattr(mod, tag, None)
         if isinstance(cls, type) and dataclasses.is_dataclass(cls):
             return cls
+    if broken:
+        raise MoeifyError(f"cannot read layer config type {tag!r}: {'; '.join(broken)}; fix "
+                          "that module (or the installation) and try again")
     raise ValueError(f"unknown layer config type {tag!r}; expected a config class from one of "
                      f"{', '.join(LAYER_CONFIG_MODULES)}")
 
@@ -264,10 +297,7 @@ def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {"type": type(value).__name__}
         for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if f.metadata.get("omit_default") and v == f.default:
-                continue  # moeify.layers.common.later_option: JSON as before the field existed
-            out[f.name] = _encode(v)
+            out[f.name] = _encode(getattr(value, f.name))
         return out
     if isinstance(value, (set, frozenset)):
         return sorted(_encode(v) for v in value)

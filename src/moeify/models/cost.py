@@ -1,9 +1,9 @@
-"""Exact cost accounting: parameter counts, and MACs / memory per attention layer (spec §6).
+"""Exact cost accounting: parameter counts, and MACs / memory per attention layer.
 
 Parameters are counted on the meta device: the real modules are constructed, so the count is the
 count of the model that trains, but no weight is ever allocated.
 
-MACs and memory use the formulas that printed the SwitchHead paper's tables (switchhead.md §6;
+MACs and memory use the formulas that printed the SwitchHead paper's tables (the authors' code;
 they differ from the paper's Eq. 13). All quantities are per attention layer, per sequence,
 batch 1. Symbols: d = d_model, H = heads, d_h = d_head, E = experts, k = active experts,
 T = chunk length, C = 1 + memory chunks (2 with XL memory, 1 without).
@@ -21,15 +21,17 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.moa import MoAConfig
+from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig, tokens_kept
 from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.lm import TransformerLM, build_block
+from moeify.ops.recursion_routing import recursion_count
 from moeify.ops.routing import expert_choice_count
 
 if TYPE_CHECKING:
     from moeify.models.config import ModelConfig
 
-# The projections SwitchHead may turn into experts (spec §1).
+# The projections SwitchHead may turn into experts (SwitchHead Eq. 7-10).
 PROJECTIONS = ("q", "k", "v", "o")
 
 
@@ -37,9 +39,12 @@ PROJECTIONS = ("q", "k", "v", "o")
 
 def format_count(x: int | float) -> str:
     """The paper's print format: x/1e9 with one decimal and "G" above 1000M, else x/1e6 with one
-    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M")."""
+    decimal and "M" (453,427,200 -> "453.4M", 762,880 -> "0.8M"); below 50,000, where that would
+    print "0.0M", x/1e3 with one decimal and "K" (12,345 -> "12.3K")."""
     if x / 1e6 > 1000:
         return f"{x / 1e9:.1f}G"
+    if abs(x) < 50_000:
+        return f"{x / 1e3:.1f}K"
     return f"{x / 1e6:.1f}M"
 
 
@@ -80,7 +85,7 @@ def dense_attention_cost(*, d_model: int, n_heads: int, d_head: int, T: int, C: 
 def switchhead_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, k: int, T: int,
                     C: int, experts: frozenset[str] | tuple[str, ...] = ("v", "o"), xl: bool,
                     shared_selection: bool = False) -> AttentionCost:
-    """SwitchHead (spec §6): n_exp expert projections among Q, K, V, O cost k matmuls each,
+    """SwitchHead (module docstring): n_exp expert projections among Q, K, V, O cost k matmuls each,
     the dense ones one each; n_sels selection matrices are evaluated over the C·T source tokens.
 
     ``shared_selection`` (one W_S for V and O) counts a single selection; the paper's cost
@@ -107,7 +112,7 @@ def switchhead_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, 
 
 def moa_cost(*, d_model: int, n_heads: int, d_head: int, n_experts: int, T: int, C: int,
              xl: bool, k_term: int = 2) -> AttentionCost:
-    """MoA (spec §6) with H = the number of selected heads (MoA's top-k).
+    """MoA (module docstring) with H = the number of selected heads (MoA's top-k).
 
     ``k_term`` is the k of the H·k·T·d_h term: 2 in every MoA row the SwitchHead paper printed
     (the authors' accounting read it from an unrelated setting); with it, d_h = 88 and E = 10
@@ -151,6 +156,30 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
         dense = dense_attention_cost(d_model=d, n_heads=n_dense_heads, d_head=dh, T=T, C=1,
                                      xl=False)
         macs, mem = macs + dense.macs, mem + dense.memory
+    return AttentionCost(macs, mem)
+
+
+def moh_cost(cfg: MoHConfig, *, T: int, C: int) -> AttentionCost:
+    """MoH (arXiv 2410.11842), in the terms of ``dense_attention_cost`` with the A = h_s + K
+    heads a token activates: their Q and O projections (2·d·A·d_h per token) and attention
+    (2·A·d_h·C·T per token), every head's K and V (2·d·Hk·d_h: a later token may activate any
+    head), the routers (W_r, W_s, W_h: (R + h_s + 2)·d when all exist; the query-norm router
+    R·d_h) and the gates (A·d_h). XL replaces H by A in the dense layer's position term. This
+    counts what a head-sparse kernel executes, the paper's activated heads; moeify's layer
+    computes every head (moeify.layers.moh), i.e. the dense layer's MACs plus the routers'. Our
+    accounting: the paper prints no MAC formula."""
+    d, H, Hk, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_head
+    _positive(d_model=d, n_heads=H, d_head=dh, T=T, C=C)
+    A = cfg.active_heads
+    shapes = cfg.router_shapes()
+    router = sum(rows for rows, _ in shapes.values()) * d if cfg.router == "learned" \
+        else cfg.n_routed * dh
+    macs = 2 * A * dh * C * T * T + 2 * d * (A + Hk) * dh * T + router * T + A * dh * T
+    mem = 2 * A * C * T * T + 2 * (A + Hk) * dh * T + (sum(r for r, _ in shapes.values())
+                                                       or cfg.n_routed) * T
+    if cfg.pos == "xl":
+        macs += 2 * A * d * T * dh * C
+        mem += 2 * A * T * dh * C
     return AttentionCost(macs, mem)
 
 
@@ -207,8 +236,8 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     depth routing, no layer sharing; None for any other model. Layers are summed one by one,
     with the k each MoSA layer keeps (``tokens_kept``: T // ρ, the paper's k, at least 2 and at
     most T, as Sec. 3.5 and the layer have it)."""
-    if config.xl_memory or config.group_size or any(x is not None
-                                                    for x in config.depth_layers()):
+    if config.xl_memory or config.group_size or config.recursion is not None or any(
+            x is not None for x in config.depth_layers()):
         return None
     T, total = config.context_length, 0
     for attn, ff in zip(config.attention_layers(), config.feedforward_layers()):
@@ -227,10 +256,12 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
 
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
-    GroupedQueryAttentionConfig)."""
+    GroupedQueryAttentionConfig, MoSAConfig, MoHConfig)."""
     if isinstance(cfg, MoSAConfig):
         return mosa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, d_head=cfg.d_head,
                          k=cfg.tokens_kept(T), T=T, n_dense_heads=cfg.n_dense_heads)
+    if isinstance(cfg, MoHConfig):
+        return moh_cost(cfg, T=T, C=C)
     if isinstance(cfg, GroupedQueryAttentionConfig):
         return gqa_cost(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                         d_head=cfg.d_head, T=T, C=C)
@@ -248,7 +279,7 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
                         n_experts=cfg.n_experts, T=T, C=C, xl=xl)
     raise ValueError(f"no cost formula for attention config {type(cfg).__name__}; "
                      "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig, "
-                     "GroupedQueryAttentionConfig, MoSAConfig")
+                     "GroupedQueryAttentionConfig, MoSAConfig, MoHConfig")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -291,7 +322,9 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
 
     Built on the meta device; a layer that repeats (same attention, feedforward and depth
     config) is built once and counted as often as it occurs. With MoEUT's grouping
-    (group_size G) only the G distinct blocks hold parameters."""
+    (group_size G) only the G distinct blocks hold parameters; with Mixture-of-Recursions the
+    whole model is built (on the meta device) and its shared stack counted once, its routers
+    under "other"."""
     class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
         def _build_blocks(self, config):
             return nn.ModuleList()
@@ -299,6 +332,10 @@ def model_parameters(config: "ModelConfig") -> dict[str, int]:
     parts = dict.fromkeys(("embedding", "attention", "feedforward", "norms", "output", "other"),
                           0)
     with torch.device("meta"):
+        if config.recursion is not None:
+            _add_parts(parts, TransformerLM(config), "", 1)
+            parts["total"] = sum(parts.values())
+            return parts
         _add_parts(parts, _Shell(config), "", 1)
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
                           config.depth_layers()))[:config.n_blocks]
@@ -338,6 +375,10 @@ def attention_summary(cfg: Any) -> str:
     if name == "MoSA":
         return (f"MoSA H={cfg.n_heads} d_h={cfg.d_head} rho={cfg.sparsity} "
                 f"+{cfg.n_dense_heads} dense {cfg.pos}")
+    if name == "MoH":
+        return (f"MoH H={cfg.n_heads} d_h={cfg.d_head} shared={cfg.n_shared} "
+                f"k={cfg.k}/{cfg.n_routed}"
+                + ("" if cfg.router == "learned" else f" {cfg.router}") + f" {cfg.pos}")
     parts = [name]
     if hasattr(cfg, "n_experts") and name == "MoA":
         parts += [f"H={cfg.k}/{cfg.n_experts}", f"d_h={cfg.d_head}"]
@@ -351,17 +392,46 @@ def attention_summary(cfg: Any) -> str:
     return " ".join(parts + [cfg.pos])
 
 
+def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any]]:
+    """``model_cost``'s rows of a Mixture-of-Recursions model, in the order they run."""
+    mor = config.recursion
+    attns = config.attention_layers()
+    start, size = mor.stack_layers(config.n_layers)
+    plan = [(attns[0], T, None)] if start else []
+    for r, beta in enumerate(mor.betas):
+        tokens = recursion_count(T, beta) if mor.routing == "expert" else T
+        plan += [(a, tokens, r) for a in attns[start:start + size]]
+    if start:
+        plan.append((attns[-1], T, None))
+    rows = []
+    for i, (attn, tokens, r) in enumerate(plan):
+        row = {"layer": i, "attention": attention_summary(attn), "tokens": tokens}
+        if r is not None:
+            row["recursion"] = r
+        rows.append({**row, **attention_cost(attn, T=tokens, C=C).to_dict()})
+    return rows
+
+
 def model_cost(config: "ModelConfig") -> ModelCost:
-    """Total parameters and, per attention layer, MACs and memory (spec §6).
+    """Total parameters and, per attention layer, MACs and memory (module docstring).
 
     A block under Mixture-of-Depths runs its attention only on the ceil(capacity · T) tokens it
     routes (they attend only to each other), so its row uses that token count; this extends the
-    paper's formulas, which have no depth routing."""
+    paper's formulas, which have no depth routing.
+
+    With Mixture-of-Recursions there is one row per application of an attention layer: the
+    unshared ones, then the shared stack at each recursion step r ("recursion": r), whose
+    expert-choice step runs floor(beta_r · T) tokens (at least 1) that attend only to each
+    other; a token-choice step is counted at T tokens, its upper bound (the depths are learned)."""
     T = config.context_length
     C = 2 if config.xl_memory else 1
     parts = model_parameters(config)
     layers = []
+    if config.recursion is not None:
+        layers = _recursion_rows(config, T, C)
     for i, (attn, depth) in enumerate(zip(config.attention_layers(), config.depth_layers())):
+        if config.recursion is not None:
+            break
         tokens = T if depth is None else expert_choice_count(T, depth.capacity)
         c = attention_cost(attn, T=tokens, C=C)
         layers.append({"layer": i, "attention": attention_summary(attn), "tokens": tokens,

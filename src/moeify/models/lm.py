@@ -1,4 +1,4 @@
-"""TransformerLM: the decoder-only language model of switchhead.md §3, assembled from layers.
+"""TransformerLM: the decoder-only language model of the SwitchHead appendix, assembled from layers.
 
     x = Drop(Embed(ids) [+ Pos(p)])           embedding std 1/sqrt(d); Pos: learned absolute
                                               positions when max_positions > 0 (GPT-2)
@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeify.layers.block import TransformerBlock
-from moeify.layers.common import Dropout, PooledEntropy, RoutingStats
+from moeify.layers.common import Dropout, GlobalBalance, PooledEntropy, RoutingStats
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.moeut import PeriNormBlock
 from moeify.layers.norm import NormConfig
+from moeify.layers.recursion import MixtureOfRecursions
 from moeify.ops.aux_losses import masked_mean
 from moeify.ops.cross_entropy import fused_applies, linear_cross_entropy
 
@@ -51,6 +52,7 @@ class LMConfig(Protocol):
     output_bias: bool
     group_size: int
     block: str
+    recursion: Any
 
     @property
     def n_blocks(self) -> int: ...
@@ -79,6 +81,9 @@ class LMOutput:
               ops per routing record and token).
     routing:  the routing records (RoutingStats, ``layer`` set), keyed "layers.{i}.{record}"
               (e.g. "layers.0.attn.src", "layers.1.ff.router", "layers.1.mod").
+    balance:  the global-batch balance losses (``GlobalBalance``), keyed as in ``losses``, where
+              each is taken over this forward's tokens; a trainer retakes them with the counts
+              of its whole update (moeify.train.balancing).
     memory:   the XL memory for the next call (list of [B, T, D], detached), or None.
     """
 
@@ -89,6 +94,7 @@ class LMOutput:
     layer_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     memory: list[torch.Tensor] | None = None
     routing: dict[str, RoutingStats] = field(default_factory=dict)
+    balance: dict[str, GlobalBalance] = field(default_factory=dict)
 
     @property
     def total_loss(self) -> torch.Tensor | None:
@@ -119,19 +125,26 @@ class TransformerLM(nn.Module):
 
     def _build_blocks(self, config: LMConfig) -> nn.ModuleList:
         """One block per layer, or with MoEUT's grouping (config.group_size = G) the first G,
-        which ``layer_blocks`` repeats."""
+        which ``layer_blocks`` repeats, or with Mixture-of-Recursions the unshared blocks and
+        the recursion module (``build_recursion_blocks``)."""
         layers = list(zip(config.attention_layers(), config.feedforward_layers(),
-                          config.depth_layers()))[:config.n_blocks]
-        return nn.ModuleList(build_block(config, attn, ff, depth) for attn, ff, depth in layers)
+                          config.depth_layers()))
+        if getattr(config, "recursion", None) is not None:
+            return build_recursion_blocks(config, layers)
+        return nn.ModuleList(build_block(config, attn, ff, depth)
+                             for attn, ff, depth in layers[:config.n_blocks])
 
     def layer_blocks(self) -> list[nn.Module]:
-        """The block applied at each of the n_layers layers (shared ones repeat)."""
+        """The module applied at each step of the forward pass: one per layer (shared ones
+        repeat), or with Mixture-of-Recursions the blocks in order (its module is one step)."""
+        if getattr(self.config, "recursion", None) is not None:
+            return list(self.blocks)
         return [self.blocks[i % len(self.blocks)] for i in range(self.config.n_layers)]
 
     def reset_parameters(self) -> None:
         """Embedding and output layer only; every layer initialises itself (§3)."""
         d = self.config.d_model
-        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # switchhead.md §3
+        nn.init.normal_(self.embedding.weight, std=d ** -0.5)  # SwitchHead appendix
         if self.config.max_positions:  # not in the papers: the token embedding's scale
             nn.init.normal_(self.pos_embedding.weight, std=d ** -0.5)
         if self.output is None:
@@ -146,7 +159,8 @@ class TransformerLM(nn.Module):
         ``cache=`` on successive pieces of a sequence (the first piece may be the whole prompt)
         and the logits equal those of one full forward pass without memory (Switch feedforwards:
         of the dropless model, moeify.layers.switch_ff's decoding rule)."""
-        return [attention_of(b).new_cache() for b in self.layer_blocks()]
+        return [b.new_cache() if isinstance(b, MixtureOfRecursions) else
+                attention_of(b).new_cache() for b in self.layer_blocks()]
 
     def forward(
         self,
@@ -173,6 +187,7 @@ class TransformerLM(nn.Module):
         stats: dict[str, torch.Tensor] = {}
         routing: dict[str, RoutingStats] = {}
         pooled: dict[str, PooledEntropy] = {}
+        balance: dict[str, GlobalBalance] = {}
         for i, block in enumerate(self.layer_blocks()):
             if keep_memory:
                 new_memory.append(x_BTD.detach())
@@ -185,6 +200,9 @@ class TransformerLM(nn.Module):
                 stats[f"layers.{i}.{k}"] = v
             for k, r in aux.routing.items():
                 routing[f"layers.{i}.{k}"] = r.with_layer(i)
+            for k, b in aux.balance.items():
+                balance[f"layers.{i}.{k}"] = b
+                losses[f"layers.{i}.{k}"] = b.loss()
             # Pooled terms (MoEUT's regularisers) add up over every application of a block
             # (layer i runs block i mod G) and are keyed by its first layer, i mod G.
             for k, p in aux.pooled.items():
@@ -198,7 +216,7 @@ class TransformerLM(nn.Module):
                     else x_BTD.new_zeros((), dtype=torch.float32))
         return LMOutput(loss=loss, logits=logits_BTV, aux_loss=aux_loss, losses=losses,
                         layer_stats=stats, memory=new_memory if keep_memory else None,
-                        routing=routing)
+                        routing=routing, balance=balance)
 
     def _check_forward_args(self, ids_BT, targets_BT, memory, cache, valid_BT) -> None:
         """ValueError (what to pass instead) for inputs ``forward`` cannot use."""
@@ -226,8 +244,9 @@ class TransformerLM(nn.Module):
                              f"d_model={cfg.d_model}], got {[tuple(m.shape) for m in memory]}: "
                              "pass the previous call's output.memory for the same batch rows, "
                              "or memory=None to start afresh")
-        if cache is not None and len(cache) != cfg.n_layers:
-            raise ValueError(f"cache must hold one entry per block ({cfg.n_layers}); "
+        steps = len(self.layer_blocks())
+        if cache is not None and len(cache) != steps:
+            raise ValueError(f"cache must hold one entry per block ({steps}); "
                              "make it with model.new_cache()")
 
     def _embed(self, ids_BT: torch.Tensor, cache: list | None) -> torch.Tensor:
@@ -278,6 +297,29 @@ def build_block(config: LMConfig, attn, ff, depth) -> nn.Module:
     if depth is None:
         return block
     return MixtureOfDepths(depth, block)
+
+
+def feedforward_of(block: nn.Module) -> nn.Module | None:
+    """The feedforward module of a block, looking through a depth-routing wrapper; None for a
+    step that is not one block (Mixture-of-Recursions' module)."""
+    while not isinstance(block, TransformerBlock):
+        block = getattr(block, "block", None)
+        if block is None:
+            return None
+    return block.feedforward
+
+
+def build_recursion_blocks(config: LMConfig, layers: list) -> nn.ModuleList:
+    """Mixture-of-Recursions (layers/recursion.py): the unshared first and last layer (Middle-
+    Cycle) around the recursion module, whose shared stack is built from the layer configs that
+    follow the first layer (Cycle: from the first ones)."""
+    mor = config.recursion
+    start, size = mor.stack_layers(config.n_layers)
+    stack = nn.ModuleList(build_block(config, *layer) for layer in layers[start:start + size])
+    blocks = [mor.build(stack)]
+    if start:
+        blocks = [build_block(config, *layers[0])] + blocks + [build_block(config, *layers[-1])]
+    return nn.ModuleList(blocks)
 
 
 def attention_of(block: nn.Module) -> nn.Module:

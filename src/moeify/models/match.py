@@ -1,4 +1,4 @@
-"""Parameter matching (switchhead.md §5): turn a dense baseline into a SwitchHead (or MoA) model
+"""Parameter matching (SwitchHead §3): turn a dense baseline into a SwitchHead (or MoA) model
 with (slightly) fewer attention parameters and a feedforward that absorbs the remainder.
 
 The procedure, which reproduces the paper's Table 9 choices:
@@ -73,7 +73,7 @@ def _new_attention(dense_attn, kind: str, *, d_head: int, n_heads: int, n_expert
     return moa_attn(d=d, L=L, H=n_heads, d_h=d_head, E=n_experts, pos=pos)
 
 
-# Over 60 lines: the two steps of spec §5 (d_head search, d_ff rounding) read as one recipe.
+# One recipe: the two steps of SwitchHead §3 (d_head search, d_ff rounding), in order.
 def match_attention(
     dense: ModelConfig,
     *,

@@ -36,9 +36,8 @@ experts; 728 is still the nearest label); the tests hold them to these counts an
 printed figures.
 
 The regularisers are the authors' (SigmaMoEConfig.entropy_pool = "sequence", SwitchHeadConfig
-.entropy_coef), pooled per sequence over the applications of a shared block. Deviation (README
-"The layers", MoEUT): the untied output layer is initialised N(0, 1/d) with a zero bias (the
-library's output layer), where the authors keep PyTorch's default Linear init.
+.entropy_coef), pooled per sequence over the applications of a shared block. The
+initialisation, and its one deviation (the output layer), are said in moeify.layers.moeut.
 
 ``tiny-moeut`` is the tiny family's shape (byte vocabulary, d = 128, T = 128) with 4 layers in
 2 groups; ``repro-moeut`` is its CPU-study counterpart, parameter-matched to ``repro-rope-dense``
@@ -174,7 +173,7 @@ def repro_rope_dense() -> ModelConfig:
 
 
 def repro_rope_switchhead() -> ModelConfig:
-    # SwitchHead H = 2, E = 4, k = 2 matched to repro-rope-dense (spec §5), so the follow-ups
+    # SwitchHead H = 2, E = 4, k = 2 matched to repro-rope-dense (SwitchHead §3), so the follow-ups
     # are compared with both of their predecessors at the same positional encoding.
     return match_attention(repro_rope_dense(), n_heads=2, n_experts=4, k=2).config
 

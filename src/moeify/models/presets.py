@@ -1,7 +1,7 @@
 """The model presets: one literal table of named ModelConfig builders (``PRESETS``).
 
 Paper presets are named ``{dataset}-{size}-{model}[-{variant}]`` after the SwitchHead paper's
-rows (switchhead.md §4, Table 9; Table 6 for the expert-subset ablations; Table 1 for MoA); each
+rows (SwitchHead Table 9; Table 6 for the expert-subset ablations; Table 1 for MoA); each
 entry carries its corpus, its dense baseline and its training recipe (``Preset``), so nothing
 parses a name back apart. The dataset fixes the vocabulary (8000 BPE for WikiText-103, C4,
 peS2o; the ~205 byte values of enwik8) and, for C4 / peS2o, the SwitchHead k of the row. The
@@ -58,7 +58,9 @@ from moeify.models.registry import (
     paper,
 )
 from moeify.models.moeut_presets import MOEUT_PRESETS
+from moeify.models.mor_presets import MOR_PRESETS
 from moeify.models.mosa_presets import MOSA_PRESETS
+from moeify.models.moh_presets import MOH_PRESETS
 from moeify.models.repro_presets import REPRO_PRESETS
 
 # ---------------------------------------------------------------------------- tiny presets
@@ -441,7 +443,8 @@ TINY_PRESETS: tuple[Preset, ...] = (
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in PAPER_PRESETS + TINY_PRESETS + REPRO_PRESETS
-                              + MOEUT_PRESETS + MOSA_PRESETS}
+                              + MOEUT_PRESETS + MOSA_PRESETS + MOR_PRESETS
+                              + MOH_PRESETS}
 
 
 def register(name: str, description: str, **facts: Any) -> Callable:

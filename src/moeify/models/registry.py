@@ -13,7 +13,7 @@ from moeify.models.config import ModelConfig
 
 @dataclass(frozen=True)
 class PaperRecipe:
-    """The parts of the published training recipe that differ between rows (switchhead.md §3):
+    """The parts of the published training recipe that differ between rows (SwitchHead appendix):
     batch size, linear warm-up steps and the gradient-clipping threshold."""
 
     batch_size: int

@@ -6,7 +6,7 @@ one chunk of XL memory, no dropout (runs are far too short to overfit). The dens
 8 heads of d_h = 16 (H·d_h = d, as the paper's 10 x 41 for d = 412); the 2-head baseline keeps
 the total width (2 x 64), as the paper's 2 x 205.
 
-SwitchHead follows spec §5: H·E equals the baseline's head count (H = 2, E = 4, k = 2), and
+SwitchHead follows its §3: H·E equals the baseline's head count (H = 2, E = 4, k = 2), and
 ``moeify.models.match.match_attention`` picks d_head (28) and the d_ff that absorbs the
 remainder. MoA is matched the same way with 4 selected heads of 8 (Table 1's best MoA has 4).
 SwitchAll replaces the matched SwitchHead model's feedforward by a sigma-MoE of E·G = 512
@@ -30,7 +30,8 @@ from moeify.models.registry import Preset
 # vocab, d, L, T, xl, dropout, dense heads, dense d_head, dense d_ff
 REPRO = Size(vocab=256, d=128, L=4, T=128,
              xl=True, dropout=0.0, dense_heads=8, dense_d_head=16, dense_d_ff=512)
-# repro-switchhead-macmatched's d_head: the largest multiple of 4 whose attention MACs (spec §6)
+# repro-switchhead-macmatched's d_head: the largest multiple of 4 whose attention MACs
+# (moeify.models.cost)
 # do not exceed repro-dense's with H = 3 (tests check it).
 MACMATCHED_D_HEAD = 40
 
@@ -67,7 +68,8 @@ def repro_switchhead_macmatched() -> ModelConfig:
 
 
 def repro_switchhead_sharedsel() -> ModelConfig:
-    # spec §2 "shared selection": one W_S serves V and O, matched to the dense model again.
+    # SwitchHead appendix "shared selection": one W_S serves V and O, matched to the dense model
+    # again.
     return match_attention(repro_dense(), n_heads=2, n_experts=4, k=2,
                            shared_selection=True).config
 
@@ -100,7 +102,7 @@ REPRO_PRESETS: tuple[Preset, ...] = (
     Preset("repro-dense-h2", "CPU-scale family: dense XL H=2 d_h=64, d_ff=512", repro_dense_h2,
            baseline="repro-dense"),
     Preset("repro-switchhead", "CPU-scale family: SwitchHead H=2 E=4 k=2, d_h and d_ff matched "
-           "to repro-dense (spec §5)", repro_switchhead, baseline="repro-dense"),
+           "to repro-dense (SwitchHead §3)", repro_switchhead, baseline="repro-dense"),
     Preset("repro-moa", "CPU-scale family: MoA 4 selected heads of 8, d_h and d_ff matched to "
            "repro-dense", repro_moa, baseline="repro-dense"),
     Preset("repro-switchall", "CPU-scale family: repro-switchhead attention + sigma-MoE FFN "

@@ -45,6 +45,21 @@ def switch_balance_loss(
     return E * (f_E.detach() * P_E).sum()
 
 
+def topk_balance_loss(probs_ME: torch.Tensor, idx_MK: torch.Tensor,
+                      valid_M: torch.Tensor | None = None) -> torch.Tensor:
+    """The Switch loss with k choices per token: E * sum_i f_i * P_i, f_i the fraction of tokens
+    that have expert i among their top-k (no gradient; sums to k over the experts), P_i the mean
+    router probability of expert i. The load-balance loss of MoH's authors' code (arXiv
+    2410.11842, Sec. 3.2). In float32, or float64 for float64 probabilities."""
+    E = probs_ME.shape[-1]
+    dt = torch.promote_types(probs_ME.dtype, torch.float32)
+    chosen_ME = torch.zeros(probs_ME.shape, dtype=dt, device=probs_ME.device).scatter_(
+        -1, idx_MK.long(), 1.0)
+    f_E = _masked_rows_mean(chosen_ME, valid_M)
+    P_E = _masked_rows_mean(probs_ME.to(dt), valid_M)
+    return E * (f_E.detach() * P_E).sum()
+
+
 def global_balance_loss(probs_ME: torch.Tensor, counts_E: torch.Tensor,
                         valid_M: torch.Tensor | None = None) -> torch.Tensor:
     """Global-batch load-balancing loss (Qiu et al. 2025, "Demons in the Detail", arXiv
@@ -52,11 +67,21 @@ def global_balance_loss(probs_ME: torch.Tensor, counts_E: torch.Tensor,
     counts of a larger batch than this one (summed over processes and micro-batches by the
     caller; no gradient), and P_i the mean router probability over this batch's valid tokens.
     With the counts of this batch alone it equals ``switch_balance_loss``."""
-    E = probs_ME.shape[-1]
+    return balance_from_counts(mean_router_probs(probs_ME, valid_M), counts_E)
+
+
+def mean_router_probs(probs_ME: torch.Tensor, valid_M: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """P_i of the balance losses: the mean router probability of each expert over the valid
+    rows, float32 [E] (differentiable)."""
+    return _masked_rows_mean(probs_ME.float(), valid_M)
+
+
+def balance_from_counts(P_E: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """E * sum_i f_i * P_i with f_i = counts_i / sum_j counts_j (no gradient through the
+    counts): the balance loss of ``global_balance_loss`` from its mean probabilities."""
     c = counts_E.detach().float()
-    f_E = c / c.sum().clamp_min(1.0)
-    P_E = _masked_rows_mean(probs_ME.float(), valid_M)
-    return E * (f_E * P_E).sum()
+    return P_E.shape[-1] * (c / c.sum().clamp_min(1.0) * P_E).sum()
 
 
 @torch.no_grad()

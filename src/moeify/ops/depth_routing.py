@@ -33,10 +33,11 @@ def membership_bce(
     logits_BT: torch.Tensor, target_BT: torch.Tensor, valid_BT: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Binary cross-entropy of ``logits_BT`` against top-k membership ``target_BT`` (bool), averaged
-    over the valid tokens in float32. Both causal-routing methods of Mixture-of-Depths train
+    over the valid tokens in (at least) float32. Both causal-routing methods of Mixture-of-Depths train
     with it: method 1 on the router logits themselves, method 2 on a stop-gradient predictor."""
+    work = torch.promote_types(logits_BT.dtype, torch.float32)  # float64 stays float64
     bce_BT = F.binary_cross_entropy_with_logits(
-        logits_BT.float(), target_BT.float(), reduction="none")
+        logits_BT.to(work), target_BT.to(work), reduction="none")
     return masked_mean(bce_BT, valid_BT)
 
 

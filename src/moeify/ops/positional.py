@@ -10,10 +10,10 @@ the working dtype, so large absolute positions (long decoding) lose no precision
 On a device without float64 (Apple's MPS) the angles are formed on the CPU and their sines and
 cosines moved to the device (``angle_device``); everywhere else on the tensors' own device.
 
-RoPE (SwitchHead spec §2): only the first ``rope_dims(d_head, 0.5)`` channels of each head are
+RoPE (SwitchHead appendix): only the first ``rope_dims(d_head, 0.5)`` channels of each head are
 rotated, base 10000, rotate-half convention (channel i pairs with channel i + n/2).
 
-Transformer-XL (Dai et al. 2019, §3.3; SwitchHead spec §2): the position logit of query i and key j
+Transformer-XL (Dai et al. 2019, §3.3; SwitchHead appendix): the position logit of query i and key j
 is q_i · P(p_i - p_j), with P(r) = W_pos · emb(r) the projected sinusoidal embedding of the
 distance, emb(r) = [sin(r ω_f) for f < F ; cos(r ω_f) for f < D - F], ω_f = 10000^(-2f / D).
 Two evaluations of the same quantity:
@@ -31,6 +31,9 @@ Two evaluations of the same quantity:
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +78,82 @@ def rope_inv_freq(n_rot: int, base: float = ROPE_BASE, device=None) -> torch.Ten
     return base ** -exps
 
 
+# ----------------------------------------------------------------------------------------------
+# Scaled RoPE (context extension), as transformers' modeling_rope_utils defines each rope_type
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+# ``scaling`` below is any object with the fields of moeify.layers.attention_core.RopeScaling
+# (kind, factor, original_context, low_freq_factor, high_freq_factor, beta_fast, beta_slow,
+# attention_factor, mscale, mscale_all_dim, truncate), which documents each kind:
+#     linear   position interpolation (Chen et al. 2023, arXiv:2306.15595, §2.2)
+#     dynamic  dynamic NTK, from the longest position of the call
+#     yarn     YaRN (Peng et al. 2023, arXiv:2309.00071, Eq. 17-18 and 21-22)
+#     llama3   Llama 3.1's wavelength-banded interpolation
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature sqrt(1/t) = 0.1 ln(s) + 1 (arXiv:2309.00071, Eq. 22)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: Any) -> float:
+    """The factor on cos and sin: YaRN's temperature, 1 for every other kind."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.mscale and scaling.mscale_all_dim:
+        return _yarn_mscale(scaling.factor, scaling.mscale) / _yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim)
+    return _yarn_mscale(scaling.factor)
+
+
+def scaled_rope_inv_freq(n_rot: int, base: float, scaling: Any, *,
+                         device=None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [n_rot / 2]: the RoPE frequencies under ``scaling`` (None: ``rope_inv_freq``).
+    ``dynamic`` reads the longest position of ``pos`` (a tensor op, no host sync)."""
+    inv_F = rope_inv_freq(n_rot, base, device)
+    if scaling is None or n_rot == 0:
+        return inv_F
+    s, orig = scaling.factor, scaling.original_context
+    if scaling.kind == "linear":
+        return inv_F / s
+    if scaling.kind == "dynamic":
+        if pos is None:
+            return inv_F
+        seq = (pos.max().to(inv_F.device, torch.float64) + 1).clamp(min=orig)
+        scaled_base = base * (s * seq / orig - (s - 1)) ** (n_rot / (n_rot - 2))
+        exps = torch.arange(0, n_rot, 2, dtype=torch.float64, device=inv_F.device) / n_rot
+        return scaled_base ** -exps
+    if scaling.kind == "llama3":
+        low_wavelen = orig / scaling.low_freq_factor
+        high_wavelen = orig / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_F
+        out = torch.where(wavelen > low_wavelen, inv_F / s, inv_F)
+        smooth = (orig / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * out / s + smooth * out
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, out)
+    # yarn: dimension i interpolates (/ s) below the correction range, extrapolates above it
+    # (Eq. 17-18: the range of dims that turn beta_fast .. beta_slow times over the context).
+    def correction_dim(rotations: float) -> float:
+        return n_rot * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, n_rot - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid dividing by zero
+    ramp = ((torch.arange(n_rot // 2, dtype=torch.float64, device=inv_F.device) - low)
+            / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv_F / s * (1 - extrapolate) + inv_F * extrapolate
+
+
 def _rotate_into(out, x, cos, sin, half: int, n_rot: int) -> torch.Tensor:
     """out = x rotated by the angles (cos, sin): x * cos + rotate_half(x) * sin on the first
     n_rot channels, with rotate_half(x) = [-x2 ; x1]; the rest copied. Written in place into
@@ -110,16 +189,22 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x_BHTC: torch.Tensor, pos_BT: torch.Tensor, *, n_rot: int,
-               base: float = ROPE_BASE) -> torch.Tensor:
+               base: float = ROPE_BASE, scaling: Any = None) -> torch.Tensor:
     """Rotate the first ``n_rot`` channels of every head by the angles of the token positions.
-    ``pos_BT`` is [B, T] or [T] (integers); any head count broadcasts."""
+    ``pos_BT`` is [B, T] or [T] (integers); any head count broadcasts. ``scaling``: the
+    frequencies of ``scaled_rope_inv_freq`` and, for YaRN, cos and sin times its attention
+    factor (the rotated channels only, as transformers applies it)."""
     if n_rot == 0:
         return x_BHTC
     half = n_rot // 2
-    inv_F = rope_inv_freq(n_rot, base, x_BHTC.device)
+    inv_F = scaled_rope_inv_freq(n_rot, base, scaling, device=x_BHTC.device, pos=pos_BT)
     ang_BTF = _positions_2d(pos_BT).to(inv_F.device, torch.float64)[..., None] * inv_F
-    cos_B1TF = ang_BTF.cos().to(x_BHTC.device, x_BHTC.dtype)[:, None]
-    sin_B1TF = ang_BTF.sin().to(x_BHTC.device, x_BHTC.dtype)[:, None]
+    cos_BTF, sin_BTF = ang_BTF.cos(), ang_BTF.sin()
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        cos_BTF, sin_BTF = cos_BTF * factor, sin_BTF * factor
+    cos_B1TF = cos_BTF.to(x_BHTC.device, x_BHTC.dtype)[:, None]
+    sin_B1TF = sin_BTF.to(x_BHTC.device, x_BHTC.dtype)[:, None]
     if torch.compiler.is_compiling():
         # The Function writes into slices with out= (no concatenation), which torch.compile
         # cannot trace; the compiler fuses the plain expression into one kernel anyway.
@@ -281,7 +366,8 @@ def default_positions(B: int, T: int, S_new: int, past: int,
 
 
 __all__ = [
-    "ROPE_BASE", "rope_dims", "rope_inv_freq", "apply_rope", "sinusoid_inv_freq",
+    "ROPE_BASE", "ROPE_TYPES", "rope_dims", "rope_inv_freq",
+    "scaled_rope_inv_freq", "rope_attention_factor", "apply_rope", "sinusoid_inv_freq",
     "sinusoidal_embedding", "rel_shift", "xl_position_table", "XLPositionTableCache",
     "xl_logits_contiguous",
     "xl_logits_at",

@@ -29,14 +29,14 @@ def router_logits(x_MD: torch.Tensor, w_ED: torch.Tensor,
                   bias_E: torch.Tensor | None = None) -> torch.Tensor:
     """x · wᵀ (+ bias) in float32: [..., E]. Autocast is switched off around it, because autocast
     would run the Linear in half precision even on float32 operands, and a router's choices are
-    sensitive to the rounding (Switch §2.4; spec: selection scores in float32)."""
+    sensitive to the rounding (Switch §2.4: selection scores in float32)."""
     with torch.autocast(x_MD.device.type, enabled=False):
         return F.linear(x_MD.float(), w_ED.float(), None if bias_E is None else bias_E.float())
 
 
 def selection_logits(x_MD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """x · wᵀ for attention-expert selection: in the input's precision, except under autocast,
-    where it goes through ``router_logits`` so the scores stay float32 (SwitchHead spec §1)."""
+    where it goes through ``router_logits`` so the scores stay float32 (SwitchHead Eq. 7-10)."""
     if torch.is_autocast_enabled(x_MD.device.type):
         return router_logits(x_MD, w_ED)
     return x_MD @ w_ED.t()

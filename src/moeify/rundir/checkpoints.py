@@ -2,13 +2,13 @@
 sha256 of every file recorded in meta.json, the model config it was written for, and that every
 number is finite, so nothing resumes, evaluates or samples from a damaged or diverged state.
 
-Writing is training's job (moeify.train.checkpoint: single-file; moeify.train.sharded: DCP);
-the reading lives here so that analysis and interop load checkpoints without importing train.
+Writing is moeify.rundir.write's (single-file) and moeify.rundir.sharded's (DCP).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from moeify.errors import MoeifyError, read_utf8
 from moeify.rundir.atomic import sha256_file
+from moeify.rundir.files import same_model_config
 from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, MODEL_FILE,
                                   SHARDED_KIND, STATE_FILE, resolve_checkpoint)
 
@@ -97,15 +98,22 @@ def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
 
 
 def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
-                          model_config: dict[str, Any] | None = None) -> Checkpoint:
+                          model_config: dict[str, Any] | None = None,
+                          weights_only: bool = False) -> Checkpoint:
     """Load either kind of checkpoint (a checkpoint directory or a run directory's latest) into
     the plain model ``model``. Returns the Checkpoint (for a sharded one ``model_state`` is the
-    model's own state dict and ``train_state`` is empty)."""
+    model's own state dict and ``train_state`` is empty). ``weights_only``: the optimizer state
+    is not read, and the model's tensors become the memory-mapped weights of the file
+    (``load_weights``), dtype included."""
     ckpt_dir = resolve_checkpoint(path)
     if is_sharded_checkpoint(ckpt_dir):
         meta = load_sharded_weights(ckpt_dir, model, model_config=model_config)
         return Checkpoint(path=ckpt_dir, step=int(meta["step"]), model_state=model.state_dict(),
                           train_state={}, meta=meta)
+    if weights_only:
+        loaded = load_weights(ckpt_dir, model_config=model_config)
+        load_model_state(model, loaded, assign=True)
+        return loaded
     loaded = load_checkpoint(ckpt_dir, model_config=model_config)
     load_model_state(model, loaded)
     return loaded
@@ -113,18 +121,16 @@ def load_model_checkpoint(path: str | Path, model: torch.nn.Module, *,
 
 # ---------------------------------------------------------------------- single-file
 
-def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = None,
-                    map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load and verify a single-file checkpoint (directory or run directory).
-
-    ``model_config``: the ModelConfig dict of the model it is loaded into; a checkpoint written
-    for another model (another preset or other overrides) is refused with a clear message."""
+def _verified(path: str | Path, model_config: dict[str, Any] | None) -> tuple[Path, dict]:
+    """(checkpoint directory, meta) of a single-file checkpoint whose format, model config and
+    file checksums are checked."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     if meta.get("format") != FORMAT_VERSION:
         raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
                           f"reads format {FORMAT_VERSION}")
-    if model_config is not None and meta.get("model_config") != model_config:
+    if model_config is not None and not same_model_config(meta.get("model_config"),
+                                                              model_config):
         diff = _config_diff(meta.get("model_config"), model_config)
         raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
                           f"{meta.get('preset')!r}): {diff}. "
@@ -139,6 +145,16 @@ def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = N
             raise MoeifyError(f"checkpoint {ckpt} is corrupt: {f} does not match the checksum "
                               f"recorded when it was written; use an earlier checkpoint "
                               f"({CHECKPOINTS}/step-...) or retrain")
+    return ckpt, meta
+
+
+def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = None,
+                    map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load and verify a single-file checkpoint (directory or run directory).
+
+    ``model_config``: the ModelConfig dict of the model it is loaded into; a checkpoint written
+    for another model (another preset or other overrides) is refused with a clear message."""
+    ckpt, meta = _verified(path, model_config)
     try:
         model_state = load_file(str(ckpt / MODEL_FILE), device=str(map_location))
     except Exception as e:  # safetensors raises its own error types on malformed files
@@ -156,10 +172,63 @@ def load_checkpoint(path: str | Path, *, model_config: dict[str, Any] | None = N
                       train_state=train_state, meta=meta)
 
 
-def load_model_state(model: torch.nn.Module, ckpt: Checkpoint) -> None:
-    """Copy the checkpoint's weights into ``model``, with a clear error when they do not fit."""
+def load_weights(path: str | Path, *, model_config: dict[str, Any] | None = None
+                 ) -> Checkpoint:
+    """A single-file checkpoint's weights only, for inference: verified as ``load_checkpoint``
+    verifies them, the optimizer state (state.pt) checksummed but never unpickled, the tensors
+    memory-mapped from model.safetensors (``mapped_safetensors``) in their stored dtype.
+    ``train_state`` is empty."""
+    ckpt, meta = _verified(path, model_config)
     try:
-        model.load_state_dict(ckpt.model_state, strict=True)
+        model_state = mapped_safetensors(ckpt / MODEL_FILE)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise MoeifyError(f"checkpoint {ckpt} is corrupt: {MODEL_FILE} cannot be read ({e})") \
+            from None
+    refuse_nonfinite(nonfinite_tensors(model_state), f"checkpoint {ckpt} cannot be used",
+                     "the run had diverged when it was written; use an earlier checkpoint")
+    return Checkpoint(path=ckpt, step=int(meta["step"]), model_state=model_state,
+                      train_state={}, meta=meta)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one copy-on-write memory map of it
+    (``torch.from_file(shared=False)``): pages are read from the file when touched and belong
+    to the page cache, not to the process's own memory, until written. A tensor whose offset
+    does not suit its dtype's alignment is copied instead."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= size - 8:
+            raise ValueError("bad header length")
+        header = json.loads(f.read(n))
+    data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        if not 0 <= start <= end <= data.numel():
+            raise ValueError(f"tensor {name} lies outside the file")
+        raw = data[start:end]
+        if start % dtype.itemsize:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(info["shape"])
+    return out
+
+
+def load_model_state(model: torch.nn.Module, ckpt: Checkpoint, *, assign: bool = False
+                     ) -> None:
+    """Copy the checkpoint's weights into ``model`` (``assign``: make them the model's tensors,
+    without a copy), with a clear error when they do not fit."""
+    try:
+        model.load_state_dict(ckpt.model_state, strict=True, assign=assign)
     except RuntimeError as e:
         first = str(e).strip().splitlines()
         raise MoeifyError(f"checkpoint {ckpt.path} does not fit this model (it is from another "
@@ -191,7 +260,8 @@ def verify_sharded(ckpt: Path, *, model_config: dict[str, Any] | None = None) ->
     if meta.get("format") != FORMAT_VERSION:
         raise MoeifyError(f"checkpoint {ckpt} has format {meta.get('format')!r}; this moeify "
                           f"reads format {FORMAT_VERSION}")
-    if model_config is not None and meta.get("model_config") != model_config:
+    if model_config is not None and not same_model_config(meta.get("model_config"),
+                                                              model_config):
         raise MoeifyError(f"checkpoint {ckpt} is from another model (preset "
                           f"{meta.get('preset')!r}); load it with its own run's configuration")
     for f, want in meta["sha256"].items():
@@ -205,21 +275,33 @@ def verify_sharded(ckpt: Path, *, model_config: dict[str, Any] | None = None) ->
     return meta
 
 
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
 def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = None) -> None:
     """Fill ``state`` ({"model": ..., "optim": ...} as DCP's ``get_state_dict`` gives them,
     keyed by parameter name, sharded or not) from ``ckpt/dcp``. With ``model``, a checkpoint
     written with earlier parameter names (moeify.layers.common.rename_legacy_keys) is read under
-    those names and handed back under the current ones."""
+    those names and handed back under the current ones. A one-element vector the checkpoint
+    holds 0-dim (learned scalars before they became vectors: moeify.layers.common) is read as
+    the scalar it was, weights and AdamW moments alike."""
     # torch.distributed.checkpoint is imported only when a sharded checkpoint is read: it is
     # slow to import and absent from torch builds without distributed support.
     import torch.distributed.checkpoint as dcp
 
     try:
-        renames = _legacy_names(dcp, ckpt, state, model) if model is not None else {}
+        saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+        renames = _legacy_names(saved, state, model) if model is not None else {}
         _rename_state(state, renames)
+        scalars = _scalar_placeholders(saved, state)
         try:
-            dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+            with warnings.catch_warnings():
+                # Reading in one process is the intent here (eval, generate, export, plot):
+                # torch says so in a warning on every load.
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+                dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
         finally:
+            _fill_from_scalars(scalars)
             _rename_state(state, {old: new for new, old in renames.items()})
     except Exception as e:  # DCP wraps its errors (missing keys, shape mismatches) in its own
         first = str(e).strip().splitlines()
@@ -227,7 +309,50 @@ def load_dcp(ckpt: Path, state: dict[str, Any], model: torch.nn.Module | None = 
                           f"{' '.join(first[:2]) or type(e).__name__}") from None
 
 
-def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
+def _scalar_placeholders(saved: dict[str, Any], state: dict[str, Any]) -> list[tuple]:
+    """Swap every one-element vector of ``state`` that the checkpoint holds 0-dim (``saved``:
+    DCP's metadata by flattened key) for a 0-dim tensor DCP can load into; returns
+    (container, key, the vector) for ``_fill_from_scalars``."""
+    found = []
+
+    def walk(obj: dict, path: str) -> None:
+        for k, v in list(obj.items()):
+            key = f"{path}.{k}" if path else str(k)
+            if isinstance(v, dict):
+                walk(v, key)
+            elif isinstance(v, torch.Tensor) and tuple(v.shape) == (1,) and \
+                    tuple(getattr(saved.get(key), "size", (1,))) == ():
+                obj[k] = torch.empty((), dtype=v.dtype)
+                found.append((obj, k, v))
+    walk(state, "")
+    return found
+
+
+def _fill_from_scalars(scalars: list[tuple]) -> None:
+    """Put the vectors back, holding the scalars DCP loaded (a sharded vector: into whichever
+    process holds its one element)."""
+    with torch.no_grad():
+        for obj, k, vector in scalars:
+            value = obj[k]
+            obj[k] = vector
+            local = vector.to_local() if hasattr(vector, "to_local") else vector
+            local.copy_(value.reshape(1).to(local.device).expand_as(local))
+
+
+def reshape_scalar_state(optimizer_state: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """In place: the per-parameter state of a torch optimizer state dict (keyed by index in
+    ``params``' order) with 0-dim moments of one-element vector parameters reshaped to [1]
+    (a single-file checkpoint written when those parameters were 0-dim; ``step`` stays)."""
+    for i, p in enumerate(params):
+        st = optimizer_state.get("state", {}).get(i)
+        if st is None or tuple(p.shape) != (1,):
+            continue
+        for k, v in st.items():
+            if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
+                st[k] = v.reshape(1)
+
+
+def _legacy_names(saved: dict[str, Any], state: dict[str, Any], model: torch.nn.Module
                   ) -> dict[str, str]:
     """{current name: the name the checkpoint holds it under} for the parameters the checkpoint
     holds under an earlier name only (none for a checkpoint of the current names)."""
@@ -236,7 +361,6 @@ def _legacy_names(dcp, ckpt: Path, state: dict[str, Any], model: torch.nn.Module
              for old, new in m.__dict__.get("_legacy_keys", {}).items() if isinstance(new, str)}
     if not pairs:
         return {}
-    saved = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
     renames = {}
     for key in state["model"]:
         if "model." + key in saved:

@@ -62,6 +62,18 @@ def model_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
     return json.loads(model_cfg.to_json())
 
 
+def same_model_config(saved: Any, model_config: dict[str, Any]) -> bool:
+    """Whether ``saved`` (a ModelConfig dict as a checkpoint recorded it) is the model of
+    ``model_config`` (``model_config_dict``): compared as both read back, so a field left out of
+    the record takes its default."""
+    if saved == model_config:
+        return True
+    try:
+        return model_config_dict(ModelConfig.from_dict(saved)) == model_config
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
 def write_run_files(run_dir: Path, cfg, model_cfg: ModelConfig, tokenizer) -> None:
     """Create ``run_dir`` with its config.json (``cfg``: a moeify.train.config.TrainConfig,
     written as its ``to_dict()``), model.json and tokenizer files."""

@@ -23,7 +23,7 @@ from moeify.eval.blimp import blimp_accuracy, load_blimp
 from moeify.rundir import load_trained
 from moeify.rundir.layout import latest_checkpoint, step_of
 from moeify.sweep.protocol import (CHILD_ERROR, CHILD_RESULT, CHILD_TRAINED, max_rss_bytes,
-                                   write_json)
+                                   parent_from_env, stop_with_parent, write_json)
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import train
 
@@ -76,7 +76,8 @@ def child_main(spec_path: str) -> int:
     blimp = {"error": "skipped (--blimp-per-paradigm 0)"}
     if spec["blimp_per_paradigm"]:
         try:
-            pairs = load_blimp(spec["blimp_data"], limit_per_paradigm=spec["blimp_per_paradigm"])
+            pairs = load_blimp(spec["blimp_data"], limit_per_paradigm=spec["blimp_per_paradigm"],
+                               flag="--blimp-data")
             res = blimp_accuracy(logits_fn, tm.tokenizer, pairs)
             blimp = {"accuracy": res["accuracy"], "pairs": res["pairs"]}
         except MoeifyError as e:
@@ -111,6 +112,7 @@ def child_entry(spec_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        stop_with_parent(parent_from_env())  # no training left behind by a killed parent
         sys.exit(child_entry(sys.argv[2]))
     print("usage: python -m moeify.sweep.child --child SPEC (moeify compare and moeify sweep "
           "start it)", file=sys.stderr)

@@ -13,7 +13,8 @@ from pathlib import Path
 from moeify.analysis.compare import run_record, write_results
 from moeify.data import load_corpus
 from moeify.sweep.protocol import Scoring, run_spec
-from moeify.sweep.scheduler import lock_out, plan_run, report_written, run_settings, train_all
+from moeify.sweep.scheduler import (lock_out, plan_run, refuse_other_study, report_written,
+                                    run_settings, train_all)
 from moeify.train.config import TrainConfig, resolve_model_config
 
 
@@ -40,6 +41,7 @@ def compare(presets: list[str], out: Path, *, data: str, steps: int, seed: int,
     holds the lock on ``out`` throughout. Returns the exit status (1 when nothing finished);
     a failure or interruption is raised after what finished has been written."""
     cfgs = train_configs(presets, data, steps, seed, overrides)
+    refuse_other_study(out, "compare")
     lock = lock_out(out, "compare")
     try:
         return _compare(presets, cfgs, out, data=data, steps=steps, seed=seed,

@@ -64,3 +64,54 @@ def failure_line(log: Path) -> str:
         if line.startswith(CHILD_ERROR):
             return line[len(CHILD_ERROR):].strip()
     return lines[-1] if lines else "it printed nothing"
+
+
+# The parent's pid, in a child's environment: the child stops when that process is gone.
+PARENT_ENV = "MOEIFY_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_parent(parent: int | None, poll_s: float = 1.0) -> str | None:
+    """Make the death of process ``parent`` (the compare or sweep that started this child) send
+    this process SIGTERM, which the trainer handles as a stop: it finishes its step, checkpoints
+    it and exits, and the next compare or sweep resumes the run. A kill -9 of the parent (or of
+    its process group: the child runs in a session of its own) then leaves no orphan training.
+    On Linux the kernel does it (prctl PR_SET_PDEATHSIG); elsewhere a daemon thread compares
+    getppid() with ``parent`` every ``poll_s`` seconds. Returns how ("prctl" or "poll"), None
+    when ``parent`` is None."""
+    import os
+    import signal
+
+    if parent is None:
+        return None
+    how = "poll"
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+                how = "prctl"
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+        return how
+    if how == "poll":
+        import threading
+        import time
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="moeify-parent-watch", daemon=True).start()
+    return how
+
+
+def parent_from_env() -> int | None:
+    import os
+
+    value = os.environ.get(PARENT_ENV)
+    return int(value) if value and value.isdigit() else None

@@ -12,6 +12,7 @@ scored again, not retrained.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,9 +26,9 @@ from moeify.analysis.compare import valid_text
 from moeify.errors import MoeifyError, env_flag
 from moeify.rundir.layout import latest_checkpoint
 from moeify.runtime import MALLOC_ENV
-from moeify.sweep.protocol import (CHILD_LOG, CHILD_RESULT, SPEC_FILE, failure_line,
-                                   max_rss_bytes, spec_steps, write_json)
-from moeify.train.lock import RunLock, describe_holder, live_holder
+from moeify.sweep.protocol import (CHILD_LOG, CHILD_RESULT, PARENT_ENV, SPEC_FILE,
+                                   failure_line, max_rss_bytes, spec_steps, write_json)
+from moeify.rundir.lock import RunLock, describe_holder, live_holder
 
 # The module a child runs (``python -m CHILD_MODULE --child SPEC``).
 CHILD_MODULE = "moeify.sweep.child"
@@ -36,7 +37,8 @@ CHILD_MODULE = "moeify.sweep.child"
 def child_env(threads: int) -> dict:
     """The environment of a child: ``threads`` OpenMP/MKL threads and the CLI's malloc tuning."""
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                PARENT_ENV: str(os.getpid())})  # the child stops when this process dies
     if not env_flag("MOEIFY_NO_MALLOC_TUNING"):
         for k, v in MALLOC_ENV.items():
             env.setdefault(k, v)
@@ -101,22 +103,24 @@ class Scheduler:
                   f"{run_dir / CHILD_LOG}")
 
     def _eta(self) -> str:
+        """The time left: a running child that has logged a step from its own rate; one still
+        at step 0, and the queued runs, from the mean seconds per step of the finished runs (or
+        of the running ones); "ETA unknown" while nothing has a rate yet, never 0m00s."""
         now = time.time()
-        remaining = []
+        known, unknown, rates = [], [], []
         for _, (proc, spec, t0) in self.running.items():
             step = last_step(Path(spec["run_dir"]))
-            rate = step / max(now - t0, 1e-9)
-            est = (spec_steps(spec) - step) / rate if step else None
-            remaining.append(est)
-        known = [r for r in remaining if r is not None]
-        per_step = [d / s for d, s in self.durations] or (
-            [max(known) * 1.2 / max(spec_steps(sp) for _, sp, _ in self.running.values())]
-            if known else [])
+            if step:
+                rates.append((now - t0) / step)
+                known.append((spec_steps(spec) - step) * rates[-1])
+            else:
+                unknown.append(spec_steps(spec))
+        per_step = [d / s for d, s in self.durations] or rates
         if not per_step:
             return "ETA unknown"
         mean = sum(per_step) / len(per_step)  # seconds per step, evaluations included
         queued = sum(spec_steps(sp) for sp in self.queue) * mean / self.jobs
-        return f"ETA {format_seconds(max(known or [0.0]) + queued)}"
+        return f"ETA {format_seconds(max(known + [n * mean for n in unknown] or [0.0]) + queued)}"
 
     def progress(self) -> None:
         parts = [f"{spec['name']} step {last_step(Path(spec['run_dir']))}/{spec_steps(spec)}"
@@ -193,10 +197,46 @@ def train_all(specs: list[dict], jobs: int, tag: str,
     before passing the error on. ``on_done(spec, result)`` is called as each run finishes."""
     sched = Scheduler(specs, jobs, tag, on_done)
     try:
-        sched.run()
+        with sigterm_as_interrupt():
+            sched.run()
     except (Exception, KeyboardInterrupt) as e:
         return sched.done, e
     return sched.done, None
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """A SIGTERM to the parent is handled as Ctrl-C: KeyboardInterrupt, so the running
+    children are stopped (each checkpoints its step), what finished is tabulated and the
+    command ends with its "interrupted" line, instead of dying silently with orphans."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    try:
+        old = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave the default
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# What marks an OUT as a study of each kind (the other kind's results.json and results.md
+# would be overwritten by a second kind).
+_STUDY_MARKS = {"sweep": "sweep.json", "compare": f"runs/*/{SPEC_FILE}"}
+
+
+def refuse_other_study(out: Path, kind: str) -> None:
+    """Refuse an OUT that holds a study of another kind (a compare into a sweep's OUT, or the
+    reverse), naming it, before anything is written."""
+    out = Path(out)
+    for other, mark in _STUDY_MARKS.items():
+        if other != kind and any(out.glob(mark)):
+            raise MoeifyError(f"{out} holds a moeify {other} (its {mark.split('/')[-1]}); a "
+                              f"{kind} there would overwrite its results.json and results.md: "
+                              "choose another --out")
 
 
 # ---------------------------------------------------------------------- run directories

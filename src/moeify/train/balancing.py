@@ -1,6 +1,10 @@
 """Balancing that needs the whole update: loss-free balancing's bias update and the global-batch
 balance loss's counts, for the feedforward MoEs (sigma-MoE, Switch). Applied from outside the
-model (ARCHITECTURE: layers never touch torch.distributed).
+model: layers never touch torch.distributed, and everything here is read from what the model's
+forward *returns* (LMOutput.routing, LMOutput.balance), never from state a layer fills as it runs.
+Activation recomputation (torch.utils.checkpoint, moeify.train.activation_checkpointing) runs a
+block's forward a second time during backward; the returned records exist once per forward of
+the model, so nothing is counted twice.
 
 Loss-free balancing (Wang et al. 2024, arXiv 2408.15664, Algorithm 1; DeepSeek-V3 §2.1.2). A
 layer with ``lossfree_rate = gamma > 0`` holds a bias b [E] added to its routing scores for the
@@ -10,19 +14,18 @@ top-k choice only. After each optimizer step:
            layer position that uses the module (shared blocks)
     b_i += gamma * sign(mean_j c_j - c_i)                 (no centring unless lossfree_centre)
 
-The counts are read from the routing records the model's forward *returns* (LMOutput.routing),
-never from a buffer the layer fills as it runs: activation recomputation (torch.utils.checkpoint)
-runs a layer's forward a second time during backward, and would count its tokens twice; the
-returned records exist once per forward of the model. One all-reduce (sum) per update carries
-the counts of every such layer; every process then computes the same bias.
+One all-reduce (sum) per update carries the counts of every feedforward router; every process
+then computes the same bias.
 
 Global-batch balance loss (Qiu et al. 2025, arXiv 2501.11873; Switch with
 ``balance_scope="global"``): the balance loss's f_i comes from the top-1 counts of the global
-batch instead of the micro-batch. The layer asks ``count_sync`` (installed here) for them: this
-micro-batch's counts are all-reduced (summed) over the processes and added to the counts of the
-update's earlier micro-batches (the paper's buffer over gradient-accumulation steps), so the last
-micro-batch of an update sees the counts of the whole global batch. The counts carry no gradient.
-Only training forwards synchronise (validation may run on one process).
+batch instead of the micro-batch. The model returns each such loss's parts (``GlobalBalance``:
+the differentiable mean router probabilities P_i and this forward's top-1 counts, keyed by layer
+position); after each micro-batch's forward the counts are all-reduced (summed) over the
+processes, one all-reduce for every layer, and added to the counts of the update's earlier
+micro-batches (the paper's buffer over gradient-accumulation steps), and the loss is taken with
+them: the last micro-batch of an update sees the counts of the whole global batch. The counts
+carry no gradient. Validation, which never comes here, takes the per-batch loss.
 
 Shape legend: E router outputs of a layer.
 """
@@ -31,16 +34,16 @@ from __future__ import annotations
 
 import torch
 
+from moeify.models.lm import feedforward_of
 from moeify.ops.aux_losses import loss_free_bias_update
 from moeify.train.distributed import DistEnv
 
+# The routing kinds (RoutingStats.kind) of the feedforward MoEs' routers.
+FEEDFORWARD_KINDS = ("sigma_moe", "switch")
 
-def feedforward_of(block: torch.nn.Module) -> torch.nn.Module | None:
-    """The feedforward of a TransformerBlock, looking through a depth-routing wrapper."""
-    ff = getattr(block, "feedforward", None)
-    if ff is None and hasattr(block, "block"):
-        ff = getattr(block.block, "feedforward", None)
-    return ff
+
+def _lossfree(module) -> bool:
+    return getattr(getattr(module, "config", None), "lossfree_rate", 0.0) > 0
 
 
 class Balancing:
@@ -48,61 +51,48 @@ class Balancing:
 
     def __init__(self, model: torch.nn.Module, env: DistEnv) -> None:
         self.env = env
-        # Loss-free: module -> the routing-record keys of its layer positions.
-        self.lossfree: dict[torch.nn.Module, list[str]] = {}
-        self.global_layers: list[torch.nn.Module] = []
-        for i, block in enumerate(model.layer_blocks()):
-            ff = feedforward_of(block)
-            cfg = getattr(ff, "config", None)
-            if cfg is None:
-                continue
-            if getattr(cfg, "lossfree_rate", 0.0) > 0:
-                self.lossfree.setdefault(ff, []).append(f"layers.{i}.ff.router")
-            if (getattr(cfg, "balance_scope", "batch") == "global"
-                    and getattr(cfg, "balance_coef", 0) != 0 and ff not in self.global_layers):
-                self.global_layers.append(ff)
-        self._counts: dict[str, torch.Tensor] = {}
-        self._prev: dict[torch.nn.Module, torch.Tensor] = {}
-        self._pending: dict[torch.nn.Module, list[torch.Tensor]] = {}
-        for ff in self.global_layers:
-            ff.count_sync = self._sync_fn(ff)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.lossfree or self.global_layers)
-
-    def _sync_fn(self, ff: torch.nn.Module):
-        def sync(counts_E: torch.Tensor) -> torch.Tensor:
-            if not ff.training:  # validation may run on process 0 alone: no collective
-                return counts_E
-            c = counts_E.detach().to(torch.float32).clone()
-            self.env.all_reduce_sum_(c)
-            self._pending.setdefault(ff, []).append(c)
-            prev = self._prev.get(ff)
-            return c if prev is None else prev + c
-        return sync
+        # The feedforward of every layer position (its routing records carry the position).
+        self.feedforwards = [feedforward_of(b) for b in model.layer_blocks()]
+        self.lossfree = {ff for ff in self.feedforwards if _lossfree(ff)}
+        if any(_lossfree(m) and m not in self.lossfree for m in model.modules()):
+            raise ValueError("loss-free balancing (lossfree_rate > 0) works on the feedforwards "
+                             "of the model's blocks, not inside Mixture-of-Recursions; set "
+                             "model.feedforward.lossfree_rate=0 for this model")
+        self._counts: dict[str, torch.Tensor] = {}  # routing key -> the update's counts so far
+        self._owner: dict[str, torch.nn.Module] = {}  # routing key -> its feedforward
+        self._global: dict[str, torch.Tensor] = {}  # balance key -> the update's top-1 counts
 
     def start_step(self) -> None:
         self._counts.clear()
-        self._prev.clear()
-        self._pending.clear()
+        self._global.clear()
 
-    def after_forward(self, out) -> None:
+    def after_forward(self, out) -> torch.Tensor:
         """After one micro-batch's forward: collect its routed counts (every feedforward
-        router's, for the load log and loss-free balancing) and fold its global counts into the
-        update's running sum (global-batch loss)."""
-        for ff, keys in self.lossfree.items():
-            missing = [k for k in keys if k not in out.routing]
-            if missing:
-                raise RuntimeError(f"loss-free balancing: the model returned no routing record "
-                                   f"{missing[0]!r}")
+        router's, for the load log and loss-free balancing) and take its global-batch balance
+        losses with the update's counts so far (module docstring). Returns the aux loss to
+        train on: ``out.aux_loss`` with those losses retaken (``out.losses`` holds them)."""
+        seen = set()
         for key, rec in out.routing.items():
-            if key.endswith("ff.router"):
-                c = rec.counts[0]
-                self._counts[key] = c if key not in self._counts else self._counts[key] + c
-        for ff in self.global_layers:
-            for c in self._pending.pop(ff, []):
-                self._prev[ff] = c if ff not in self._prev else self._prev[ff] + c
+            if rec.kind not in FEEDFORWARD_KINDS:
+                continue
+            c = rec.counts[0]
+            self._counts[key] = c if key not in self._counts else self._counts[key] + c
+            self._owner[key] = ff = self.feedforwards[rec.layer]
+            seen.add(ff)
+        missing = self.lossfree - seen
+        if missing:
+            raise RuntimeError(f"loss-free balancing: the model returned no routing record of "
+                               f"{type(next(iter(missing))).__name__}")
+        if not out.balance:
+            return out.aux_loss
+        keys = sorted(out.balance)
+        flat = torch.cat([out.balance[k].counts.detach().float().reshape(-1) for k in keys])
+        self.env.all_reduce_sum_(flat)
+        for key, c in zip(keys, flat.split([out.balance[k].counts.numel() for k in keys])):
+            total = c if key not in self._global else self._global[key] + c
+            self._global[key] = total
+            out.losses[key] = out.balance[key].loss(total)
+        return torch.stack([v.float() for v in out.losses.values()]).sum()
 
     @torch.no_grad()
     def after_optimizer_step(self) -> dict[str, torch.Tensor]:
@@ -115,8 +105,8 @@ class Balancing:
         flat = torch.cat([self._counts[k].to(torch.float64).reshape(-1) for k in keys])
         self.env.all_reduce_sum_(flat)
         total = dict(zip(keys, flat.split([self._counts[k].numel() for k in keys])))
-        for m, mkeys in self.lossfree.items():
-            c = sum(total[k] for k in mkeys)
+        for m in self.lossfree:
+            c = sum(total[k] for k in keys if self._owner[k] is m)
             cfg = m.config
             m.expert_bias.copy_(loss_free_bias_update(m.expert_bias, c, cfg.lossfree_rate,
                                                       centre=cfg.lossfree_centre))

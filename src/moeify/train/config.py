@@ -27,6 +27,7 @@ from typing import Any
 from moeify.errors import MoeifyError
 from moeify.models.config import ModelConfig, known_fields
 from moeify.models.presets import find_preset
+from moeify.rundir.data import data_difference
 from moeify.rundir.files import read_json
 from moeify.rundir.layout import CONFIG_FILE
 from moeify.train.overrides import (  # noqa: F401  (re-exported: the override API)
@@ -37,13 +38,14 @@ from moeify.train.overrides import (  # noqa: F401  (re-exported: the override A
 from moeify.train.values import parse_value, split_override  # noqa: F401
 
 AMP_MODES = ("auto", "fp32", "bf16", "fp16")
-PARALLEL_MODES = ("ddp", "fsdp")  # moeify.train.parallel
+PARALLEL_MODES = ("ddp", "fsdp")  # moeify.train.plans
+AC_MODES = ("none", "block")  # moeify.train.activation_checkpointing
 TOKENIZER_CHOICES = ("auto", "byte", "byte256", "sentencepiece", "gpt2")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """A training run (switchhead.md §3), with defaults adapted to the tiny CPU presets.
+    """A training run (SwitchHead appendix), with defaults adapted to the tiny CPU presets.
 
     The paper's recipe is Adam(W) lr 2.5e-4, betas (0.9, 0.999), no weight decay, cosine decay
     (T_max = 100k) after an optional linear warm-up, 100k steps of batch 64, gradient clipping
@@ -60,7 +62,11 @@ class TrainConfig:
     model:            a whole ModelConfig as a dict (ModelConfig.to_dict), used instead of the
                       preset's: models that are not presets (``moeify upcycle`` writes one);
                       ``preset`` is then only a name.
-    data:             corpus name or local path (moeify.data.corpora).
+    data:             corpus name or local path (moeify.data.corpora); ``moeify train``
+                      records a path made absolute (moeify.rundir.data).
+    data_sha256:      the fingerprint of the corpus's content (corpus_fingerprint), recorded
+                      by ``moeify train``: a resume accepts any path to the same content.
+                      A record, not an input; None in runs that did not record it.
     tokenizer:        "auto" = bytes for byte-level corpora (enwik8 convention: the byte values
                       occurring in the train split) and for byte-level presets (a vocabulary of
                       at most 256, such as the tiny-* and repro-* ones) on any corpus,
@@ -84,10 +90,10 @@ class TrainConfig:
     checkpoint_every: steps between checkpoints (0 = only at the end); keep_checkpoints: how many
                       complete checkpoints stay on disk.
     tensorboard:      also write TensorBoard scalars (the tensorboard extra).
-    compile:          torch.compile every block (moeify.train.parallel).
+    compile:          torch.compile every block (moeify.train.plans).
     parallel:         with several processes (torchrun): "ddp" replicates the model, "fsdp"
                       shards parameters, gradients and optimizer state per block (FSDP2) and
-                      writes sharded checkpoints (moeify.train.sharded); "fsdp" also works in one
+                      writes sharded checkpoints (moeify.rundir.sharded); "fsdp" also works in one
                       process.
     expert_parallel:  the expert-parallel degree P (moeify.train.expert_parallel): the processes
                       form a 2-D mesh (data-parallel W/P x expert-parallel P); the experts of
@@ -97,6 +103,10 @@ class TrainConfig:
                       replicated) and parallel=fsdp (the other parameters sharded over all
                       processes). Checkpoints are sharded (DCP) and resume at another degree,
                       another process count or in one process.
+    activation_checkpointing: "none" or "block" (moeify.train.activation_checkpointing): every
+                      block's forward runs again in backward instead of keeping its
+                      activations. Composes with compile, parallel=ddp / fsdp and
+                      expert_parallel; the same losses, gradients and balancing statistics.
     lr_extensions:    written by a resume with ``--schedule extend|stretch``, not set by hand:
                       each (start, end, factor, phase) replaces the schedule from update
                       ``start`` on by a cosine decay to the floor at update ``end``
@@ -109,6 +119,7 @@ class TrainConfig:
     model_overrides: tuple[str, ...] = ()
     model: dict[str, Any] | None = None
     data: str = "wiki-excerpt"
+    data_sha256: str | None = None
     tokenizer: str = "auto"
     vocab_size: int = 8000
     steps: int = 300
@@ -134,6 +145,7 @@ class TrainConfig:
     compile: bool = False
     parallel: str = "ddp"
     expert_parallel: int = 1
+    activation_checkpointing: str = "none"
     lr_extensions: tuple[tuple[int, int, float, float], ...] = ()
     init_from: str | None = None
 
@@ -176,6 +188,9 @@ class TrainConfig:
                 or self.expert_parallel < 1):
             raise ValueError(f"expert_parallel must be a positive integer (1 = every process "
                              f"holds every expert), got {self.expert_parallel!r}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, "
+                             f"got {self.activation_checkpointing!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false, got {self.compile!r}")
         if self.tokenizer not in TOKENIZER_CHOICES:
@@ -273,12 +288,14 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int | None = None,
 # Written to JSON only when they differ from their default, so that config.json, checkpoint
 # records and compare/sweep run specs of runs without them read exactly as before they existed
 # (a sweep refuses a run directory whose recorded settings differ from its own).
-OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None, "expert_parallel": 1}
+OPTIONAL_FIELDS = {"lr_extensions": [], "init_from": None, "expert_parallel": 1,
+                   "data_sha256": None, "activation_checkpointing": "none"}
 
 # Fields moeify writes itself, with what writes them.
 WRITTEN_BY_MOEIFY = {"lr_extensions": "moeify train --resume RUN --steps N --schedule extend|"
                                       "stretch",
-                     "init_from": "moeify train --init-from RUN"}
+                     "init_from": "moeify train --init-from RUN",
+                     "data_sha256": "moeify train, from the content of --data"}
 
 
 # The largest float32: settings become float32 tensors inside the optimizer and the scheduler.
@@ -295,7 +312,7 @@ def check_finite_number(name: str, value: Any) -> None:
 
 
 def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
-    """The published training recipe for a paper preset (switchhead.md §3): Adam lr 2.5e-4,
+    """The published training recipe for a paper preset (SwitchHead appendix): Adam lr 2.5e-4,
     100k steps of cosine decay, fp16; batch size, warm-up and clipping from the preset's row."""
     row = find_preset(preset)
     if row.recipe is None:
@@ -315,15 +332,20 @@ def paper_recipe(preset: str, **changes: Any) -> TrainConfig:
 # moeify.train.schedule.resume_schedule's decision, which also checks SCHEDULE_FIELDS).
 RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "eval_tokens", "eval_batch_size",
                      "checkpoint_every", "keep_checkpoints", "tensorboard", "device", "compile",
-                     "parallel", "expert_parallel")
+                     "parallel", "expert_parallel", "activation_checkpointing")
 # The schedule's shape after the warm-up: it may change on resume for the steps still to come.
 SCHEDULE_FIELDS = ("cosine_steps", "lr_extensions")
+# Compared by what they identify: the model above, the data by content (data_difference).
+_IDENTITY_FIELDS = ("preset", "model_overrides", "data", "data_sha256")
 
 
 def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
-                            weights_only: bool = False) -> None:
+                            weights_only: bool = False, run_dir: str | Path | None = None
+                            ) -> None:
     """Raise if ``requested`` changes something a resumed run cannot change. From a checkpoint
-    that holds only weights (an imported model: nothing trained yet) only the model is fixed."""
+    that holds only weights (an imported model: nothing trained yet) only the model is fixed.
+    The data may be given by any path to the same content (moeify.rundir.data; ``run_dir``
+    finds a relative path recorded as typed)."""
     if (saved.preset != requested.preset or saved.model_overrides != requested.model_overrides
             or saved.model != requested.model):
         raise ValueError(f"the checkpoint is from another preset: the run was trained as "
@@ -334,13 +356,17 @@ def check_resume_compatible(saved: TrainConfig, requested: TrainConfig, *,
     if weights_only:
         return
     bad = [f.name for f in dataclasses.fields(TrainConfig)
-           if f.name not in RESUMABLE_CHANGES + SCHEDULE_FIELDS + ("preset", "model_overrides")
+           if f.name not in RESUMABLE_CHANGES + SCHEDULE_FIELDS + _IDENTITY_FIELDS
            and getattr(saved, f.name) != getattr(requested, f.name)]
     if bad:
         raise ValueError(f"cannot change {', '.join(bad)} when resuming (the run was trained with "
                          + ", ".join(f"{b}={getattr(saved, b)!r}" for b in bad)
                          + "); only " + ", ".join(RESUMABLE_CHANGES) + " may change. Start a "
                          "new run with --out to train with different settings")
+    problem = data_difference(saved.data, saved.data_sha256, requested.data,
+                              requested.data_sha256, run_dir)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def read_train_config(run_dir: str | Path) -> TrainConfig:

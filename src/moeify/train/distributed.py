@@ -1,19 +1,32 @@
 """Data-parallel process group handling (torchrun; gloo on CPU, NCCL on CUDA).
 
-The only place besides the trainer that touches torch.distributed: model code is written for one
-device and data parallelism is applied from outside (ARCHITECTURE). A process group that the
-caller already initialised (tests do, with torch.multiprocessing) is used as it is; otherwise
-one is created when torchrun's WORLD_SIZE > 1.
+Model code is written for one device and parallelism is applied from outside (the plans of
+moeify.train.plans). One process group per process: ``process_group`` (a context the command
+line opens once around a whole command) creates it from torchrun's environment and destroys it
+at the end; a Trainer uses the group it finds and never destroys one it did not create, so a
+command that runs two trainers in turn (``--init-from``: a step-0 run, then its training) never
+initialises a group twice. A process group the caller initialised (tests do, with
+torch.multiprocessing) is used as it is.
+
+No collective waits forever: the groups moeify creates (and the sub-groups of their device
+meshes) time out after ``MOEIFY_COLLECTIVE_TIMEOUT`` seconds (default 600), and a collective that
+times out or loses its peer ends in one line naming this process, what it was doing and the
+latest complete checkpoint (``collective_failure``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from moeify.errors import MoeifyError
 
 
 class PeerLost(RuntimeError):
@@ -26,6 +39,14 @@ class PeerLost(RuntimeError):
         self.rank, self.world_size, self.what, self.detail = rank, world_size, what, detail
 
 
+def resume_command(run_dir, world_size: int) -> str:
+    """The command that resumes ``run_dir`` with the process count it ran with."""
+    if world_size > 1:
+        return (f"torchrun --nproc-per-node {world_size} -m moeify.cli.main train --resume "
+                f"{run_dir}")
+    return f"moeify train --resume {run_dir}"
+
+
 def peer_lost_message(rank: int, world_size: int, during: str, intact: str | None,
                       run_dir) -> str:
     """The one line a surviving process prints when another one died during ``during``: which
@@ -34,8 +55,106 @@ def peer_lost_message(rank: int, world_size: int, during: str, intact: str | Non
     kept = (f"checkpoint {intact} is intact" if intact is not None
             else "no checkpoint had been written yet")
     return (f"{other} of {world_size} stopped (killed or crashed) during {during}, so process "
-            f"{rank} stops too; {kept}; resume with: torchrun --nproc-per-node {world_size} "
-            f"-m moeify.cli.main train --resume {run_dir}")
+            f"{rank} stops too; {kept}; resume with: {resume_command(run_dir, world_size)}")
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    """An error of the process group's transport (a peer that is gone), raised by a collective
+    inside torch (FSDP, DCP, expert parallelism's all-to-all) or by DistEnv's helpers."""
+    backend_error = getattr(dist, "DistBackendError", ())
+    text = str(e)
+    return isinstance(e, PeerLost) or bool(backend_error and isinstance(e, backend_error)) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo",
+                            "Broken pipe"))
+
+
+def collective_failure(e: BaseException, env: "DistEnv", during: str, run_dir) -> str | None:
+    """The one line for a collective that failed during ``during`` because another process died
+    (or hung past the timeout), naming the latest complete checkpoint of ``run_dir`` on disk;
+    None when ``e`` is no such failure (or the run has one process)."""
+    from moeify.rundir.layout import latest_checkpoint
+
+    if not env.enabled or not (_is_timeout(e) or _is_transport_error(e)):
+        return None
+    latest = latest_checkpoint(run_dir) if Path(run_dir).is_dir() else None
+    if _is_timeout(e):
+        kept = (f"checkpoint {latest} is intact" if latest is not None
+                else "no checkpoint had been written yet")
+        return (f"process {env.rank} of {env.world_size} waited more than {collective_timeout()} s "
+                f"for the others during {during} (MOEIFY_COLLECTIVE_TIMEOUT), so it stops; a "
+                f"process is stuck or gone; {kept}; resume with: "
+                f"{resume_command(run_dir, env.world_size)}")
+    return peer_lost_message(env.rank, env.world_size, during, latest, run_dir)
+
+
+def exit_at(point: str, rank: int) -> None:
+    """Faults made deterministic for tests. ``MOEIFY_EXIT_AT=RANK:POINT`` makes process RANK
+    exit at once (as ``kill -9`` would: no cleanup, exit status 137) when it reaches POINT;
+    ``MOEIFY_STALL_AT=RANK:POINT`` makes it wait there (as a stuck process would) for three
+    collective timeouts, then exit so. Points: ``step-N`` (step N done, before anything else),
+    ``checkpoint-N`` (a process other than 0, just before it learns whether process 0 wrote
+    checkpoint N). Unset, they cost two lookups."""
+    here = f"{rank}:{point}"
+    if os.environ.get("MOEIFY_STALL_AT") == here:
+        import time
+
+        time.sleep(3 * collective_timeout())
+        os._exit(137)
+    if os.environ.get("MOEIFY_EXIT_AT") == here:
+        os._exit(137)
+
+
+def collective_timeout() -> int:
+    """Seconds a collective may wait (``MOEIFY_COLLECTIVE_TIMEOUT``, default 600)."""
+    raw = os.environ.get("MOEIFY_COLLECTIVE_TIMEOUT", "600")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"MOEIFY_COLLECTIVE_TIMEOUT={raw!r} must be a whole number of seconds "
+                         "above 0")
+    return value
+
+
+def _init_group(backend: str, **kw) -> None:
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    # Sub-groups (a device mesh's "dp" and "ep" groups) take torch's module default, not the
+    # world group's timeout: set it too, so that they time out alike.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    dist.init_process_group(backend=backend, timeout=timeout, **kw)
+
+
+def device_type(spec: str) -> str:
+    """"cuda" or "cpu": the kind of device setting ``spec`` (auto, cpu, cuda:N, ...) trains on,
+    which picks the process group's backend."""
+    import torch
+
+    return "cuda" if spec.startswith("cuda") or (spec == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+
+
+@contextlib.contextmanager
+def process_group(device_type: str):
+    """The process group of a command run by torchrun (WORLD_SIZE > 1), created on entry and
+    destroyed on exit; nothing when there is one process or a group already exists."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    _init_group("nccl" if device_type == "cuda" else "gloo")
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @dataclass
@@ -95,6 +214,24 @@ class DistEnv:
         if self.enabled:
             self._collective("barrier", dist.barrier)
 
+    def rank0_first(self, fn):
+        """Run ``fn`` on process 0 first (it fills the caches), then on the others. When it
+        fails on process 0 every process raises, instead of the others waiting forever."""
+        if not self.enabled:
+            return fn()
+        out, error, exc = None, None, None
+        if self.is_main:
+            try:
+                out = fn()
+            except Exception as e:  # re-raised below, after telling the other processes
+                error, exc = str(e), e
+        error = self.broadcast_object(error)
+        if exc is not None:
+            raise exc
+        if error is not None:
+            raise MoeifyError(f"process 0 failed while preparing the data: {error}")
+        return out if self.is_main else fn()
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -115,9 +252,9 @@ def setup_distributed(device_type: str, *, single: bool = False) -> DistEnv:
                            "torch.distributed")
     backend = "nccl" if device_type == "cuda" else "gloo"
     if world <= 1:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        _init_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return DistEnv(owns_group=True)
-    dist.init_process_group(backend=backend)
+    _init_group(backend)
     return DistEnv(dist.get_rank(), dist.get_world_size(),
                    int(os.environ.get("LOCAL_RANK", "0")), owns_group=True)
 

@@ -1,35 +1,32 @@
-"""Expert parallelism for the feedforward MoEs (sigma-MoE, Switch), applied from outside the model
-(ARCHITECTURE: layers never touch torch.distributed). The design follows torchtitan's
-distributed/expert_parallel.py: expert weights are DTensors placed ``Shard(0)`` over an "ep"
-mesh dimension, token counts are exchanged first, tokens dispatched by all-to-all, the local
-experts run, results combined.
+"""Expert parallelism for the routed experts of the feedforward MoEs (sigma-MoE, Switch: every
+``moeify.layers.experts.RoutedExperts``), applied from outside the model, as torchtitan applies
+its ExpertParallel style to ``moe.experts``: expert weights are DTensors placed ``Shard(0)`` over
+an "ep" mesh dimension, token counts are exchanged first, tokens dispatched by all-to-all, the
+local experts run, results combined. The layers know nothing of it: they call their ``experts``
+module with their routing decisions, whatever runs it.
 
 Mesh. W processes form a 2-D DeviceMesh ("dp", "ep") of shape (W / P, P), P = expert_parallel.
-``parallelize_experts`` turns the stacked expert weights of every MoE feedforward (``w_in`` /
-``w_gate`` / ``w_out`` and the per-expert hidden bias ``bias_in``; moeify.layers.common: the
-naming convention) into Parameters holding a DTensor of the full global shape [E, ...] on
-the 1-D "ep" sub-mesh with placement ``Shard(0)``: each process stores E / P experts (expert e
-lives on ep rank e // (E / P)), the P processes of an ep group together hold every expert, and
-the dp groups hold replicas. Everything else (attention, embeddings, routers, shared experts,
-norms) is either replicated and averaged by DDP (parallel=ddp) or sharded over all W processes
-by FSDP2 (parallel=fsdp, ``fully_shard(..., ignored_params=<the expert DTensors>)``).
-
-torchtitan applies its EP with ``distribute_module`` on a module that holds only the experts;
-moeify's feedforwards hold router and experts in one module (one file per idea), and
-``distribute_module`` would turn every other parameter into a replicated DTensor too. So the
-expert weights are distributed here by name (``EXPERT_PARAMS``) and the token movement is
-installed through the layer's narrow ``dispatch`` hook (the layer calls it with its routing
-decisions when set; it never imports torch.distributed).
+``distribute_experts`` turns every parameter of a RoutedExperts module (all stacked with the
+expert first: ``w_in`` / ``w_gate`` / ``w_out`` and the hidden bias ``bias_in``) into a
+Parameter holding a DTensor of the full global shape [E, ...] on the 1-D "ep" sub-mesh with
+placement ``Shard(0)``: each process stores E / P experts (expert e lives on ep rank
+e // (E / P)), the P processes of an ep group together hold every expert, and the dp groups hold
+replicas. Everything else (attention, embeddings, routers, shared experts, norms) is either
+replicated and averaged by DDP (parallel=ddp) or sharded over all W processes by FSDP2
+(parallel=fsdp, ``fully_shard(..., ignored_params=<the expert DTensors>)``). The module's
+forward is replaced by the token movement below (``ExpertParallel.dispatch``), which runs the
+local experts through the module's own ``run`` with the local shards.
 
 One MoE forward on each process (``dispatch``):
 
- 1. its routed (token, expert) pairs, dropped ones left out, sorted by expert: counts per expert;
+ 1. its routed (token, expert) pairs, the pairs not kept left out, sorted by expert: counts per
+    expert;
  2. the counts are exchanged (all_to_all_single): each process learns how many rows every peer
     sends to each of its local experts; the host reads the splits (the one sync of EP);
  3. the rows travel to their experts' process: ``all_to_all_single_autograd`` with uneven
     splits (its backward is the reverse all-to-all);
- 4. the local experts run through the layer's own expert op (``layer._mlp`` with the local
-    shards, ``DTensor.to_local()``, whose backward returns a ``Shard(0)`` gradient), gate 1;
+ 4. the local experts run (``RoutedExperts.run`` with the local shards, ``DTensor.to_local()``,
+    whose backward returns a ``Shard(0)`` gradient), gate 1;
  5. the outputs travel back (the reverse all-to-all) and are combined at the token's process:
     gate times output, summed over the token's choices.
 
@@ -46,11 +43,11 @@ over all processes. DDP ignores the expert shards, FSDP2 is told to. ``clip_grad
 the squared norms of plain gradients once, of FSDP shards over all processes and of expert
 shards over an ep group (one all-reduce).
 
-Checkpoints are DCP sharded checkpoints (moeify.train.sharded): each tensor is stored with its
+Checkpoints are DCP sharded checkpoints (moeify.rundir.sharded): each tensor is stored with its
 global shape and the offsets of every shard, so one written at any (dp, ep) layout loads at any
 other, into FSDP or DDP runs, and into one plain process (eval, generate, export). Single-file
-checkpoints of full tensors (written by one process, or by an expert-parallel run of an earlier
-moeify) still resume here: ``load_full_state`` keeps this process's rows.
+checkpoints of full tensors (written by one process) resume here too: ``load_full_state`` keeps
+this process's rows.
 
 Shape legend: M tokens, K choices, N kept pairs, R rows received, D d_model, E experts, P ep
 degree, L = E / P local experts.
@@ -63,17 +60,13 @@ import torch.distributed as dist
 from torch import nn
 
 from moeify.layers.common import upgrade_legacy_keys
-from moeify.layers.sigma_moe import SigmaMoE
-from moeify.layers.switch_ff import SwitchFeedForward
+from moeify.layers.experts import RoutedExperts
 from moeify.ops.routing import count_ids
 
-EXPERT_PARAMS = {SigmaMoE: ("w_in", "w_out", "bias_in"),
-                 SwitchFeedForward: ("w_in", "w_gate", "w_out", "bias_in")}
 
-
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The distinct expert-parallel-capable feedforwards of ``model``."""
-    return [m for m in model.modules() if type(m) in EXPERT_PARAMS]
+def expert_modules(model: nn.Module) -> list[RoutedExperts]:
+    """The distinct routed-experts modules of ``model``."""
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
 
 def expert_mesh(degree: int, device: torch.device):
@@ -87,32 +80,26 @@ def expert_mesh(degree: int, device: torch.device):
     return init_device_mesh(device.type, (W // degree, degree), mesh_dim_names=("dp", "ep"))
 
 
-def parallelize_experts(model: nn.Module, ep_mesh) -> dict[str, nn.Parameter]:
-    """Turn every MoE feedforward's expert weights into ``Shard(0)`` DTensor Parameters on the
-    1-D ``ep_mesh`` (in place, same attribute, so the parameter order is kept). Every process
-    must hold the same full weights (the trainer seeds them alike); no communication. Returns
-    the new Parameters by qualified name."""
+def distribute_experts(experts: RoutedExperts, ep_mesh) -> dict[str, nn.Parameter]:
+    """Turn every parameter of ``experts`` into a ``Shard(0)`` DTensor Parameter on the 1-D
+    ``ep_mesh`` (in place, same attribute, so the parameter order is kept). Every process must
+    hold the same full weights (the trainer seeds them alike); no communication. Returns the
+    new Parameters by their name in the module."""
     from torch.distributed.tensor import DTensor, Shard
 
     P, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    names = {id(m): n for n, m in model.named_modules()}
+    E = experts.n_experts
+    if E % P:
+        raise ValueError(f"expert_parallel={P} must divide every MoE layer's n_experts (a "
+                         f"layer has {E}); choose a divisor of {E}")
+    L = E // P
     params: dict[str, nn.Parameter] = {}
-    for layer in moe_layers(model):
-        E = layer.config.n_experts
-        if E % P:
-            raise ValueError(f"expert_parallel={P} must divide every MoE layer's n_experts (a "
-                             f"layer has {E}); choose a divisor of {E}")
-        L = E // P
-        for pname in EXPERT_PARAMS[type(layer)]:
-            full = getattr(layer, pname, None)
-            if full is None:
-                continue
-            local = full.detach()[rank * L:(rank + 1) * L].clone()
-            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
-                                    shape=full.shape, stride=full.stride())
-            setattr(layer, pname, nn.Parameter(dt, requires_grad=full.requires_grad))
-            prefix = names[id(layer)]
-            params[f"{prefix}.{pname}" if prefix else pname] = getattr(layer, pname)
+    for name, full in experts.weights().items():
+        local = full.detach()[rank * L:(rank + 1) * L].clone()
+        dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                shape=full.shape, stride=full.stride())
+        setattr(experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+        params[name] = getattr(experts, name)
     return params
 
 
@@ -128,25 +115,35 @@ class ExpertParallel:
         self.dp_group = self.mesh.get_group("dp")
         self.ep_rank = self.mesh.get_local_rank("ep")
         self.model = model  # its names: the checkpoint's keys (load_full_state)
-        self.layers = moe_layers(model)
-        if not self.layers:
-            raise ValueError("expert_parallel > 1 needs a model with sigma-MoE or Switch "
-                             "feedforwards")
-        self.params = parallelize_experts(model, self.ep_mesh)  # qualified name -> DTensor
-        for layer in self.layers:
-            layer.dispatch = self.dispatch
+        names = {id(m): n for n, m in model.named_modules()}
+        self.params: dict[str, nn.Parameter] = {}  # qualified name -> DTensor
+        for experts in expert_modules(model):
+            prefix = names[id(experts)]
+            for name, p in distribute_experts(experts, self.ep_mesh).items():
+                self.params[f"{prefix}.{name}" if prefix else name] = p
+            experts.forward = self._forward_of(experts)
+        if not self.params:
+            raise ValueError("expert_parallel > 1 needs a model with routed experts (sigma-MoE "
+                             "or Switch feedforwards)")
+
+    def _forward_of(self, experts: RoutedExperts):
+        """The forward that replaces ``experts``' own (RoutedExperts.forward's signature; the
+        capacity's packing is left out: only kept pairs travel)."""
+        def forward(x_MD, ids_MK, gates_MK, keep_MK=None, *, rows=None):
+            return self.dispatch(experts, x_MD, ids_MK, gates_MK, keep_MK)
+        return forward
 
     # ------------------------------------------------------------------ forward
 
-    def dispatch(self, layer: nn.Module, x_MD: torch.Tensor, idx_MK: torch.Tensor,
+    def dispatch(self, experts: RoutedExperts, x_MD: torch.Tensor, idx_MK: torch.Tensor,
                  gates_MK: torch.Tensor, keep_MK: torch.Tensor | None) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         M, K = idx_MK.shape
-        E, P = layer.config.n_experts, self.P
+        E, P = experts.n_experts, self.P
         L = E // P
         ids_N = idx_MK.reshape(-1)
-        keep_N = ids_N < E  # no-op experts (integrated MoDE) compute nothing
+        keep_N = ids_N < E  # ids past the experts (no-op experts) compute nothing
         if keep_MK is not None:
             keep_N = keep_N & keep_MK.reshape(-1)
         pairs = torch.nonzero(keep_N).squeeze(1)
@@ -165,13 +162,13 @@ class ExpertParallel:
             recv_E, output_size=x_RD.shape[0])
         # The local shards as plain tensors: to_local()'s backward hands the gradient back to
         # the DTensor parameter as a Shard(0) DTensor.
-        weights = {n: getattr(layer, n).to_local() for n in EXPERT_PARAMS[type(layer)]
-                   if getattr(layer, n, None) is not None}
+        weights = {n: w.to_local() for n, w in experts.weights().items()}
         if torch.compiler.is_compiling():
-            y_RD = self._compiled_experts(layer, x_RD, local_R, weights, send_split + recv_split)
+            y_RD = self._compiled_experts(experts, x_RD, local_R, weights,
+                                          send_split + recv_split)
         elif x_RD.shape[0]:
             ones = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_MD.device)
-            y_RD = layer._mlp(x_RD, local_R[:, None], ones, **weights)
+            y_RD = experts.run(x_RD, local_R[:, None], ones, weights)
         else:  # nothing to compute here; the reverse all-to-all must still run in backward
             y_RD = x_RD * 0.0
         y_ND = all_to_all_single_autograd(y_RD, send_split, recv_split, self.ep_group)
@@ -181,7 +178,7 @@ class ExpertParallel:
         return out.index_add(0, torch.div(pairs, K, rounding_mode="floor"), y_ND)
 
     @staticmethod
-    def _compiled_experts(layer, x_RD, local_R, weights, splits) -> torch.Tensor:
+    def _compiled_experts(experts, x_RD, local_R, weights, splits) -> torch.Tensor:
         """The local experts inside a compiled graph, where R is an unbacked symbol (the sum of
         the received splits). Two padding rows (expert 0, gate 0, dropped after) make R + 2 >= 2
         provable, so inductor's matmul lowerings, which ask whether a size is 1, need no guard
@@ -193,7 +190,7 @@ class ExpertParallel:
         ids_Q = torch.cat([local_R, local_R.new_zeros(2)])
         gates_Q1 = torch.cat([torch.ones(R, 1, device=x_RD.device),
                               torch.zeros(2, 1, device=x_RD.device)])
-        return layer._mlp(x_QD, ids_Q[:, None], gates_Q1, **weights)[:R]
+        return experts.run(x_QD, ids_Q[:, None], gates_Q1, weights)[:R]
 
     # ------------------------------------------------------------------ gradients
 
@@ -258,7 +255,8 @@ class ExpertParallel:
                         optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
         """The state dicts of a single-file checkpoint (full tensors) with the expert weights
         and their AdamW moments narrowed to this process's rows (Shard(0) DTensors; a
-        checkpoint written with earlier parameter names is read by the current ones)."""
+        checkpoint whose layers held their experts' weights is read under the current names,
+        moeify.layers.experts.EXPERT_KEYS)."""
         model_state = upgrade_legacy_keys(self.model, model_state)
         for name in self.params:
             model_state[name] = self._shard(model_state[name])

@@ -14,6 +14,7 @@ from moeify.rundir.files import read_model_config
 from moeify.train.values import parse_value, split_override
 
 _PATTERNS = ("attention", "feedforward", "depth")
+_SINGLE = ("norm", "recursion")  # one config each (not one per layer)
 _PROPAGATED = ("d_model", "n_layers")
 
 
@@ -57,18 +58,25 @@ def _hint_from_value(value: Any) -> Any:
     return str
 
 
-def _replace_layer(cfg: Any, name: str, text: str, what: str) -> Any:
+def _parse_layer_field(cfg: Any, name: str, text: str, what: str) -> Any:
     names = [f.name for f in dataclasses.fields(cfg)]
     if name not in names:
         raise ValueError(f"{what}: {type(cfg).__name__} has no field {name!r}; its fields are "
                          f"{', '.join(names)}")
     hint = field_hints(type(cfg)).get(name) or _hint_from_value(getattr(cfg, name))
-    return dataclasses.replace(cfg, **{name: parse_value(text, hint, what=what)})
+    return parse_value(text, hint, what=what)
 
 
 def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str, ...],
                           ) -> ModelConfig:
-    """``config`` with "model.<...>=value" overrides applied in order."""
+    """``config`` with "model.<...>=value" overrides applied (a later value of the same key
+    wins). Each value is parsed and checked against its field at once; the configs are then
+    rebuilt once with every change, so fields that must agree (model.norm.kind=rmsnorm and
+    model.norm.bias=false) may be set in any order."""
+    top: dict[str, Any] = {}                         # ModelConfig field -> value
+    single: dict[str, dict[str, Any]] = {n: {} for n in _SINGLE}  # norm / recursion fields
+    layer: dict[str, dict[str, str]] = {p: {} for p in _PATTERNS}  # pattern -> field -> text
+    items: list[str] = []
     for item in overrides:
         key, text = split_override(item)
         what = f"--set {item}"
@@ -76,12 +84,14 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
         if parts[0] != "model" or len(parts) not in (2, 3):
             raise ValueError(f"{what}: model settings are model.<field> or "
                              f"model.<attention|feedforward|depth|norm>.<field>")
-        if len(parts) == 3 and parts[1] == "norm":  # model.norm.<kind|eps|bias>
-            try:
-                config = dataclasses.replace(
-                    config, norm=_replace_layer(config.norm, parts[2], text, what))
-            except ValueError as e:
-                raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
+        items.append(item)
+        if len(parts) == 3 and parts[1] in _SINGLE:
+            # one config, not a pattern: model.norm.<kind|eps|bias>, model.recursion.<field>
+            sub = getattr(config, parts[1])
+            if sub is None:
+                raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
+                                 "config to change; use a MoR preset (e.g. repro-mor)")
+            single[parts[1]][parts[2]] = _parse_layer_field(sub, parts[2], text, what)
             continue
         if len(parts) == 3:
             pattern, name = parts[1], parts[2]
@@ -90,12 +100,17 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
             entries = getattr(config, pattern)
             if all(e is None for e in entries):
                 raise ValueError(f"{what}: this model has no {pattern} config to change")
-            new = tuple(None if e is None else _replace_layer(e, name, text, what)
-                        for e in entries)
-            config = dataclasses.replace(config, **{pattern: new})
+            for e in entries:  # every entry must have the field and accept the value
+                if e is not None:
+                    _parse_layer_field(e, name, text, what)
+            layer[pattern][name] = text
             continue
         name = parts[1]
-        fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS) - {"norm"}
+        fields = ({f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+                  - {"norm", "recursion"})
+        if name == "recursion":
+            raise ValueError(f"{what}: model.recursion is a MoRConfig: start from a MoR preset "
+                             "(e.g. repro-mor) and set its fields, model.recursion.<field>")
         if name == "norm":
             raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
                              "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
@@ -105,16 +120,32 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
                              f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"
                              ".<field>")
         hint = field_hints(ModelConfig).get(name) or _hint_from_value(getattr(config, name))
-        value = parse_value(text, hint, what=what)
-        changes: dict[str, Any] = {name: value}
-        if name in _PROPAGATED:
-            for pattern in _PATTERNS:
-                changes[pattern] = tuple(
-                    e if e is None or name not in {f.name for f in dataclasses.fields(e)}
-                    else dataclasses.replace(e, **{name: value})
-                    for e in getattr(config, pattern))
-        try:
-            config = dataclasses.replace(config, **changes)
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-    return config
+        top[name] = parse_value(text, hint, what=what)
+    if not items:
+        return config
+    what = "--set " + " --set ".join(items)
+    try:
+        changes: dict[str, Any] = dict(top)
+        for pattern in _PATTERNS:
+            entries = getattr(config, pattern)
+            new = tuple(e if e is None else _layer_with(e, top, layer[pattern]) for e in entries)
+            if new != entries:
+                changes[pattern] = new
+        if "d_model" in top and config.recursion is not None:
+            single["recursion"] = {"d_model": top["d_model"], **single["recursion"]}
+        for name, fields in single.items():
+            if fields:
+                changes[name] = dataclasses.replace(getattr(config, name), **fields)
+        return dataclasses.replace(config, **changes)
+    except ValueError as e:
+        raise ValueError(e if str(e).startswith("--set ") else f"{what}: {e}") from None
+
+
+def _layer_with(entry: Any, top: dict[str, Any], texts: dict[str, str]) -> Any:
+    """A layer config with the propagated model fields (d_model, n_layers) and its own
+    overrides (which win) applied in one replace."""
+    names = {f.name for f in dataclasses.fields(entry)}
+    changes = {n: top[n] for n in _PROPAGATED if n in top and n in names}
+    changes.update({n: _parse_layer_field(entry, n, t, f"--set model.*.{n}={t}")
+                    for n, t in texts.items()})
+    return dataclasses.replace(entry, **changes) if changes else entry

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warm-up, then cosine decay (switchhead.md §3), and what a
+"""Learning-rate schedule: linear warm-up, then cosine decay (SwitchHead appendix), and what a
 resumed run with a new length does to it.
 
 The paper: "cosine schedule with T_max = 100k steps, offset by a linear warm-up of 4000 steps"
@@ -75,8 +75,19 @@ def same_past(a, b, step: int) -> bool:
     return all(schedule_factor(a, s) == schedule_factor(b, s) for s in range(step))
 
 
-def _rates(cfg, start: int) -> list[float]:
-    return [cfg.lr * schedule_factor(cfg, s) for s in range(start, cfg.steps)]
+def _rate(cfg, step: int) -> float:
+    return cfg.lr * schedule_factor(cfg, step)
+
+
+def _trains(cfg, start: int) -> bool:
+    """Whether any update start..steps-1 has a nonzero rate, computed from a few points (a run
+    of 10^9 steps must not list its rates): the schedule is rising in the warm-up and
+    non-increasing on each piece after it, so a piece's largest rate is its first (or, for the
+    warm-up, positive throughout)."""
+    if cfg.lr == 0 or start >= cfg.steps:
+        return False
+    starts = {start, cfg.warmup_steps, *(e[0] for e in cfg.lr_extensions)}
+    return any(_rate(cfg, s) != 0 for s in starts if start <= s < cfg.steps)
 
 
 def _lr(x: float) -> str:
@@ -85,8 +96,7 @@ def _lr(x: float) -> str:
 
 def _describe(name: str, cfg, step: int) -> str:
     """What ``cfg`` does with updates step+1..steps (1-based, as the progress line counts)."""
-    rates = _rates(cfg, step)
-    first, last = rates[0], rates[-1]
+    first, last = _rate(cfg, step), _rate(cfg, cfg.steps - 1)
     if name == "keep":
         what = "the run's own schedule"
     elif name == "extend":
@@ -148,7 +158,7 @@ def resume_schedule(trained, requested, step: int, choice: str | None):
     if choice is None:
         if step <= W and not trained.lr_extensions:
             choice = "stretch"
-        elif pinned and any(_rates(keep, step)):
+        elif pinned and _trains(keep, step):
             choice = "keep"
         else:
             raise ValueError(
@@ -156,12 +166,12 @@ def resume_schedule(trained, requested, step: int, choice: str | None):
                 f"planned over {trained.steps} steps; the run is at step {step}). Choose how to "
                 "continue: "
                 + "; ".join(f"--schedule {name} ({_describe(name, cfg, step)}"
-                            + ("" if any(_rates(cfg, step)) else
+                            + ("" if _trains(cfg, step) else
                                ": refused, it would train every step at learning rate 0")
                             + ")" for name, cfg in options.items())
                 + ". Or start a new run from its weights: moeify train --init-from RUN")
     chosen = options[choice]
-    if not any(_rates(chosen, step)):
+    if not _trains(chosen, step):
         raise ValueError(f"--schedule {choice} would train steps {step + 1}-{N} at learning rate "
                          f"0 ({_describe(choice, chosen, step)}), which changes nothing: choose "
                          "--schedule stretch, or start a new run from this one's weights with "

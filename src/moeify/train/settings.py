@@ -46,6 +46,8 @@ TRAIN_HELP = {
     "expert_parallel": "under torchrun (parallel=ddp or fsdp): split the sigma-MoE / Switch "
                        "experts over this many processes (a divisor of the process count and "
                        "of n_experts; 1 = off); checkpoints are sharded (DCP)",
+    "activation_checkpointing": "none, or block: every block's activations are recomputed in "
+                                "backward instead of kept (less memory, one more forward)",
 }
 
 # Fields several layer configs share, where their docstrings say nothing.
@@ -123,7 +125,7 @@ def settings_rows(preset: str = "tiny-switchhead") -> list[tuple[str, str, str, 
     mhints = typing.get_type_hints(ModelConfig)
     mdoc = _doc_fields(ModelConfig)
     for f in dataclasses.fields(ModelConfig):
-        if f.name in _PATTERNS or f.name == "norm":
+        if f.name in _PATTERNS or f.name in ("norm", "recursion"):
             continue
         rows.append((f"model.{f.name}", _value(getattr(model, f.name)),
                      _type_name(mhints[f.name]), mdoc.get(f.name, "")))
@@ -134,6 +136,12 @@ def settings_rows(preset: str = "tiny-switchhead") -> list[tuple[str, str, str, 
     for f in dataclasses.fields(model.norm):
         rows.append((f"model.norm.{f.name}", _value(getattr(model.norm, f.name)),
                      _type_name(nhints[f.name]), norm_doc.get(f.name, "")))
+    if model.recursion is not None:  # Mixture-of-Recursions: model.recursion.<field>
+        rdoc = _doc_fields(type(model.recursion))
+        rhints = typing.get_type_hints(type(model.recursion))
+        for f in dataclasses.fields(model.recursion):
+            rows.append((f"model.recursion.{f.name}", _value(getattr(model.recursion, f.name)),
+                         _type_name(rhints[f.name]), rdoc.get(f.name, "")))
     for pattern in _PATTERNS:
         entries = [e for e in getattr(model, pattern) if e is not None]
         if not entries:

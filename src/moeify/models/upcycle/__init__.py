@@ -9,6 +9,8 @@ module, whose docstring states what it preserves; the options of a spec are its 
 
     attention   switchhead:E=,k=(E),experts=(vo),router_scale=(0.1),seed=(0)   attention.py
                 moa:k=,kv_head=(0),router_scale=(0.1),seed=(0)
+                moh:shared=,k=,router=(learned|query_norm),router_scale=(0.1),
+                    balance_coef=(0.01),seed=(0)
     feedforward sigma-moe:E=,k=(E),split=(cluster|contiguous),router=(keys|random),
                           router_scale=(0.1),entropy_coef=(1e-4),seed=(0)      feedforward.py
                 switch:E=,k=(1),noise=(0),reinit=(0),router_scale=(0.01),
@@ -18,10 +20,11 @@ module, whose docstring states what it preserves; the options of a spec are its 
 
 Exact at conversion (the logits of the dense model, to float32 rounding): sigma-moe with k = E
 and router_scale = 0; switch with router_scale = 0 and dropless (the default); mod with capacity = 1 and
-router_scale = 0. SwitchHead and MoA are not function-preserving (attention.py says what they
-keep). Imported checkpoints: their two-layer MLPs (MLPConfig, GPT-2's GELU) convert like the ReLU
-MLP, into experts of the same activation, and their multi-head attention to SwitchHead; gated
-MLPs and grouped-query attention are refused (feedforward.py, attention.py). Layer i draws its
+router_scale = 0; moh with k = heads - shared and router_scale = 0 (or router=query_norm).
+SwitchHead and MoA are not function-preserving (attention.py says what they keep). Imported
+checkpoints: their two-layer MLPs (MLPConfig, GPT-2's GELU) convert like the ReLU MLP, into
+experts of the same activation, and their multi-head attention to SwitchHead or MoH; grouped-query
+attention converts to MoH only; gated MLPs are refused (feedforward.py, attention.py). Layer i draws its
 random numbers from ``seed + i``. The embedding, LayerNorms and output
 layer are copied; the source model is not modified.
 """
@@ -39,19 +42,21 @@ from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import MLPConfig
 from moeify.models.config import ModelConfig
-from moeify.models.upcycle.attention import to_moa, to_switchhead
+from moeify.models.upcycle.attention import to_moa, to_moh, to_switchhead
 from moeify.models.upcycle.common import Spec, parse_spec, positive_int, take_options
 from moeify.models.upcycle.depth import to_mod
 from moeify.models.upcycle.feedforward import GATED_MLP, to_sigma_moe, to_switch
 
 __all__ = ["Spec", "parse_spec", "upcycle", "upcycle_layers", "check_dense", "is_exact",
-           "to_switchhead", "to_moa", "to_sigma_moe", "to_switch", "to_mod"]
+           "to_switchhead", "to_moa", "to_moh", "to_sigma_moe", "to_switch", "to_mod"]
 
 # kind -> (conversion, required options, defaults); "E" is the conversion's n_experts.
 ATTENTION = {
     "switchhead": (to_switchhead, ("E",), {"k": None, "experts": "vo", "router_scale": 0.1,
                                            "seed": 0}),
     "moa": (to_moa, ("k",), {"kv_head": 0, "router_scale": 0.1, "seed": 0}),
+    "moh": (to_moh, ("shared", "k"), {"router": "learned", "router_scale": 0.1,
+                                      "balance_coef": 0.01, "seed": 0}),
 }
 FEEDFORWARD = {
     "sigma-moe": (to_sigma_moe, ("E",), {"k": None, "split": "cluster", "router": "keys",
@@ -67,7 +72,7 @@ DEPTH = {
 
 
 MOE_CONFIGS = ("SwitchHeadConfig", "MoAConfig", "SigmaMoEConfig", "SwitchFFConfig",
-               "MoSAConfig")
+               "MoSAConfig", "MoHConfig")
 
 
 # Dense components that no conversion takes, and why (named in the error).
@@ -89,6 +94,9 @@ def check_dense(config: ModelConfig, *, attention: bool = True, feedforward: boo
         raise ValueError("upcycling does not apply to shared-layer (MoEUT: group_size, "
                          "peri_ln) models; upcycle a model with group_size=0 and "
                          "block='pre_ln'")
+    if config.recursion is not None:
+        raise ValueError("upcycling does not apply to Mixture-of-Recursions models (their "
+                         "layers are already shared); upcycle a model with recursion=None")
     for name, dense, convert in (("attention", (DenseAttentionConfig,
                                                GroupedQueryAttentionConfig), attention),
                                  ("feedforward", (DenseFFConfig, MLPConfig), feedforward)):
@@ -125,11 +133,19 @@ def _resolve(spec: Any, table: dict, what: str) -> tuple[Any, dict[str, Any]] | 
     return fn, opts
 
 
-def is_exact(attention: Any = None, feedforward: Any = None, depth: Any = None) -> bool:
-    """Whether these conversions are stated to reproduce the dense model's function exactly."""
+def is_exact(attention: Any = None, feedforward: Any = None, depth: Any = None, *,
+             source: ModelConfig | None = None) -> bool:
+    """Whether these conversions are stated to reproduce the dense model's function exactly.
+    MoH is exact when every routed head is kept (k = heads - shared, in every layer of the
+    ``source`` model) with a zero or query-norm router."""
     checks = []
     if attention is not None:
-        checks.append(False)
+        s = parse_spec(attention, "attention")
+        o = s.options
+        checks.append(s.kind == "moh" and source is not None
+                      and (o.get("router") == "query_norm" or o.get("router_scale") == 0)
+                      and all(o.get("k") == a.n_heads - o.get("shared", -1)
+                              for a in source.attention_layers()))
     if feedforward is not None:
         s = parse_spec(feedforward, "feedforward")
         o = s.options

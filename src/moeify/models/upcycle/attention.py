@@ -3,7 +3,7 @@
 Dense (layers/attention.py), heads j = 0..H_d-1 of width C:
     y = Σ_j softmax(q_j k_jᵀ · scale [+ XL terms]) (x W_V,j) W_O,j
 
-SwitchHead (H kept heads, E experts each, H · E = H_d, the same C; spec §5 matches H·E to the
+SwitchHead (H kept heads, E experts each, H · E = H_d, the same C; SwitchHead §3 matches H·E to the
 dense head count): dense heads are grouped by index, group h = {h·E, ..., h·E + E-1}.
     kept head h:          Q / K (and the XL position projection) of dense head h·E
     V / O expert (h, e):  W_V and W_O of dense head h·E + e
@@ -48,6 +48,24 @@ by E.
     k < H_d a token keeps k of them. Measured on a small trained model the fit lowers the loss
     right after conversion well below that of the unfitted Q / O.
 
+MoH (Jin et al. 2025, arXiv 2410.11842; moeify.layers.moh): the dense heads become MoH's heads
+one for one, every projection copied as it is: Q, K, V and O of each head, grouped-query key /
+value heads, the biases, the positions (RoPE, XL's projection, u, v and scale, or the model's
+learned positions). Heads 0 .. ``shared`` - 1 are the shared ones, the others routed, ``k`` of
+them kept per token. The paper continue-tunes LLaMA3-8B into MoH this way (Sec. 4.4).
+    router "learned": W_s and W_h zero, so the shared gates and [α1, α2] start at exactly 1
+      (the authors' scaled gates, ``weights="authors"``: h_s · 1/h_s, 2 · 1/2); W_r is
+      ``router_scale`` times a fresh N(0, s²/d) draw (0: all routed gates K · (1/R) / (K/R) = 1,
+      ties going to the lowest head index).
+    router "query_norm" (the authors' MoH-LLaMA3 router): no weights; gates 1 or 0.
+    Preserves: with k = every routed head (and router_scale 0, or the query-norm router) the
+    function exactly: every gate is 1, the unweighted sum of multi-head attention
+    (tests/models/test_upcycle_moh.py). With k < the routed heads each token keeps the shared
+    heads and k routed heads exactly (their attention patterns, values and output maps), with
+    gates 1 (zero or query-norm router) or within O(router_scale) of 1, and loses the other
+    heads' terms of the output sum. Grouped-query attention (LLaMA3) converts as it is; Q/K
+    normalisation (Qwen3, OLMoE) is refused: MoH's heads have no Q/K norm.
+
 Shape legend: D d_model, H_d dense heads, H kept heads, E experts, C d_head.
 """
 
@@ -61,6 +79,8 @@ from moeify.layers.attention import DenseAttention
 from moeify.layers.common import init_scale, renorm_rows_
 from moeify.layers.gqa import GroupedQueryAttention
 from moeify.layers.moa import MoAAttention, MoAConfig
+from moeify.layers.moh import ROUTERS as MOH_ROUTERS
+from moeify.layers.moh import MoHAttention, MoHConfig
 from moeify.layers.switchhead import SwitchHeadAttention, SwitchHeadConfig
 from moeify.models.upcycle.common import generator, head_view, small_router
 
@@ -181,4 +201,51 @@ def to_moa(attn: DenseAttention, *, k: int, kv_head: int = 0, router_scale: floa
         out.w_router.copy_(small_router((E, c.d_model),
                                         init_scale(c.n_layers) / c.d_model ** 0.5,
                                         router_scale, gen))
+    return out
+
+
+def to_moh(attn: DenseAttention | GroupedQueryAttention, *, shared: int, k: int,
+           router: str = "learned", router_scale: float = 0.1, balance_coef: float = 0.01,
+           seed: int = 0) -> MoHAttention:
+    """Dense attention as MoH over the same heads (module docstring)."""
+    if router not in MOH_ROUTERS:
+        raise ValueError(f"moh: router must be one of {', '.join(MOH_ROUTERS)}, got {router!r}")
+    c = attn.config
+    if isinstance(attn, GroupedQueryAttention):
+        if c.qk_norm != "none":
+            raise ValueError(f"moh: attention with Q/K normalisation (qk_norm={c.qk_norm!r}) "
+                             "does not convert: MoH's heads have no Q/K norm; leave the "
+                             "attention dense")
+        extra = dict(n_kv_heads=c.n_kv_heads, qkv_bias=c.qkv_bias, out_bias=c.out_bias)
+        pos = c.pos
+    elif isinstance(attn, DenseAttention):
+        extra, pos = {}, c.pos
+    else:
+        raise ValueError(f"moh: only dense or imported multi-head attention converts, got "
+                         f"{type(attn).__name__}")
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < c.n_heads:
+        raise ValueError(f"moh: shared must be an integer in [0, {c.n_heads - 1}] (the dense "
+                         f"model has {c.n_heads} heads; at least one is routed), got {shared!r}")
+    cfg = MoHConfig(d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, n_shared=shared, k=k,
+                    router=router, balance_coef=balance_coef, pos=pos, n_layers=c.n_layers,
+                    attn_dropout=c.attn_dropout, rope_fraction=c.rope_fraction,
+                    rope_base=c.rope_base, attn_impl=c.attn_impl, **extra)
+    out = MoHAttention(cfg)
+    gen = generator(seed)
+    with torch.no_grad():
+        if isinstance(attn, GroupedQueryAttention):
+            for p in ("q", "k", "v", "o"):
+                lin = getattr(attn, f"w_{p}")
+                getattr(out, f"w_{p}").copy_(lin.weight.detach().t())
+                if lin.bias is not None:
+                    getattr(out, f"bias_{p}").copy_(lin.bias.detach())
+        else:
+            for p in ("q", "k", "v", "o"):
+                getattr(out, f"w_{p}").copy_(getattr(attn, f"w_{p}").detach())
+        out.core.load_state_dict(attn.core.state_dict())
+        for name, shape in cfg.router_shapes().items():
+            w = getattr(out, name)
+            # small_router: zero at router_scale 0, refuses a negative one
+            scale = router_scale if name == "w_router" else 0.0
+            w.copy_(small_router(shape, init_scale(c.n_layers) / c.d_model ** 0.5, scale, gen))
     return out

@@ -8,7 +8,7 @@ experts take the same activation (``SigmaMoEConfig.activation`` / ``SwitchFFConf
 so everything stated below holds for every activation. A gated MLP (SwiGLU: Llama, Mistral,
 Qwen2) is refused: its experts would need a third matrix W_gate, which neither expert has.
 
-sigma-MoE (moe-family.md; sigma-MoE's experts are slices of one MLP): the F hidden units are
+sigma-MoE (arXiv 2310.10837: its experts are slices of one MLP): the F hidden units are
 permuted and cut into E experts of G = F / E units; expert e's keys (``w_in``) are its units'
 rows of W1, its values (``w_out``) their columns of W2, its bias (``bias_in``) their b1
 (``SigmaMoEConfig.bias``), and b2 becomes the layer's ungated output bias (``bias_out``). The
@@ -134,12 +134,12 @@ def to_sigma_moe(ff: DenseFeedForward | MLP, *, n_experts: int, k: int | None = 
         w_router_ED = small_router((E, c.d_model), s / c.d_model ** 0.5, router_scale, gen)
     moe = SigmaMoE(cfg)
     with torch.no_grad():
-        moe.w_in.copy_(w_in_EDG)
+        moe.experts.w_in.copy_(w_in_EDG)
         # 1 / sigmoid(0) = 2: the gates start at about 1/2 (module docstring).
-        moe.w_out.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
+        moe.experts.w_out.copy_(2.0 * w2.t()[perm_F].view(E, G, c.d_model))
         moe.w_router.copy_(w_router_ED)
         if b1 is not None:
-            moe.bias_in.copy_(b1[perm_F].view(E, G))
+            moe.experts.bias_in.copy_(b1[perm_F].view(E, G))
             moe.bias_out.copy_(b2)
     return moe
 
@@ -180,12 +180,12 @@ def to_switch(ff: DenseFeedForward | MLP, *, n_experts: int, k: int = 1, noise: 
                                           b1.mean().item())
     moe = SwitchFeedForward(cfg)
     with torch.no_grad():
-        moe.w_in.copy_(w_in_EDF)
+        moe.experts.w_in.copy_(w_in_EDF)
         # Gates start at 1/E each, k of them: E / k restores the dense output (docstring).
-        moe.w_out.copy_(w_out_EFD * (E / k))
+        moe.experts.w_out.copy_(w_out_EFD * (E / k))
         moe.w_router.copy_(small_router(tuple(moe.w_router.shape),
                                         (0.1 / c.d_model) ** 0.5, router_scale, gen))
         if b_in_EF is not None:
-            moe.bias_in.copy_(b_in_EF)
+            moe.experts.bias_in.copy_(b_in_EF)
             moe.bias_out.copy_(b2)
     return moe

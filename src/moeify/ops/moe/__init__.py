@@ -5,19 +5,19 @@ the registered ops that torch.compile keeps whole.
     plan.py        RoutingPlan / make_plan: the routed pairs sorted by expert once
     layout.py      slot layouts, and the gathers and sums between pairs and slots
     registry.py    ExpertKernel / WholeKernel, register, get_kernel
-    kernels/       the built-in kernels, one module each
+    kernels/       the kernels every device runs, one module each
+    cpu/           the CPU-only layouts (padded, sets, decoding) and the CPU policy
     combine.py     gates, groups and row sums, written once
     function.py    the autograd Function over every slot-layout kernel
     matmul.py      expert_matmul, the entry point
     mlp.py         expert_mlp, gated_expert_mlp
     policy.py      what "auto" runs, for every layer, decoding included
     compiled.py    moeify::expert_matmul (torch.library) for torch.compile
-    switchhead.py  SwitchHead's set layout, head-major layout and decoding sums
 """
 
 from moeify.ops.moe import kernels  # noqa: F401  (registers the built-in kernels)
-from moeify.ops.moe import switchhead  # noqa: F401  (registers "sets")
-from moeify.ops.moe.kernels import triton  # noqa: F401  (registers "triton")
+from moeify.ops.moe import cpu  # noqa: F401  (registers "pairs", "all", "padded", "sets")
+from moeify.ops.moe.kernels import scatter_gemm  # noqa: F401  (registers "triton")
 from moeify.ops.moe.matmul import TRACE_PREFIX, expert_matmul
 from moeify.ops.moe.mlp import expert_mlp, gated_expert_mlp
 from moeify.ops.moe.plan import RoutingPlan, make_plan

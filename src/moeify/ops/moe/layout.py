@@ -8,7 +8,7 @@ A kernel multiplies P slots, each holding one routed pair (or padding): slot p h
 ``pair_P[p]`` and pair n sits in slot ``slot_N[n]``. The sorted layout is the pairs sorted by
 expert (P = N, no padding); the pair layout is the pairs in their own order (P = N, slot p is
 pair p: for kernels that read rows through the sort themselves); a kernel may define its own
-(padded blocks, moeify.ops.moe.kernels.padded) by deriving from ``SlotLayout``.
+(padded blocks, moeify.ops.moe.cpu.padded) by deriving from ``SlotLayout``.
 
 A layout refers to its plan weakly. The plan keeps the layouts built from it (so the matmuls
 sharing a routing share them), and a strong reference back would make every plan and layout a

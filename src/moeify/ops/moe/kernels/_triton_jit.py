@@ -1,4 +1,4 @@
-"""The Triton kernels of the "triton" expert kernel (their design: moeify.ops.moe.kernels.triton,
+"""The Triton kernels of the "triton" expert kernel (their design: moeify.ops.moe.kernels.scatter_gemm,
 which imports this module only when triton is installed and a kernel is first needed).
 
 Triton resolves the names a kernel calls from its module's globals, so the kernels live at the

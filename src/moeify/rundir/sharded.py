@@ -1,6 +1,6 @@
 """Sharded checkpoints (torch.distributed.checkpoint, "DCP"): every process writes its own shards.
 
-Layout, beside the single-file checkpoints of moeify.train.checkpoint (same ``checkpoints/``
+Layout, beside the single-file checkpoints of moeify.rundir.write (same ``checkpoints/``
 directory, same ``latest`` pointer, same pruning):
 
     checkpoints/step-00000100/
@@ -40,17 +40,28 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from moeify.errors import MoeifyError, describe_os_error
+from moeify.errors import MoeifyError
 from moeify.rundir.atomic import fsync_path, sha256_file, write_json_atomic
 from moeify.rundir.checkpoints import load_dcp, nonfinite_state, refuse_nonfinite, verify_sharded
 from moeify.rundir.layout import (CHECKPOINTS, DCP_DIR, FORMAT_VERSION, META_FILE, SHARDED_KIND,
                                   STATE_FILE, checkpoint_name)
-from moeify.train import checkpoint as ck
-from moeify.train.distributed import DistEnv
+from moeify.rundir import write as ck
+
+
+class Collectives(Protocol):
+    """What the sharded writer needs of the run's process group (moeify.train.distributed's
+    DistEnv is one): every method is collective, the identity with one process."""
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
 
 
 def _dcp():
@@ -70,7 +81,7 @@ def _files(ckpt: Path) -> list[str]:
 
 # ---------------------------------------------------------------------- saving
 
-def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
+def save_sharded(env: Collectives, run_dir: Path, step: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_state: dict[str, Any] | None, *,
                  meta: dict[str, Any], keep: int) -> Path:
     """Collective: write checkpoint ``step`` (module docstring). ``train_state`` (the unsharded
@@ -98,7 +109,7 @@ def save_sharded(env: DistEnv, run_dir: Path, step: int, model: torch.nn.Module,
                 shutil.rmtree(tmp)
             (tmp / DCP_DIR).mkdir(parents=True)
         except OSError as e:
-            error = f"creating {tmp}: {e}"
+            error = ck.write_failure(step, e)
     tmp, error = env.broadcast_object((tmp, error))
     _raise_if(error, step, run_dir)
     try:
@@ -123,7 +134,7 @@ def _local(obj: Any) -> Any:
     return obj
 
 
-def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[str, Any],
+def _check_finite_shards(env: Collectives, model_sd: dict[str, Any], optim_sd: dict[str, Any],
                          step: int) -> None:
     """Collective: every process checks its own shards and all of them learn every bad name,
     so all raise NonFiniteState together (or none does)."""
@@ -133,22 +144,33 @@ def _check_finite_shards(env: DistEnv, model_sd: dict[str, Any], optim_sd: dict[
                         ck.DIVERGED_ADVICE)
 
 
-def _write_and_publish(env: DistEnv, dcp, tmp: Path, name: str, step: int, model_sd, optim_sd,
+class ShardedWriteFailed(MoeifyError):
+    """Writing a sharded checkpoint failed (raised on every process, the temporary directory
+    removed, the previous checkpoint intact and still the latest)."""
+
+
+def _write_and_publish(env: Collectives, dcp, tmp: Path, name: str, step: int, model_sd, optim_sd,
                        train_state, meta, keep: int, run_dir: Path) -> Path:
     """Collective: every process writes its shards into ``tmp``; process 0 then finishes and
     publishes it. An error on any process is raised on every process."""
     error, final = None, None
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    except Exception as e:  # DCP raises its own CheckpointException on every process
-        error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    error = env.broadcast_object(error)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException, on every process
+        error = ck.write_failure(step, e) or (str(e).strip().splitlines()[0] if str(e).strip()
+                                              else type(e).__name__)
+    # Every process learns the first failure (a full disk may be seen by one process only).
+    errors = [x for x in env.all_gather_object(error) if x is not None]
+    error = next((x for x in errors if x.startswith("writing checkpoint")),
+                 errors[0] if errors else None)
     _raise_if(error, step, run_dir)
     if env.is_main:
         try:
             final = _finish(tmp, name, step, train_state, meta, keep)
         except OSError as e:
-            error = describe_os_error(e)
+            error = ck.write_failure(step, e)
     error = env.broadcast_object(error)
     _raise_if(error, step, run_dir)
     return final if final is not None else Path(run_dir) / CHECKPOINTS / name
@@ -156,7 +178,7 @@ def _write_and_publish(env: DistEnv, dcp, tmp: Path, name: str, step: int, model
 
 def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Path:
     """Process 0, every shard on disk: the unsharded state, checksums, meta.json, publish."""
-    torch.save(train_state, tmp / STATE_FILE)
+    ck.save_state(train_state, tmp / STATE_FILE)  # a full disk is an OSError naming the file
     files = _files(tmp)
     for f in files:
         fsync_path(tmp / f)
@@ -169,9 +191,12 @@ def _finish(tmp: Path, name: str, step: int, train_state, meta, keep: int) -> Pa
 
 
 def _raise_if(error: str | None, step: int, run_dir: Path) -> None:
+    """Raise ShardedWriteFailed for ``error``: the one line of an operating-system error
+    (``write_failure``, as single-file checkpoints say it), or another failure's first line."""
     if error is not None:
-        raise MoeifyError(f"writing sharded checkpoint step {step} in {run_dir} failed: {error}; "
-                          "the previous checkpoint is intact")
+        if not error.startswith("writing checkpoint"):
+            error = f"writing sharded checkpoint step {step} in {run_dir} failed: {error}"
+        raise ShardedWriteFailed(error)
 
 
 # ---------------------------------------------------------------------- loading
@@ -196,7 +221,7 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
             from None
 
 
-def holds_weights(env: DistEnv, ckpt: Path, model: torch.nn.Module) -> bool:
+def holds_weights(env: Collectives, ckpt: Path, model: torch.nn.Module) -> bool:
     """Collective: whether the sharded checkpoint ``ckpt`` holds exactly ``model``'s current
     weights; every process compares its own shards, and all of them return the same answer."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

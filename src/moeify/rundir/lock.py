@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeify.data.cache import pid_alive  # noqa: F401  (re-exported: checkpoints use it)
+from moeify.data.cache import pid_alive
 from moeify.errors import MoeifyError
 
 LOCK_FILE = ".lock"
@@ -154,3 +154,24 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lock_run_dir(lock: RunLock) -> str | None:
+    """Take ``lock`` for its run directory and sweep what crashed checkpoint writers left
+    there; the one-line reason when the directory cannot be used (None when it can)."""
+    from moeify.errors import describe_os_error
+    from moeify.rundir.layout import CHECKPOINTS
+    from moeify.rundir.write import sweep_stale
+
+    run_dir = lock.run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"--out {run_dir} is a file, not a directory: give a new or existing run directory"
+    try:
+        lock.acquire()
+        if (run_dir / CHECKPOINTS).is_dir():
+            sweep_stale(run_dir / CHECKPOINTS)
+    except MoeifyError as e:
+        return str(e)
+    except OSError as e:  # e.g. a read-only file system
+        return f"cannot use the run directory: {describe_os_error(e)}"
+    return None

@@ -1,5 +1,5 @@
-"""SwitchHead's own machinery beside the shared expert matmul: the expert-set kernel ("sets"),
-the head-major output layout, and the decoding sums over every expert.
+"""The expert-set kernel ("sets", CPU): SwitchHead's (token, head) units sorted by the set of
+experts they chose, and the head-major output layout.
 
 The expert-set matmul: units that chose the same set of experts, multiplied together.
 
@@ -10,7 +10,7 @@ Shape legend
     L  blocks of a grid       b  units per block of a grid                P  slots, all grids
 
 SwitchHead routes every (token, head) unit to K of the head's E experts (Eq. 7-10). The padded
-layout (moeify.ops.moe.kernels.padded) multiplies each of the U·K (unit, expert) pairs on its own:
+layout (moeify.ops.moe.cpu.padded) multiplies each of the U·K (unit, expert) pairs on its own:
 a narrow product per pair, and K copies of every wide row. With small E and K there are only
 Gs = C(E, K) sets per head (10 for E = 5, K = 2), so here units are sorted by (group, set)
 instead, and a block of units that share a set is multiplied by the set's K matrices side by
@@ -32,7 +32,7 @@ torch.bmm. A set's count fluctuates around the mean, so one block per set as tal
 largest set (the "capacity" layout) pads by 15-20% at the 47M shapes. ``set_layout`` picks the
 cheapest of: two grids, every set's first b1 units in one and the overflow of the sets larger
 than b1 in a second, lower one (b1 = max is the capacity layout); or, for badly unbalanced
-routing, the blocked layout of moeify.ops.moe.kernels.padded (equal blocks, padding at most a
+routing, the blocked layout of moeify.ops.moe.cpu.padded (equal blocks, padding at most a
 quarter). The cost counted is padded slots plus, per block, the rows a weight copy costs
 (``BLOCK_COST``), plus ``GRID_COST`` for a second grid's extra matmul calls.
 
@@ -50,8 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from moeify.ops.amp import amp_backward, amp_forward
-from moeify.ops.moe.kernels.dense import dense_gates
-from moeify.ops.moe.kernels.padded import blocked_block
+from moeify.ops.moe.cpu.padded import blocked_block
 from moeify.ops.moe.layout import gather_rows, slot_sums, sum_by_id
 from moeify.ops.moe.registry import WholeKernel, register
 
@@ -385,36 +384,5 @@ class SetsKernel(WholeKernel):
 register(SetsKernel())
 
 
-# ----------------------------------------------------------------------------------------------
-# Decoding: a handful of (token, head) units, where the policy runs every expert (the "all"
-# layout) and SwitchHead fuses those products with its other projections.
-
-
-def gated_sum_of_all(y_MGEF: torch.Tensor, idx_MGK: torch.Tensor,
-                     gates_MGK: torch.Tensor) -> torch.Tensor:
-    """The gated sum of the "all" kernel from products already computed (e.g. in a matmul
-    fused with other projections of the same input): y_MGEF[m, g, e] is row m through expert e
-    of group g, ``idx_MGK`` the K experts row m selected in group g (within the group) and
-    ``gates_MGK`` their gates. Returns [M, G, F], Σ_k gates[m, g, k] · y[m, g, idx[m, g, k]]:
-    the gates scattered into a dense [M, G, E] matrix (``dense_gates``) times y."""
-    dense_MGE = dense_gates(idx_MGK, gates_MGK, y_MGEF.shape[2], y_MGEF)
-    return torch.matmul(dense_MGE.unsqueeze(-2), y_MGEF).squeeze(-2)
-
-
-def gated_group_sum_all(x_TGC: torch.Tensor, idx_TGK: torch.Tensor, gates_TGK: torch.Tensor,
-                        w_XCF: torch.Tensor) -> torch.Tensor:
-    """Σ_g Σ_k gates[t, g, k] · x[t, g] W[g·E + idx[t, g, k]], [T, F], for a few rows: each
-    group g of x routes over its own E experts (``idx`` within the group; W stacks the G·E
-    matrices group-major, [G·E, C, F]). The gates scattered into a dense [T, G, E] matrix times
-    x give every (group, expert) input at once, then one GEMM with every matrix: the "all"
-    layout of ``expert_matmul(..., sum_rows=G)`` without its id-space detour."""
-    T, G, C = x_TGC.shape
-    E = w_XCF.shape[0] // G
-    dense_TGE = dense_gates(idx_TGK, gates_TGK, E, x_TGC)
-    z_TGEC = dense_TGE.unsqueeze(-1) * x_TGC.unsqueeze(2)
-    return z_TGEC.reshape(T, G * E * C) @ w_XCF.reshape(G * E * C, w_XCF.shape[-1])
-
-
-__all__ = ["Grid", "SetExpertMatmul", "SetLayout", "SetsKernel", "gated_group_sum_all",
-           "gated_sum_of_all", "head_major_order", "n_sets", "plan_set_layout", "set_layout",
-           "sets_eligible"]
+__all__ = ["Grid", "SetExpertMatmul", "SetLayout", "SetsKernel", "head_major_order", "n_sets",
+           "plan_set_layout", "set_layout", "sets_eligible"]

@@ -1,6 +1,7 @@
-"""Writing checkpoints that survive a crash at any moment: atomic, verified, and checked against
-the run. Reading them (``load_checkpoint``, ``latest_checkpoint``, ...) is moeify.rundir's, so
-that analysis and interop read checkpoints without importing train.
+"""Writing single-file checkpoints that survive a crash at any moment: atomic, verified, and
+checked against the run. Reading them (``load_checkpoint``, ``latest_checkpoint``, ...) is
+moeify.rundir.checkpoints'; sharded checkpoints are moeify.rundir.sharded's. Training,
+importing (moeify.interop) and upcycling all write runs here, without importing train.
 
 Layout inside a run directory (moeify.rundir.layout):
 
@@ -35,11 +36,12 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
+from moeify.errors import describe_os_error
 from moeify.rundir.atomic import fsync_path, sha256_file, write_bytes_atomic, write_json_atomic
 from moeify.rundir.checkpoints import check_finite
 from moeify.rundir.layout import (CHECKPOINTS, FORMAT_VERSION, LATEST, META_FILE, MODEL_FILE,
                                   STATE_FILE, checkpoint_dirs, checkpoint_name, step_of)
-from moeify.train.lock import pid_alive
+from moeify.data.cache import pid_alive
 
 
 # ---------------------------------------------------------------------- saving
@@ -90,7 +92,9 @@ def _save_model(state: dict[str, torch.Tensor], path: Path, step: int) -> None:
         f.write(data)
 
 
-def _save_state(state: dict[str, Any], path: Path) -> None:
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save into ``path``; a failed write is the OSError that caused it (naming the
+    file), not torch's own RuntimeError."""
     with _open_for_write(path) as f:
         try:
             torch.save(state, f)
@@ -98,6 +102,24 @@ def _save_state(state: dict[str, Any], path: Path) -> None:
             if f.error is not None:
                 raise f.error from None
             raise
+
+
+def write_failure(step: int, e: BaseException) -> str | None:
+    """The one line for a checkpoint write that failed on an operating-system error (a full
+    disk, a read-only file system), found among the exception's causes (torch and DCP wrap
+    it); None when no OSError caused it. Single-file and sharded checkpoints say it alike."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"writing checkpoint step {step} failed: {describe_os_error(seen)}"
+        for inner in getattr(seen, "failures", {}).values():  # DCP's CheckpointException
+            if isinstance(inner, tuple):  # (exception, traceback)
+                inner = inner[0]
+            found = write_failure(step, inner) if isinstance(inner, BaseException) else None
+            if found:
+                return found
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 DIVERGED_ADVICE = "the weights diverged: lower the learning rate or grad_clip, or train in fp32"
@@ -131,7 +153,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model_state: dict[str, torch
 def publish_checkpoint(tmp: Path, name: str, *, keep: int) -> Path:
     """Rename the complete, fsynced temporary checkpoint directory ``tmp`` (inside
     ``checkpoints/``) to ``name`` in one step, point ``latest`` at it and prune; returns it.
-    Shared by the single-file and the sharded (moeify.train.sharded) checkpoints."""
+    Shared by the single-file and the sharded (moeify.rundir.sharded) checkpoints."""
     root = tmp.parent
     final = root / name
     if final.exists():  # a checkpoint of the same step from an abandoned continuation
@@ -153,7 +175,7 @@ def _write_checkpoint_dir(tmp: Path, step: int, model_state: dict[str, torch.Ten
         shutil.rmtree(tmp)
     tmp.mkdir()
     _save_model(model_state, tmp / MODEL_FILE, step)
-    _save_state(train_state, tmp / STATE_FILE)
+    save_state(train_state, tmp / STATE_FILE)
     for f in (MODEL_FILE, STATE_FILE):
         fsync_path(tmp / f)
     record = {"format": FORMAT_VERSION, "step": step, **(meta or {}),
