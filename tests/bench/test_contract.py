@@ -1,5 +1,5 @@
 """The cost contract (moeify.bench.contract): every case's multiply-adds, operators, host
-read-backs and memory equal the committed expectations (tests/contract/expectations.json)
+read-backs and memory equal the committed expectations (tests/bench/contract_expectations.json)
 exactly, so a change that adds a GEMM, a copy, an operator or a sync fails here; and the meter
 itself against work counted by hand.
 
@@ -16,7 +16,7 @@ import torch
 
 from moeify.bench.contract import CASES, CostMeter, bench_contract, differences, measure
 
-EXPECTED = Path(__file__).resolve().parents[1] / "contract" / "expectations.json"
+EXPECTED = Path(__file__).resolve().parent / "contract_expectations.json"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_the_expectations_cover_every_case(expected):
 @pytest.mark.parametrize("name", [c.name for c in CASES])
 def test_every_case_costs_what_it_is_expected_to(name, measured, expected):
     diff = differences(expected["cases"][name], measured[name])
-    assert not diff, (f"{name} costs differ from tests/contract/expectations.json:\n  "
+    assert not diff, (f"{name} costs differ from tests/bench/contract_expectations.json:\n  "
                       + "\n  ".join(diff) + "\nif deliberate: moeify bench contract --write")
 
 

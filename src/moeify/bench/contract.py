@@ -4,7 +4,7 @@ Timings on a shared CPU swing by +-12% run to run, so a change that adds a GEMM,
 host read-back hides in them. These counts do not move: for one call (or one training step)
 they are a function of the code, the shapes and the seeded routing, on any machine, with or
 without a GPU. ``moeify bench contract`` prints them; ``--write`` regenerates the committed
-expectations (tests/contract/expectations.json), which tests/bench/test_contract.py holds
+expectations (tests/bench/contract_expectations.json), which tests/bench/test_contract.py holds
 every case to, exactly.
 
 What is counted, per case (a ``CostMeter`` around the call):
@@ -33,17 +33,18 @@ measurement of moeify.bench.memory sees those too (and is what ``bench step`` re
 
 Cases (``CASES``): the attention layer of the SwitchHead 47M and 262M presets and of their
 dense baselines, fwd+bwd (layer_phases: weights and inputs excluded from the memory), and the
-47M training steps (step_phases: forward, backward, clipping, AdamW; the memory counts
+47M training step (step_phases: forward, backward, clipping, AdamW; the memory counts
 everything from before the model is built, the costs are the second step's, after AdamW's
-state exists). The SwitchHead cases run once per expert kernel (``KERNELS``): "auto" and every
+state exists). The SwitchHead layers run once per expert kernel (``KERNELS``): "auto" and every
 registered slot-layout kernel that runs on CPU tensors ("segment", "grouped": torch's grouped
 GEMM, the CUDA choice for bf16 on Hopper; "padded"; "sets"), all forced by name. "triton" runs
 on the CPU only in Triton's interpreter, far too slow at these shapes, and is left out;
-"reference", "gather", "pairs" and "all" are test and decoding paths. Batch 1 for the layers
-(T = the preset's chunk, 256 or 512 queries, twice the keys with XL memory); the 47M steps at
-batch 1 per kernel, and at batch 4 for the dense and the auto step (the batch of the README's
-step memory ratio). The 262M step is not a case: its AdamW state alone is 3 GiB and a step
-takes tens of seconds on two cores; its layers are.
+"reference", "gather", "pairs" and "all" are test and decoding paths; the steps run "auto"
+and "grouped" (``STEP_KERNELS``). Shapes: one sequence; the layers at 64 queries (128 keys
+with the XL memory), the step on the 47M preset's first two blocks and 32 tokens. Every width,
+head and expert count is the preset's; the full 47M step takes tens of seconds per case under
+the meter on two cores and the 262M step minutes (its AdamW state alone is 3 GiB), so the
+262M model is covered by its layer.
 
 Measured with float32, ``THREADS`` intra-op threads (the CPU policy of "auto" reads the thread
 count) and the cases' fixed seeds.
@@ -73,7 +74,7 @@ from moeify.bench.timing import format_table
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.models.config import ModelConfig
 from moeify.models.presets import get_preset
-from moeify.ops.moe.switchhead import MAX_SETS, n_sets
+from moeify.ops.moe.cpu.sets import MAX_SETS, n_sets
 
 aten = torch.ops.aten
 _MIB = 1024 * 1024
@@ -82,7 +83,7 @@ _MIB = 1024 * 1024
 THREADS = 2
 # Expert kernels of the SwitchHead cases (module docstring).
 KERNELS = ("auto", "segment", "grouped", "padded", "sets")
-EXPECTATIONS = Path("tests") / "contract" / "expectations.json"
+EXPECTATIONS = Path("tests") / "bench" / "contract_expectations.json"
 
 # ------------------------------------------------------------------------------ the meter
 
@@ -341,7 +342,7 @@ def _cases() -> list[Case]:
         out += [Case("layer", sh, LAYER_BATCH, LAYER_T, k, dense) for k in _kernels_for(sh)]
     dense, sh = "wt103-47m-dense", "wt103-47m-switchhead"
     out.append(Case("step", dense, STEP_BATCH, STEP_T, blocks=STEP_BLOCKS))
-    out += [Case("step", sh, STEP_BATCH, STEP_T, k, dense, STEP_BLOCKS) for k in _kernels_for(sh)]
+    out += [Case("step", sh, STEP_BATCH, STEP_T, k, dense, STEP_BLOCKS) for k in STEP_KERNELS]
     return out
 
 
@@ -349,6 +350,9 @@ def _cases() -> list[Case]:
 # every width, head and expert count is the preset's.
 LAYER_BATCH, LAYER_T = 1, 64
 STEP_BATCH, STEP_T, STEP_BLOCKS = 1, 32, 2
+# The steps run "auto" (the CPU's choice) and "grouped" (the CUDA one); every kernel's own
+# costs are the layers'.
+STEP_KERNELS = ("auto", "grouped")
 CASES = _cases()
 FIELDS = ("macs", "kernels", "ops", "syncs", "allocated", "allocations", "working", "peak")
 

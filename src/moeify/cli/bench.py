@@ -146,7 +146,7 @@ def _add_contract(bsub) -> None:
                          "and peak memory (docs/cost-contract.md). --write regenerates the "
                          "expectations the tests hold the code to.")
     co.add_argument("--write", action="store_true",
-                    help="write the results to tests/contract/expectations.json (under the "
+                    help="write the results to tests/bench/contract_expectations.json (under the "
                     "current directory: run it from the repository root)")
     co.add_argument("--json", action="store_true", help="print JSON instead of a table")
     co.set_defaults(func=run_contract)
