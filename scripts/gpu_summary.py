@@ -3,10 +3,11 @@ moeify's target, as one JSON file and one markdown table.
 
     python scripts/gpu_summary.py OUT_DIR        (scripts/gpu_check.sh runs it last)
 
-Reads what gpu_check.sh wrote in OUT_DIR (device.json, suite.txt, expert-matmul.json,
-expert-matmul-unpadded.json, expert-matmul-peer.json, expert-matmul-profile.json,
-attention-47m.json, attention-262m.json, step-47m.json, step-262m.json, ff.json; a missing or
-failed phase is reported as such) and writes OUT_DIR/summary.json and OUT_DIR/summary.md (the
+Reads what gpu_check.sh wrote in OUT_DIR (device.json, suite.txt, expert-matmul.json: the
+kernel table's shapes, expert-matmul-unpadded.json, expert-matmul-peer.json,
+expert-matmul-profile.json, attention-47m.json, attention-262m.json, step-47m.json,
+step-262m.json, ff.json; a missing or failed phase is reported as such) and writes
+OUT_DIR/summary.json and OUT_DIR/summary.md (the
 profile as a list below the table).
 
 Paper figures: SwitchHead (arXiv 2312.07987) Table 5, a whole training step against the dense
@@ -51,20 +52,28 @@ def _row(measure, ratio, *, paper=None, target=None, detail=""):
 
 
 def _expert_matmul_rows(res: dict | None) -> list[dict]:
+    """One row per kernel (baselines left out) of one expert-matmul result, or of each shape of
+    a kernel-table result (its "results")."""
     if res is None:
         return [_row("expert matmul fwd+bwd x equal-MAC dense GEMM", None,
                      target=EXPERT_MATMUL_TARGET, detail="no result")]
+    if "results" in res:
+        return [row for r in res["results"] for row in _expert_matmul_rows(r)]
     s = res["shape"]
-    shape = f"M {s['M']}, D {s['D']}, E {s['E']}, K {s['K']}, F {s['F']}, {res['dtype']}"
+    contract = "".join(f", {k} {s[k]}" for k in ("groups", "sum_rows") if s.get(k, 1) != 1)
+    shape = f"M {s['M']}, D {s['D']}, E {s['E']}, K {s['K']}, F {s['F']}{contract}, {res['dtype']}"
     errors = res.get("peer_errors", {})
+    where = f" ({res['name']})" if res.get("name") else ""
 
     def detail(r):
         err = errors.get(r["implementation"])
-        return (f"{shape}; {r['fwd+bwd ms']:.3f} ms"
+        concat = ("" if r.get("x concat") is None
+                  else f"; {r['x concat']:.2f}x the concatenated GEMM")
+        return (f"{shape}; {r['fwd+bwd ms']:.3f} ms{concat}"
                 + ("" if err is None else f"; differs from the reference by {err:.1e}"))
 
-    return [_row(f"expert matmul fwd+bwd [{r['implementation']}] x dense GEMM", r["x dense"],
-                 target=EXPERT_MATMUL_TARGET, detail=detail(r))
+    return [_row(f"expert matmul fwd+bwd [{r['implementation']}]{where} x dense GEMM",
+                 r["x dense"], target=EXPERT_MATMUL_TARGET, detail=detail(r))
             for r in res["rows"] if not r["implementation"].startswith("dense")]
 
 
@@ -95,7 +104,7 @@ def _step_rows(res: dict | None, size: str) -> list[dict]:
     for r in res["rows"]:
         if r["case"] == res["baseline"]:
             continue
-        sh = "switchhead" in r["case"] and "compiled" not in r["case"]
+        sh = "switchhead" in r["case"] and not r.get("compile")  # the paper's rows: eager
         batch = f"batch {res['batch']}, {res['dtype']}"
         rows.append(_row(f"{size} training step time: {r['case']}", r["time x"],
                          paper=time_p if sh else None, target=time_p if sh else None,

@@ -243,10 +243,11 @@ def test_bench_expert_matmul_profile_counts_the_kernels_of_each_case(capsys):
                  "-F", "64", "--repeats", "1", "--impl", "segment", "--profile", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     prof = res["profile"]
-    assert set(prof) == {"dense (equal MACs)", "segment"}
+    route, concat = "dense route-shaped (equal MACs)", "dense concatenated (equal MACs)"
+    assert set(prof) == {route, concat, "segment"}
     mm = {name: {r["kernel"]: r["calls"] for r in p["top"]}.get("aten::mm")
           for name, p in prof.items()}
-    assert mm == {"dense (equal MACs)": 3, "segment": 3 * E}
+    assert mm == {route: 3, concat: 3, "segment": 3 * E}
     for p in prof.values():
         assert p["counted"] == "operations"
         assert p["launches"] >= sum(r["calls"] for r in p["top"])
@@ -304,15 +305,21 @@ def test_cli_bench_step_and_attention_compile_report_compiled_beside_eager(capsy
     # itself is held to eager by tests/models/test_compile.py.
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
+                        lambda self, **kw: compile_module(self, **{"backend": "aot_eager", **kw}))
     torch._dynamo.reset()
+    monkeypatch.setenv("MOEIFY_COMPILE_BACKEND", "aot_eager")  # the step bench's own switch
     res = bench_step([tiny("tiny-dense", T=4)], batch=1, repeats=1, warmup=0, memory=False,
-                     compile=True)
+                     compile=("default", "reduce-overhead"))
     rows = {r["case"]: r for r in res["rows"]}
-    assert list(rows) == ["tiny-dense", "tiny-dense compiled"] and res["warmup"] == 2
+    assert list(rows) == ["tiny-dense", "tiny-dense compiled", "tiny-dense cuda-graphs"]
+    assert res["warmup"] == 3 and res["compile"] == ["default", "reduce-overhead"]
+    assert [r["compile"] for r in res["rows"]] == [None, "default", "reduce-overhead"]
     assert rows["tiny-dense"]["vs eager"] == 1.0
-    assert rows["tiny-dense compiled"]["vs eager"] == pytest.approx(
-        rows["tiny-dense compiled"]["step ms"] / rows["tiny-dense"]["step ms"])
+    for row in ("tiny-dense compiled", "tiny-dense cuda-graphs"):
+        assert rows[row]["vs eager"] == pytest.approx(
+            rows[row]["step ms"] / rows["tiny-dense"]["step ms"])
+    with pytest.raises(ValueError, match="compile mode"):
+        bench_step([tiny("tiny-dense", T=4)], compile=("max-speed",))
     assert main(["bench", "attention", "--preset", "tiny-dense", "--batch", "1", "--repeats",
                  "1", "--warmup", "0", "--no-memory", "--no-textbook", "--compile"]) == 0
     out = capsys.readouterr().out

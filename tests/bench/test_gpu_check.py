@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh and scripts/gpu_summary.py: the GPU check runs as one command, also on a
-CPU (DEVICE=cpu SMALL=1, the script's own check), with the machine's python3 and the source
+CPU (SMOKE=1: every phase end to end at tiny shapes, the script's own check), with the machine's python3 and the source
 tree on PYTHONPATH; the summary pairs each measured ratio with the paper's figure and the
 target. Also: ``--device`` / ``--dtype`` on every bench, a clear error without CUDA, and the
 memory measurement's release of cached blocks."""
@@ -78,27 +78,48 @@ def main_summary(out: Path) -> int:
     return gpu_summary.main([str(out)])
 
 
-def test_gpu_check_runs_end_to_end_on_the_cpu_with_the_source_tree_on_pythonpath(tmp_path):
+def test_gpu_check_smoke_runs_every_phase_on_the_cpu_with_the_source_tree_on_pythonpath(
+        tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # The interpreter of this venv stands in for a GPU machine's python3: the script must find
     # moeify through PYTHONPATH=src, not through an installed package or a .venv of its own.
-    env.update(PY=sys.executable, DEVICE="cpu", SMALL="1", SKIP_SUITE="1", REPEATS="1",
-               OUT_DIR=str(tmp_path))
+    env.update(PY=sys.executable, SMOKE="1", OUT_DIR=str(tmp_path))
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    for phase in ("expert-matmul", "expert-matmul-profile", "attention-47m", "step-47m", "ff"):
-        assert f"== {phase}: done" in r.stdout, r.stdout
+    # The phases in the issue's order, each one done: kernels, attention, step, ff, suite.
+    done = [line.split(":")[0].removeprefix("== ") for line in r.stdout.splitlines()
+            if line.startswith("== ") and ": done" in line]
+    assert done == ["expert-matmul", "expert-matmul-profile", "attention-47m", "step-47m", "ff",
+                    "suite"], r.stdout
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["device"]["name"] == "cpu"
-    measured = [r for r in s["rows"] if r["ratio"] is not None]
-    assert any("training step time: tiny-switchhead" in r["measure"] for r in measured)
-    assert any("expert matmul" in r["measure"] for r in measured)
+    assert s["device"]["name"] == "cpu" and s["suite"]["passed"] >= 1
+    measured = [r["measure"] for r in s["rows"] if r["ratio"] is not None]
+    assert any("training step time: tiny-switchhead cuda-graphs" in m for m in measured)
+    assert any("attention layer fwd+bwd: tiny-switchhead [concat]" in m for m in measured)
+    assert any("[concat] (tiny-switchhead output)" in m for m in measured)
+    table = json.loads((tmp_path / "kernel-table.json").read_text())
+    assert [e["name"] for e in table["entries"]] == ["tiny-switchhead value",
+                                                     "tiny-switchhead output"]
+    assert "concat" in table["entries"][0]["ms"]
     step = json.loads((tmp_path / "step-47m.json").read_text())
     assert step["device"] == "cpu" and step["dtype"] == "bfloat16"
-    assert set(s["expert_matmul_profile"]) == {"dense (equal MACs)", "segment", "padded"}
+    assert step["compile"] == ["default", "reduce-overhead"]
+    assert set(s["expert_matmul_profile"]) == {"dense route-shaped (equal MACs)",
+                                               "dense concatenated (equal MACs)", "concat",
+                                               "padded"}
     md = (tmp_path / "summary.md").read_text()
-    assert "- segment: " in md and "aten::mm x" in md
+    assert "- concat: " in md and "aten::mm x" in md
+
+
+def test_gpu_check_labels_a_numbered_cuda_device_by_its_name(tmp_path):
+    # DEVICE=cuda:0 is a CUDA device (not "cpu"): without one visible the script says so.
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    env = dict(os.environ, PY=sys.executable, DEVICE="cuda:0", OUT_DIR=str(tmp_path))
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no CUDA device visible" in r.stderr
 
 
 @pytest.mark.parametrize("bench", ["ff", "generate", "step", "attention", "expert-matmul"])

@@ -73,7 +73,9 @@ def test_bench_expert_matmul_times_a_peer_checked_against_the_reference(tmp_path
                  "--impl", "segment", "--repeats", "1", "--peer", f"cvmm={peer}", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert [r["implementation"] for r in res["rows"]] == [
-        "dense (equal MACs)", "segment", "cvmm (peer)"]
+        "dense route-shaped (equal MACs)", "dense concatenated (equal MACs)", "segment",
+        "cvmm (peer)"]
+    assert res["errors"]["segment"] < 1e-6  # moeify's own kernels are checked too
     err = res["peer_errors"]["cvmm (peer)"]
     assert err < 1e-6 if scale == 1.0 else abs(err - 0.5) < 1e-6
 

@@ -162,7 +162,7 @@ def test_fused_and_separate_selection_logits_match_eq_7_10(fuse, experts, shared
     check_against_reference(m, x, kv, **kw)
 
 
-@pytest.mark.parametrize("impl", ["reference", "gather", "segment", "padded", "sets"])
+@pytest.mark.parametrize("impl", ["reference", "gather", "segment", "padded", "sets", "concat"])
 def test_expert_impls_agree(impl):
     fast, slow = make("xl", experts=frozenset("qkvo")), make("xl", experts=frozenset("qkvo"),
                                                           expert_impl=impl, attn_impl="reference")

@@ -18,7 +18,7 @@ import itertools
 import pytest
 import torch
 
-from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, make_plan, resolved_impl
+from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, get_kernel, make_plan, resolved_impl
 from moeify.ops.moe.cpu.padded import padded_layout
 from moeify.ops.moe.cpu.policy import SINGLE_THREAD_SLACK, padding_pays
 from moeify.ops.moe.cpu.sets import set_layout
@@ -74,6 +74,16 @@ def contract_case(contract, dtype_name, side, skew):
     return x, idx, w, gates, plan, kw, ref_expert_matmul_grads(x, idx, w, gates, **kw)
 
 
+def refused(impl, x, w, call) -> bool:
+    """Whether ``impl`` cannot run on these operands ("grouped": no float64, rows of 16-byte
+    multiples); then ``call()`` must raise the ValueError that says why (no substitute runs)."""
+    if impl == "auto" or get_kernel(impl).unavailable(x, w) is None:
+        return False
+    with pytest.raises(ValueError, match="needs"):
+        call()
+    return True
+
+
 def assert_close(got, want, tol):
     assert got.shape == want.shape
     scale = want.abs().max().clamp_min(1e-12)
@@ -84,8 +94,14 @@ def check(impl, x, idx, w, gates, ref, tol, **kw):
     """expert_matmul against the reference: output, dtypes and the gradients of every input."""
     want, g, want_grads = ref
     inputs = [t.detach().requires_grad_() for t in (x, w, gates) if t is not None]
-    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gates is not None else None,
-                      impl=impl, **kw)
+
+    def call():
+        return expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gates is not None else None,
+                             impl=impl, **kw)
+
+    if refused(impl, x, w, call):
+        return None
+    y = call()
     assert y.dtype == x.dtype
     assert_close(y, want, tol)
     grads = torch.autograd.grad(y, inputs, g.to(y.dtype))
@@ -105,6 +121,8 @@ def matrix():
             continue  # no layout for them to change (experts without rows: test_edge_cases)
         if skew and dtype == "float32":
             continue  # the same code as float64; bfloat16 takes other sums
+        if impl == "grouped" and dtype == "float64":
+            continue  # grouped_mm has no float64: it raises (test_a_named_kernel_runs_or_raises)
         yield pytest.param(dtype, impl, contract, side, skew,
                            id=f"{dtype}-{impl}-{contract}-{side}" + ("-skew" if skew else ""))
 
@@ -115,8 +133,17 @@ def test_matches_definition(dtype, impl, contract, side, skew):
     y = check(impl, x, idx, w, gates, ref, TOL[DTYPES[dtype]], plan=plan, **kw)
     if impl == "sets" and contract == "batch":  # laid out head-major, not a view
         assert y.is_contiguous()
-    if impl == "grouped" and dtype != "float64":  # torch's grouped GEMM ran, not the fallback
+    if impl == "grouped":  # torch's grouped GEMM ran, not a substitute
         assert resolved_impl("grouped", x, idx, w) == "grouped"
+
+
+@pytest.mark.parametrize("dtype,D", [(f64, 16), (f32, 12)])
+def test_a_named_kernel_runs_or_raises(dtype, D):
+    # grouped_mm has no float64 and needs rows of 16-byte multiples (12 floats are 48 bytes,
+    # but F = 5 floats are 20): asked for by name it raises, saying why, and runs nothing else.
+    x, idx, w, gates = routed_inputs(8, 2, 4, D, 5, dtype=dtype)
+    with pytest.raises(ValueError, match="grouped_mm needs float32, float16 or bfloat16 rows"):
+        expert_matmul(x, idx, w, gates, impl="grouped")
 
 
 @pytest.mark.parametrize("impl", ["pairs", "all", "auto"])
@@ -144,7 +171,7 @@ def test_matches_definition_without_autograd(dtype, impl, contract):
     assert_close(y, want, TOL[DTYPES[dtype]])
 
 
-# gather's backward is autograd's; "grouped" in float64 runs "segment".
+# gather's backward is autograd's; "grouped" has no float64.
 @pytest.mark.parametrize("impl,side", [(i, "gates-out") for i in ("reference", "segment")]
                          + [(i, s) for i in ("padded", "sets") for s in SIDES])
 def test_gradcheck(impl, side):
@@ -165,8 +192,14 @@ def test_no_rows(impl, contract):
     x, idx, w, gates = routed_inputs(0, 4, 6, 4, 3, gated=contract != "rows", n_groups=G,
                                      unit=4 // G)
     x.requires_grad_(), w.requires_grad_()
-    y = expert_matmul(x, idx, w, gates, groups=G, impl=impl, batch=1 if contract == "batch"
-                      else None, plan=make_plan(idx, 6, group_size=6 // G))
+
+    def call():
+        return expert_matmul(x, idx, w, gates, groups=G, impl=impl, batch=1 if contract ==
+                             "batch" else None, plan=make_plan(idx, 6, group_size=6 // G))
+
+    if refused(impl, x, w, call):
+        return
+    y = call()
     want = {"rows": (0, 4, 3), "sum": (0, 3), "groups": (0, 2, 3), "batch": (1, 2, 0, 3)}
     assert y.shape == want[contract]
     y.sum().backward()
@@ -271,6 +304,8 @@ def test_plan_shared_by_two_row_groupings(impl):
     M, H, k, E = 7, 2, 2, 4
     xv, ids, wv, gates = routed_inputs(M, H * k, H * E, 6, 3, seed=5, n_groups=H, unit=k)
     plan = make_plan(ids, H * E, group_size=E)
+    if refused(impl, xv, wv, lambda: expert_matmul(xv, ids, wv, gates, groups=H, impl=impl)):
+        return
     v = expert_matmul(xv, ids, wv, gates, groups=H, impl=impl, plan=plan)
     assert_close(v, ref_expert_rows(xv, ids, wv, gates, groups=H), TOL[f64])
     xo, io, wo, go = routed_inputs(M * H, k, H * E, 3, 6, seed=6, idx=ids.view(M * H, k))

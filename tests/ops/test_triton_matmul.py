@@ -353,3 +353,20 @@ def test_autotune_off_gives_each_gpu_kernel_its_first_configuration(monkeypatch)
         assert meta == {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
     monkeypatch.setattr(k, "AUTOTUNE", True)
     assert k.build()["autotuned"] is True
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU autotuning picks among the configurations")
+def test_the_tilings_that_fit_width_76_compute_the_same(monkeypatch):
+    """The configurations that tile F by 16 (76 padded to 80: five tiles, nothing wasted), run in
+    the interpreter as the fixed configuration of every kernel: the value experts' contract
+    against the reference (outputs and every gradient)."""
+    from moeify.ops.moe.kernels import _triton_jit as k
+
+    narrow = {name: next(c for c in configs if c.kwargs["BLOCK_F"] == 16)
+              for name, configs in (("fwd", k.FWD_CONFIGS), ("bwd_x", k.BWD_X_CONFIGS),
+                                    ("bwd_w", k.BWD_W_CONFIGS))}
+    kernels = {"fwd": k._fwd, "bwd_x": k._bwd_x, "bwd_w": k._bwd_w}
+    built = {name: (kernels[name], dict(c.kwargs)) for name, c in narrow.items()}
+    monkeypatch.setattr(triton_matmul, "_kernels", lambda: dict(built, autotuned=False))
+    x, idx, w, gates, kw = contract_inputs("groups2", 24, 76, f32, seed=3)
+    check(x, idx, w, gates, TOL[f32], **kw)

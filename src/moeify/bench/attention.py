@@ -22,6 +22,7 @@ above the weights and inputs, measured in a fresh process (``moeify.bench.memory
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Sequence
 
@@ -93,6 +94,15 @@ def dense_baseline_for(name: str, cfg: ModelConfig) -> tuple[str, ModelConfig] |
     if _is_dense(dense) and _shape(dense) == _shape(cfg):
         return entry.baseline, dense
     return None
+
+
+def with_expert_impls(name: str, cfg: ModelConfig, impls: Sequence[str]):
+    """``(name, cfg)`` once per expert kernel in ``impls`` ("NAME [KERNEL]", every attention
+    layer's ``expert_impl`` set), or as it is when its attention has no experts."""
+    if not all(hasattr(a, "expert_impl") for a in cfg.attention):
+        return [(name, cfg)]
+    return [(f"{name} [{impl}]", dataclasses.replace(cfg, attention=tuple(
+        dataclasses.replace(a, expert_impl=impl) for a in cfg.attention))) for impl in impls]
 
 
 def add_dense_baselines(cases: list[tuple[str, ModelConfig]]) -> list[tuple[str, ModelConfig]]:
@@ -180,7 +190,8 @@ def _ratio(a, b):
 def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
                     tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
                     textbook: bool = True, memory: bool = True, warmup: int = 2,
-                    repeats: int = 5, seed: int = 0, compile: bool = False, ops: int = 0) -> dict:
+                    repeats: int = 5, seed: int = 0, compile: bool = False, ops: int = 0,
+                    expert_impls: Sequence[str] = ()) -> dict:
     """Time (and measure) every case; one result group per shape (see the module docstring).
     ``ops`` > 0: also split each eager case's forward+backward by operation
     (``moeify.bench.op_times``, after the timing, ``repeats`` calls): its GEMMs, the rest, and
@@ -190,14 +201,19 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
     ``batch`` fixes the batch of every group, else it is ``tokens // T`` (at least 1).
     ``compile``: every layer is also timed torch.compile'd, as the row "NAME compiled" in the
     same interleaved repeats ("vs eager": compiled / eager time of the same layer); compilation
-    happens in the warm-up (at least two calls of each phase)."""
+    happens in the warm-up (at least two calls of each phase).
+    ``expert_impls``: each case with expert attention runs once per kernel named, forced
+    (``expert_impl``; "auto" the policy's choice), as rows "NAME [KERNEL]"."""
     if batch is not None and batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch}")
     if tokens < 1 or repeats < 1 or warmup < 0 or ops < 0:
         raise ValueError("tokens and repeats must be positive, warmup and ops non-negative")
     autocast_for(device, dtype)  # validates dtype
     groups = []
-    for members in group_by_shape(add_dense_baselines(resolve_cases(presets))):
+    cases_in = add_dense_baselines(resolve_cases(presets))
+    if expert_impls:
+        cases_in = [v for case in cases_in for v in with_expert_impls(*case, expert_impls)]
+    for members in group_by_shape(cases_in):
         base_name, base_cfg = members[0]
         T, xl = base_cfg.context_length, base_cfg.xl_memory
         B = batch or max(1, tokens // T)

@@ -25,6 +25,7 @@ and is left empty for models whose feedforward has no formula here (MoE feedforw
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -48,17 +49,46 @@ GRAD_CLIP = 0.1  # κ of the small models (SwitchHead appendix)
 LR = 2.5e-4
 
 
+# torch.compile modes of the compiled rows, and the suffix of each row's name: "default"
+# (inductor's kernels) and "reduce-overhead" (also CUDA graphs: a step's launches replayed as
+# one graph; on the CPU the same as "default").
+COMPILE_MODES = {"default": " compiled", "reduce-overhead": " cuda-graphs"}
+
+
+def compile_modes(compile) -> tuple[str, ...]:
+    """``compile`` as modes: False / None / () none, True ("default",), a mode or several."""
+    if not compile:
+        return ()
+    modes = ("default",) if compile is True else (
+        (compile,) if isinstance(compile, str) else tuple(compile))
+    bad = [m for m in modes if m not in COMPILE_MODES]
+    if bad:
+        raise ValueError(f"compile mode(s) {', '.join(bad)} unknown; choose from "
+                         f"{', '.join(COMPILE_MODES)}")
+    return modes
+
+
+def compile_blocks(model, mode: str) -> None:
+    """Every block torch.compile'd in place in ``mode``, as the trainer's compile=true does.
+    ``MOEIFY_COMPILE_BACKEND`` (e.g. "eager"): trace with that backend instead (the GPU check's
+    CPU smoke run: the compiled path without inductor's compile time; the mode then only
+    names the row)."""
+    backend = os.environ.get("MOEIFY_COMPILE_BACKEND")
+    for block in model.blocks:
+        block.compile(**({"backend": backend} if backend else {"mode": mode}))
+
+
 def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str = "float32",
-                seed: int = 0, steps: int = 1, compile: bool = False) -> dict:
+                seed: int = 0, steps: int = 1, compile: bool | str = False) -> dict:
     """``steps`` training steps as phases {"step 1": ..., ...}; also the memory factory.
-    ``compile``: every block torch.compile'd in place, as the trainer's compile=true does."""
+    ``compile``: every block torch.compile'd in place (True: mode "default", or a mode of
+    ``COMPILE_MODES``), as the trainer's compile=true does."""
     cfg = ModelConfig.from_json(config_json)
     torch.manual_seed(seed)
     model = cfg.build().to(device)
     model.train()
-    if compile:
-        for block in model.blocks:
-            block.compile()
+    for mode in compile_modes(compile):
+        compile_blocks(model, mode)
     params = list(model.parameters())
     opt = adamw(params, lr=LR, betas=(0.9, 0.999), weight_decay=0.0)  # the trainer's AdamW
     g = torch.Generator().manual_seed(seed + 1)
@@ -98,13 +128,15 @@ def _ratio(a, b):
 
 def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, device: str = "cpu",
                dtype: str = "float32", memory: bool = True, warmup: int = 1, repeats: int = 5,
-               seed: int = 0, compile: bool = False) -> dict:
+               seed: int = 0, compile=False, compiled_memory: bool = True) -> dict:
     """Time (and measure) a training step of every model; ratios are to the first one (the paper
     row's dense preset is put first when the first given one has no dense attention).
-    ``compile``: every model also compiled (rows "NAME compiled", timed in the same interleaved
-    repeats; "vs eager" = compiled / eager time of the same model). Compilation happens in the
-    warm-up, which is then at least two steps (the first compiles, the second checks that
-    nothing recompiles)."""
+    ``compile``: every model also compiled, per mode (True: "default"; or modes of
+    ``COMPILE_MODES``): rows "NAME compiled" (default) and "NAME cuda-graphs"
+    (reduce-overhead), timed in the same interleaved repeats; "vs eager" = compiled / eager
+    time of the same model. Compilation (and CUDA-graph recording) happens in the warm-up,
+    which is then at least three steps. ``compiled_memory``: measure the compiled rows' memory
+    too (each in a fresh process that compiles again)."""
     if batch < 1 or repeats < 1 or warmup < 0:
         raise ValueError("batch and repeats must be positive and warmup non-negative")
     autocast_for(device, dtype)  # validates dtype
@@ -114,49 +146,53 @@ def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, devi
         if found is not None and found[0] not in [n for n, _ in cases]:
             cases.insert(0, found)
     base_name = cases[0][0]
-    variants = [(name, cfg, False) for name, cfg in cases]
-    if compile:
-        variants = [(f"{name}{v}", cfg, c) for name, cfg in cases
-                    for v, c in (("", False), (COMPILED_SUFFIX, True))]
-        warmup = max(warmup, 2)
+    modes = compile_modes(compile)
+    # (row, config, compile mode or "", the eager row of the same model)
+    variants = [(f"{name}{COMPILE_MODES[m] if m else ''}", cfg, m, name) for name, cfg in cases
+                for m in ("",) + modes]
+    if modes:
+        warmup = max(warmup, 3)
     fns = {label: step_phases(cfg.to_json(), batch=batch, device=device, dtype=dtype,
-                              seed=seed, compile=c)["step 1"] for label, cfg, c in variants}
+                              seed=seed, compile=c)["step 1"] for label, cfg, c, _ in variants}
     times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
     del fns
     peaks = {}
     if memory:
-        for label, cfg, c in variants:
+        for label, cfg, c, _ in variants:
+            if c and not compiled_memory:
+                continue
             ph = peak_memory("moeify.bench.step:step_phases",
                              dict(config_json=cfg.to_json(), batch=batch, device=device,
                                   dtype=dtype, seed=seed, steps=3 if c else 2, compile=c),
                              device=device, baseline="before_setup")
             peaks[label] = ph["step 3" if c else "step 2"]
-    macs = {label: model_forward_macs(cfg) for label, cfg, _ in variants}
+    macs = {label: model_forward_macs(cfg) for label, cfg, _, _ in variants}
     rows = []
-    for name, cfg, c in variants:
-        eager = name.removesuffix(COMPILED_SUFFIX)
+    for name, cfg, c, eager in variants:
         rows.append({
             "case": name,
-            "vs eager": _ratio(times[name], times[eager]) if compile else None,
+            "compile": c or None,
+            "vs eager": _ratio(times[name], times[eager]) if modes else None,
             "params": model_cost(cfg).params,
             "T": cfg.context_length,
             "step ms": times[name] * 1e3,
             "time x": _ratio(times[name], times[base_name]),
-            "peak MiB": peaks[name]["peak"] if peaks else None,
-            "peak x": _ratio(peaks[name]["peak"], peaks[base_name]["peak"]) if peaks else None,
-            "step MiB": peaks[name]["working"] if peaks else None,
+            "peak MiB": peaks[name]["peak"] if name in peaks else None,
+            "peak x": (_ratio(peaks[name]["peak"], peaks[base_name]["peak"]) if name in peaks
+                       else None),
+            "step MiB": peaks[name]["working"] if name in peaks else None,
             "step mem x": (_ratio(peaks[name]["working"], peaks[base_name]["working"])
-                           if peaks else None),
+                           if name in peaks else None),
             "attn MACs x": _ratio(macs[name][0], macs[base_name][0]),
             "model MACs x": _ratio(macs[name][1], macs[base_name][1]),
         })
     return {"bench": "step", "baseline": base_name, "batch": batch, "device": str(device),
             "dtype": dtype, "threads": torch.get_num_threads(),
             "omp_wait_policy": omp_wait_policy(), "warmup": warmup, "repeats": repeats,
-            "compile": compile, "rows": rows}
+            "compile": list(modes), "rows": rows}
 
 
-COMPILED_SUFFIX = " compiled"
+COMPILED_SUFFIX = COMPILE_MODES["default"]
 COLUMNS = ["case", "params", "step ms", "time x", "vs eager", "peak MiB", "peak x", "step MiB",
            "step mem x", "attn MACs x", "model MACs x"]
 
@@ -170,6 +206,7 @@ def table(result: dict) -> str:
             "cost accounting per sequence")
     columns = [c for c in COLUMNS if c != "vs eager" or result.get("compile")]
     if result.get("compile"):
-        head += ("; compiled: every block torch.compile'd (compile time excluded), vs eager = "
-                 "compiled / eager step time of the same model")
+        head += ("; compiled: every block torch.compile'd (compile time excluded; cuda-graphs: "
+                 "mode reduce-overhead), vs eager = compiled / eager step time of the same "
+                 "model")
     return head + "\n" + format_table(result["rows"], columns)

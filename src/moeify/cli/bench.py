@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -20,17 +21,39 @@ def register(sub) -> None:
 
 def _add_expert_matmul(bsub) -> None:
     """``moeify bench expert-matmul``."""
-    em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs an equal-MAC "
-                         "dense matmul (forward+backward)",
-                         description="Every expert-matmul implementation (ops/moe/kernels/) "
-                         "on M random rows routed to K of E experts with gates, [M, D] x [E, D, "
-                         "F], forward+backward, against one dense matmul with the same "
-                         "multiply-adds: median time of the repeats and the ratio to dense.")
+    em = bsub.add_parser("expert-matmul", help="expert-matmul implementations vs the equal-MAC "
+                         "dense matmuls (forward+backward); the per-device kernel table",
+                         description="Every expert-matmul implementation (ops/moe/kernels/, "
+                         "ops/moe/cpu/) on M random rows routed to K of E experts with gates, "
+                         "[M, D] x [E, D, F], forward+backward, each output first checked "
+                         "against the reference, against the two dense matmuls with the same "
+                         "multiply-adds ([M*K, D] x [D, F] route-shaped, [M, D] x [D, K*F] "
+                         "concatenated): median time of the repeats and the ratios. With "
+                         "--preset-shapes: the presets' layer shapes, and the kernel table "
+                         "that expert_impl=auto reads on CUDA (--write-table).")
     em.add_argument("--rows", "-M", type=int, default=8192, dest="M", help="rows (tokens)")
     em.add_argument("-K", type=int, default=2, help="experts per row")
     em.add_argument("-E", type=int, default=8, help="number of experts")
     em.add_argument("-D", type=int, default=512, help="input width")
     em.add_argument("-F", type=int, default=64, help="output width")
+    em.add_argument("--groups", type=positive_int, default=1,
+                    help="gated sums over this many groups of the K (SwitchHead's value "
+                    "experts: the heads); default 1")
+    em.add_argument("--sum-rows", type=positive_int, default=1, dest="sum_rows",
+                    help="gated sums over this many consecutive rows (SwitchHead's output "
+                    "experts: the heads); default 1")
+    em.add_argument("--preset-shapes", action="store_true",
+                    help="instead of one shape, every expert-matmul shape of the --table-preset "
+                    "layers at --batch (SwitchHead's value and output experts): the per-device "
+                    "kernel table that expert_impl=auto reads on CUDA")
+    em.add_argument("--table-preset", action="append", metavar="NAME",
+                    help="preset whose shapes --preset-shapes measures (repeatable; default "
+                    "wt103-47m-switchhead and wt103-262m-switchhead)")
+    em.add_argument("--batch", type=positive_int, default=64,
+                    help="sequences per batch for --preset-shapes (default 64, the paper's)")
+    em.add_argument("--write-table", metavar="PATH",
+                    help="with --preset-shapes: write the kernel table there (e.g. "
+                    "src/moeify/ops/moe/tables/h100.json for the H100 class)")
     em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the tensors' dtype")
     em.add_argument("--device", default="cpu",
@@ -64,6 +87,9 @@ def _add_attention(bsub) -> None:
                     help="tokens per batch when --batch is not given (default 2048: 8 x 256, "
                     "4 x 512)")
     at.add_argument("--no-textbook", action="store_true", help="skip the textbook dense row")
+    at.add_argument("--expert-impl", action="append", metavar="KERNEL", dest="expert_impls",
+                    help="run each expert-attention case with this expert-matmul kernel forced "
+                    "(repeatable, 'auto' for the policy's choice): rows 'NAME [KERNEL]'")
     at.add_argument("--ops", type=nonnegative_int, default=0, metavar="N",
                     help="also split each case's forward+backward by ATen operation (timed as "
                     "dispatched): GEMMs vs the rest, and the N slowest operations")
@@ -84,7 +110,16 @@ def _add_step(bsub) -> None:
                     "preset is put first when it has no dense attention; repeatable; default: "
                     "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
     st.add_argument("--batch", type=int, default=4, help="sequences per training step")
-    _common(st, warmup=1)
+    _common(st, warmup=1, compile=False)
+    st.add_argument("--compile", nargs="?", type=_compile_modes, default=None,
+                    const=list(STEP_COMPILE_MODES), metavar="MODES",
+                    help="also time every model torch.compile'd, beside the eager one: rows "
+                    "'NAME compiled' (mode default) and 'NAME cuda-graphs' (mode "
+                    "reduce-overhead: CUDA graphs); --compile alone takes both, or name them "
+                    "comma-separated")
+    st.add_argument("--no-compiled-memory", action="store_true",
+                    help="with --compile: measure the peak memory of the eager rows only (each "
+                    "compiled row's measurement compiles again in a fresh process)")
     st.set_defaults(func=run_step)
 
 
@@ -190,6 +225,19 @@ def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,
                        help="also time every case torch.compile'd, beside the eager one")
 
 
+# torch.compile modes of ``bench step --compile`` (moeify.bench.step.COMPILE_MODES; named here
+# so that parsing the command line does not load torch).
+STEP_COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def _compile_modes(value: str) -> list[str]:
+    modes = [m for m in value.split(",") if m]
+    if not modes or any(m not in STEP_COMPILE_MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"compile modes are a comma-separated list of "
+                                         f"{', '.join(STEP_COMPILE_MODES)}; got {value!r}")
+    return modes
+
+
 def _openmp_policy(args) -> None:
     """``--omp-wait passive``: let idle OpenMP threads sleep between parallel regions. libgomp's
     default (what ``moeify train`` and ``generate`` run under) spins them for a while first. On
@@ -239,7 +287,8 @@ def run_attention(args) -> int:
     res = bench_attention(args.preset or DEFAULT_PRESETS, batch=args.batch, tokens=args.tokens,
                           device=args.device, dtype=args.dtype, textbook=not args.no_textbook,
                           memory=not args.no_memory, warmup=args.warmup, repeats=args.repeats,
-                          compile=args.compile, ops=args.ops)
+                          compile=args.compile, ops=args.ops,
+                          expert_impls=tuple(args.expert_impls or ()))
     emit(res, table(res), args.json)
     return 0
 
@@ -252,7 +301,8 @@ def run_step(args) -> int:
     _setup_threads(args)
     res = bench_step(args.preset or DEFAULT_STEP_PRESETS, batch=args.batch, device=args.device,
                      dtype=args.dtype, memory=not args.no_memory, warmup=args.warmup,
-                     repeats=args.repeats, compile=args.compile)
+                     repeats=args.repeats, compile=args.compile,
+                     compiled_memory=not args.no_compiled_memory)
     emit(res, table(res), args.json)
     return 0
 
@@ -266,14 +316,27 @@ def run_expert_matmul(args) -> int:
 
     _check_device(args.device)
 
+    if args.write_table and not args.preset_shapes:
+        raise ValueError("--write-table writes the table of --preset-shapes: add it")
+    if args.preset_shapes:
+        from moeify.bench.expert_matmul import TABLE_PRESETS, bench_kernel_table, table_summary
+
+        if args.peer or args.profile:
+            raise ValueError("--preset-shapes measures the kernel table: run --peer and "
+                             "--profile at one shape")
+        res = bench_kernel_table(tuple(args.table_preset or TABLE_PRESETS), batch=args.batch,
+                                 dtype=getattr(torch, args.dtype), device=args.device,
+                                 impls=args.impl, repeats=args.repeats, path=args.write_table)
+        emit(res, table_summary(res), args.json)
+        return 0
     peers = {}
     for spec in args.peer or ():
         kind, path = parse_peer(spec)
         peers[kind] = load_peer(kind, path)
-    res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F,
-                              dtype=getattr(torch, args.dtype), device=args.device,
-                              impls=args.impl, repeats=args.repeats, profile=args.profile,
-                              peers=peers)
+    res = bench_expert_matmul(args.M, args.K, args.E, args.D, args.F, groups=args.groups,
+                              sum_rows=args.sum_rows, dtype=getattr(torch, args.dtype),
+                              device=args.device, impls=args.impl, repeats=args.repeats,
+                              profile=args.profile, peers=peers)
     emit(res, table(res), args.json)
     return 0
 

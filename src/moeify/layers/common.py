@@ -328,6 +328,10 @@ def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> to
     def cat():
         return torch.cat([w.reshape(w.shape[0], -1) for w in ws], 1)
 
+    if torch.compiler.is_compiling():
+        # Traced, the memo's contents would become guards: a recompile per block and per
+        # optimizer step (the weights' versions), until dynamo gives up and runs eagerly.
+        return cat()
     if memo is None or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
         if memo:
             memo.clear()  # training again: hold no stale copy

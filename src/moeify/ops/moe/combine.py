@@ -55,4 +55,13 @@ def spread(grad_y: torch.Tensor, lay: SlotLayout, per: int) -> torch.Tensor:
     return gather_rows(g_OF.contiguous(), lay, lay.rows(per))
 
 
-__all__ = ["combine", "per_output", "spread"]
+def dense_gates(idx_MGK: torch.Tensor, gates_MGK: torch.Tensor, num_experts: int,
+                like: torch.Tensor) -> torch.Tensor:
+    """The gates scattered over every expert, [M, G, num_experts] in ``like``'s dtype and
+    device: gates[m, g, k] at expert idx[m, g, k], zero where not selected (repeated ids add)."""
+    M, G, _ = idx_MGK.shape
+    dense_MGE = torch.zeros(M, G, num_experts, dtype=like.dtype, device=like.device)
+    return dense_MGE.scatter_add_(2, idx_MGK.long(), gates_MGK.to(like.dtype))
+
+
+__all__ = ["combine", "dense_gates", "per_output", "spread"]

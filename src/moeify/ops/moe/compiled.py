@@ -108,8 +108,13 @@ expert_matmul_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def expert_matmul_op(x, idx, w, gates, groups: int, sum_rows: int, plan, impl: str):
     """The expert matmul inside a compiled graph (module docstring): [M, K, F], [M / R, F] or
-    [M, G, F]. ``plan`` only lends its expert grouping (the op rebuilds the sort)."""
-    name = policy.compiled_impl(impl, x, w)
+    [M, G, F]; a traceable kernel (``policy.traced``) is traced in place of the op. ``plan``
+    only lends its expert grouping (the op rebuilds the sort)."""
+    name = policy.compiled_impl(impl, x, w, n_pairs=idx.numel())
+    kernel = policy.traced(name)
+    if kernel is not None:  # static shapes: traced in place
+        return kernel.run(x, idx, w, gates, groups=groups, sum_rows=sum_rows, plan=None,
+                          batch=None)
     group_size = plan.group_size or 0 if plan is not None else 0
     # Products kept only where their shape is known when tracing: the pairs in their own order
     # (a kernel that reads rows itself); the others take the gate gradient from the rows.

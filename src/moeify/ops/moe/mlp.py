@@ -121,15 +121,21 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
     elif not policy.planless(impl):
         plan = make_plan(idx_MK, E)
     compiling = torch.compiler.is_compiling()
-    # Under torch.compile: the composite, two registered expert-matmul ops whose kernel the
-    # policy picks inside them (moeify.ops.moe.compiled).
-    name = impl if compiling else policy.choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True)
-    kernel = get_kernel(name) if not compiling else None
-    if (not isinstance(kernel, ExpertKernel) or kernel.gathers_rows or M == 0
-            or (training and dropout > 0) or bias_EG is not None or activation is not None):
+    # Under torch.compile: a traceable kernel's own MLP, else the composite, two registered
+    # expert-matmul ops whose kernel the policy picks inside them (moeify.ops.moe.compiled).
+    name = (policy.compiled_impl(impl, x_MD, w1_EDG, n_pairs=idx_MK.numel()) if compiling else
+            policy.choose_impl(impl, x_MD, w1_EDG, plan, k=K, gated=True))
+    kernel = get_kernel(name) if name != "auto" else None
+    plain = not (training and dropout > 0) and bias_EG is None and activation is None
+    if plain and getattr(kernel, "mlp", None) is not None and (
+            not compiling or policy.traced(name) is not None):
+        with autocast_off(x_MD.device.type), trace(name):
+            return kernel.mlp(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK)
+    if (compiling or not isinstance(kernel, ExpertKernel) or kernel.gathers_rows or M == 0
+            or not plain):
         with autocast_off(x_MD.device.type):
-            return _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, name, plan, dropout,
-                              training, bias_EG, activation)
+            return _composite(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK, impl if compiling else name,
+                              plan, dropout, training, bias_EG, activation)
     with trace(name):
         return _ExpertMLP.apply(x_MD, w1_EDG, w2_EGD, gates_MK, kernel, kernel.layout(plan), K)
 

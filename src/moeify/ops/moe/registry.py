@@ -20,7 +20,7 @@ torch.compile (through the registered op of moeify.ops.moe.compiled) all run it
 (tests/ops/test_kernel_registry.py). The test matrices iterate over the built-in kernels
 (``IMPLEMENTATIONS``), not over kernels registered later.
 
-``WholeKernel`` (reference, gather, pairs, all, sets): an implementation of the whole contract
+``WholeKernel`` (reference, gather, concat, pairs, all, sets): an implementation of the whole contract
 in one ``run`` (composites of differentiable torch ops, or with a layout of their own); they
 need no routing plan unless they say so.
 
@@ -93,6 +93,12 @@ class WholeKernel:
 
     name: str = ""
     needs_plan: bool = False
+    # Static shapes and no host read-back: torch.compile traces ``run`` (and ``mlp``) in place
+    # of the registered op (moeify.ops.moe.compiled), so the graph fuses around it.
+    traceable: bool = False
+    # ``mlp(x, idx, w1, w2, gates)``: the ReLU expert MLP in one piece (moeify.ops.moe.mlp), or
+    # None for the composite of two ``run`` calls.
+    mlp = None
 
     def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
         return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from moeify.ops.moe.combine import combine
+from moeify.ops.moe.combine import combine, dense_gates
 from moeify.ops.moe.registry import WholeKernel, get_kernel, register
 
 
@@ -85,15 +85,6 @@ class AllKernel(WholeKernel):
         return z_TED.reshape(T, E * D) @ w_EDF.reshape(E * D, Fo)
 
 
-def dense_gates(idx_MGK: torch.Tensor, gates_MGK: torch.Tensor, num_experts: int,
-                like: torch.Tensor) -> torch.Tensor:
-    """The gates scattered over every expert, [M, G, num_experts] in ``like``'s dtype and
-    device: gates[m, g, k] at expert idx[m, g, k], zero where not selected (repeated ids add)."""
-    M, G, _ = idx_MGK.shape
-    dense_MGE = torch.zeros(M, G, num_experts, dtype=like.dtype, device=like.device)
-    return dense_MGE.scatter_add_(2, idx_MGK.long(), gates_MGK.to(like.dtype))
-
-
 def gated_sum_of_all(y_MGEF: torch.Tensor, idx_MGK: torch.Tensor,
                      gates_MGK: torch.Tensor) -> torch.Tensor:
     """The gated sum of the "all" kernel from products already computed (e.g. in a matmul
@@ -122,4 +113,4 @@ def gated_group_sum_all(x_TGC: torch.Tensor, idx_TGK: torch.Tensor, gates_TGK: t
 register(PairsKernel())
 register(AllKernel())
 
-__all__ = ["AllKernel", "PairsKernel", "dense_gates", "gated_group_sum_all", "gated_sum_of_all"]
+__all__ = ["AllKernel", "PairsKernel", "gated_group_sum_all", "gated_sum_of_all"]

@@ -8,3 +8,4 @@ dense-over-experts kernel "concat" (concat.py) and the fused Triton kernel "trit
 from moeify.ops.moe.kernels import dense  # noqa: F401, I001
 from moeify.ops.moe.kernels import segment  # noqa: F401
 from moeify.ops.moe.kernels import grouped  # noqa: F401
+from moeify.ops.moe.kernels import concat  # noqa: F401

@@ -1,5 +1,6 @@
-"""The Triton kernels of the "triton" expert kernel (their design: moeify.ops.moe.kernels.scatter_gemm,
-which imports this module only when triton is installed and a kernel is first needed).
+"""The Triton kernels of the "triton" expert kernel (their design:
+moeify.ops.moe.kernels.scatter_gemm, which imports this module only when triton is installed
+and a kernel is first needed).
 
 Triton resolves the names a kernel calls from its module's globals, so the kernels live at the
 top level of a module of their own, which imports triton unconditionally.
@@ -138,14 +139,19 @@ def _cfg(bm, bd, bf, warps, stages, **extra):
 
 # GPU tilings for autotuning: a few sensible ones, from narrow F (SwitchHead's heads, F 64-128)
 # to wide MLP experts. scripts/triton_compile_check.py compiles every one for Hopper (sm_90) and
-# checks its shared memory.
+# checks its shared memory. The last of each list tiles F by 16: SwitchHead 47M's head width 76,
+# padded to 80, is five such tiles with nothing wasted, where a 64- or 128-wide tile computes
+# 128 columns for 76 (or, for the input gradient, loops over F in five exact steps).
 FWD_CONFIGS = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 32, 128, 4, 3),
-               _cfg(128, 64, 128, 8, 3), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 8, 3)]
+               _cfg(128, 64, 128, 8, 3), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 8, 3),
+               _cfg(128, 64, 16, 4, 4)]
 BWD_X_CONFIGS = [_cfg(64, 64, 64, 4, 3), _cfg(128, 64, 64, 4, 3), _cfg(128, 128, 32, 8, 3),
-                 _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 64, 4, 3), _cfg(128, 64, 128, 8, 3)]
+                 _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 64, 4, 3), _cfg(128, 64, 128, 8, 3),
+                 _cfg(128, 128, 16, 8, 4)]
 BWD_W_CONFIGS = [_cfg(64, 64, 64, 4, 3, ITERS=8), _cfg(64, 64, 128, 4, 3, ITERS=8),
                  _cfg(128, 64, 128, 8, 3, ITERS=4), _cfg(64, 128, 64, 8, 3, ITERS=8),
-                 _cfg(64, 128, 128, 8, 3, ITERS=4), _cfg(32, 64, 64, 4, 4, ITERS=16)]
+                 _cfg(64, 128, 128, 8, 3, ITERS=4), _cfg(32, 64, 64, 4, 4, ITERS=16),
+                 _cfg(64, 128, 16, 4, 3, ITERS=8)]
 
 
 # MOEIFY_TRITON_AUTOTUNE=0: one fixed configuration per kernel on a GPU too, the first of each

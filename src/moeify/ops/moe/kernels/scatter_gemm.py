@@ -45,7 +45,8 @@ integer argument divisible by 16 only when it is: a row stride or width of 412 o
 tests/ops/test_triton_matmul.py and scripts/triton_compile_check.py check both). So each entry
 point pads every width the kernels see to a multiple of ``ALIGN`` = 16 elements with zeros:
 x's columns ([M, D] -> [M, D16]: a copy of x in the forward and another for the weight
-gradient, never an [N, D] one), w to [E, D16, F16], the pairs' output gradient to [N, F16]; the padded products are exact zeros, and results are
+gradient, never an [N, D] one), w to [E, D16, F16], the pairs' output gradient to [N, F16];
+the padded products are exact zeros, and results are
 sliced back to D and F (copied, so that every output stays contiguous). ``MOEIFY_TRITON_PAD=0``
 turns the padding off (to measure it).
 
