@@ -36,9 +36,10 @@ dense baselines, fwd+bwd (layer_phases: weights and inputs excluded from the mem
 47M training step (step_phases: forward, backward, clipping, AdamW; the memory counts
 everything from before the model is built, the costs are the second step's, after AdamW's
 state exists). The SwitchHead layers run once per expert kernel (``KERNELS``): "auto" and every
-registered slot-layout kernel that runs on CPU tensors ("segment", "grouped": torch's grouped
-GEMM, the CUDA choice for bf16 on Hopper; "padded"; "sets"), all forced by name. "triton" runs
-on the CPU only in Triton's interpreter, far too slow at these shapes, and is left out;
+registered kernel that runs on CPU tensors ("segment"; "grouped": torch's grouped GEMM;
+"concat": one dense GEMM over every expert, gated; "padded"; "sets"), all forced by name.
+"triton" runs on the CPU only in Triton's interpreter, far too slow at these shapes, and is
+left out;
 "reference", "gather", "pairs" and "all" are test and decoding paths; the steps run "auto"
 and "grouped" (``STEP_KERNELS``). Shapes: one sequence; the layers at 64 queries (128 keys
 with the XL memory), the step on the 47M preset's first two blocks and 32 tokens. Every width,
@@ -82,7 +83,7 @@ _MIB = 1024 * 1024
 # The intra-op threads the cases run with: "auto"'s CPU policy pads only with several threads.
 THREADS = 2
 # Expert kernels of the SwitchHead cases (module docstring).
-KERNELS = ("auto", "segment", "grouped", "padded", "sets")
+KERNELS = ("auto", "segment", "grouped", "concat", "padded", "sets")
 EXPECTATIONS = Path("tests") / "bench" / "contract_expectations.json"
 
 # ------------------------------------------------------------------------------ the meter
