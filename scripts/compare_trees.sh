@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's CPU benchmark ratios from two source trees, alternating in one session, so that
+# The CPU benchmark ratios of docs/benchmarks/index.md from two source trees, alternating in one session, so that
 # a refactoring can be held to "every ratio unchanged or better" on the same machine:
 #     bash scripts/compare_trees.sh OLD_SRC NEW_SRC OUT [RUNS]
 # OLD_SRC / NEW_SRC are `src` folders (e.g. of a `git worktree add --detach` of the old

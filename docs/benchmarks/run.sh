@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's CPU benchmark tables: every run of every table, as JSON, in this folder.
+# The CPU benchmark tables of docs/benchmarks/index.md: every run of every table, as JSON, in this folder.
 # Run from the repository root after `make setup` (and `pip install transformers` for the
 # Hugging Face rows of bench ff), on a machine with nothing else running:
 #     bash docs/benchmarks/run.sh [RUNS [FIRST]]

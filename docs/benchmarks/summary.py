@@ -1,5 +1,6 @@
-"""The median over runs of every ratio the README's benchmark tables quote, from the JSON files
-``run.sh`` writes beside this script, and each speed target with its runs. Markdown on stdout:
+"""The median over runs of every ratio the benchmark tables of docs/benchmarks/index.md quote,
+from the JSON files ``run.sh`` writes beside this script, and each speed target with its runs.
+Markdown on stdout:
 
     python docs/benchmarks/summary.py > docs/benchmarks/summary.md
 """

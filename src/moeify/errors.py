@@ -12,8 +12,9 @@ def source_checkout():
 
 
 def install_hint(extra: str | None = None, *, here: bool = True) -> str:
-    """The command that installs moeify, with an optional extra, as the README's setup does:
-    moeify is not on a package index, it is installed (editable) from its source checkout.
+    """The command that installs moeify, with an optional extra, as the setup guide
+    (docs/guide/setup.md) does: moeify is not on a package index, it is installed (editable) from
+    its source checkout.
     ``here``: name this machine's checkout (not in files that travel, e.g. an export)."""
     spec = f".[{extra}]" if extra else "."
     root = source_checkout() if here else None

@@ -180,6 +180,33 @@ def test_memory_timeline_sees_temporaries_freed_inside_a_function():
     assert out["call"]["working"] == pytest.approx(8.0, abs=0.1)
 
 
+class _TwoTemporaries(torch.autograd.Function):
+    """Inside its forward: an 8 MiB temporary freed by Python, then a second one, then the
+    result. Never more than 8 MiB held at once."""
+
+    @staticmethod
+    def forward(ctx, x):
+        t = x.new_ones(2 * 1024 * 1024)
+        s = t.sum()
+        del t
+        u = x.new_ones(2 * 1024 * 1024)
+        return u[:4] * s
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _two_temporaries():
+    return {"call": lambda: _TwoTemporaries.apply(torch.ones(4))}
+
+
+def test_memory_timeline_places_each_free_at_its_time():
+    # Booking a range's Python-made frees at its end would count both temporaries: 16 MiB.
+    out = run_phases(f"{__name__}:_two_temporaries", {})
+    assert out["call"]["working"] == pytest.approx(8.0, abs=0.1)
+
+
 def test_memory_timeline_by_hand():
     out = run_phases(f"{__name__}:_known_allocations", {})
     assert out["a"]["working"] == pytest.approx(8.0, abs=0.1)

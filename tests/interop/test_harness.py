@@ -209,7 +209,7 @@ def test_unknown_task_is_a_one_line_error_and_writes_nothing(harness, run_dir, c
 
 def test_a_users_local_tasks_through_harness_include(harness, run_dir, tmp_path, monkeypatch,
                                                      capsys):
-    """The README's two recipes: datasets' json builder on an absolute path, and local_json on a
+    """The harness guide's two recipes (docs/guide/harness.md): datasets' json builder on an absolute path, and local_json on a
     path under $MOEIFY_DATA_DIR."""
     (tmp_path / "mine").mkdir()
     pairs = [("the cat sees a tree.", "the cat see a tree."),

@@ -5,6 +5,8 @@ registry refuses.
 
 Shape legend: M rows, K experts per row, E experts, D input width, F output width."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -83,9 +85,18 @@ def test_a_registered_kernel_runs_the_expert_mlp_and_a_layer(loop_kernel):
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
     assert "test-loop" in implementations()
-    layer = SigmaMoEConfig(d_model=6, n_experts=4, expert_size=4, k=2, expert_impl="test-loop").build()
-    out = layer(torch.randn(2, 3, 6))
-    assert out[0].shape == (2, 3, 6)
+    cfg = SigmaMoEConfig(d_model=6, n_experts=4, expert_size=4, k=2, expert_impl="test-loop")
+    layer, ref_layer = cfg.build().double(), replace(cfg, expert_impl="reference").build().double()
+    ref_layer.load_state_dict(layer.state_dict())
+    xl = torch.randn(2, 3, 6, dtype=f64)
+    xs = [xl.clone().requires_grad_() for _ in range(2)]
+    out, want = layer(xs[0])[0], ref_layer(xs[1])[0]
+    torch.testing.assert_close(out, want)  # the layer's values, not only its shape
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [xs[0], *layer.parameters()], g)
+    ref = torch.autograd.grad(want, [xs[1], *ref_layer.parameters()], g)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
 
 
 def test_a_registered_kernel_runs_inside_the_compiled_op(loop_kernel):

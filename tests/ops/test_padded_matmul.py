@@ -8,7 +8,7 @@ Shape legend: M rows, K experts per row, E experts, N = M·K pairs, P slots.
 import pytest
 import torch
 
-from moeify.ops.moe import make_plan
+from moeify.ops.moe import expert_matmul, make_plan
 from moeify.ops.moe.cpu.padded import CAPACITY_SLACK, padded_layout
 from moeify.ops.moe.layout import slot_sums
 from references import routed_inputs
@@ -102,3 +102,34 @@ def test_sum_by_id_equals_index_add(path, L, monkeypatch):
     assert out.shape == (9, 3, 5)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert torch.count_nonzero(out[1::2]) == 0
+
+
+def test_a_plan_is_freed_by_reference_counting_alone():
+    """A layout refers to its plan weakly (the plan keeps its layouts): with the cyclic
+    collector off, a plan, its sort and its layouts go as soon as nothing uses them, and the
+    padded kernel's backward (which reads only its blocks) does not keep the plan alive."""
+    import gc
+    import weakref
+
+    x, idx, w, gates = routed_inputs(24, 2, 4, 8, 6, dtype=torch.float64)
+    xs, ws = x.requires_grad_(), w.requires_grad_()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        plan = make_plan(idx, 4)
+        y = expert_matmul(xs, idx, ws, gates, impl="padded", plan=plan)
+        ref = weakref.ref(plan)
+        del plan
+        assert ref() is None  # freed after the forward
+        y.sum().backward()
+        plan = make_plan(idx, 4)
+        y = expert_matmul(xs, idx, ws, gates, impl="segment", plan=plan)
+        ref = weakref.ref(plan)
+        del plan
+        assert ref() is not None  # held for the segment kernel's backward
+        y.sum().backward()
+        del y
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()

@@ -29,7 +29,7 @@ TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
 FAMILIES = ("tiny-dense", "tiny-switchhead", "tiny-moa", "tiny-sigmamoe", "tiny-switchall",
             "tiny-switch", "tiny-mod", "tiny-mode", "tiny-mode-integrated", "tiny-moeut",
             "tiny-mosa", "tiny-moh")
-EXPERT_PARALLEL = ("tiny-switch", "tiny-sigmamoe")  # the README's expert-parallel presets
+EXPERT_PARALLEL = ("tiny-switch", "tiny-sigmamoe")  # the expert-parallel presets of docs/guide/scale-out.md
 WAIT_S = 240  # a forked group that has not finished by then is a hang
 
 

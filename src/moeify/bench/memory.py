@@ -5,8 +5,9 @@ Python process (``python -m moeify.bench.memory SPEC``). The factory builds what
 returns its phases, an ordered dict of name -> callable, each run once. Memory is the memory
 held by tensors, as the allocator sees it:
 
-    CPU   torch.profiler's memory events (``profile_memory=True``): every allocation and free,
-          in order, summed into a timeline. Deterministic, unlike the process's resident set,
+    CPU   torch.profiler's memory events (``profile_memory=True``): every allocation and free
+          the CPU allocator reports, at its own time, summed into a timeline (kernels' scratch
+          buffers included). Deterministic, unlike the process's resident set,
           which also holds the allocator's slack and moves with heap fragmentation from run to
           run (measured: +-7% on a whole training step).
     CUDA  ``torch.cuda.memory_allocated`` / ``max_memory_allocated``.
@@ -46,6 +47,25 @@ def _resolve(factory: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """The CPU allocator's events of a profile, in order: (time ns, bytes; negative for a
+    free), and the start times of the phase markers by name."""
+    from torch._C._profiler import _EventType
+
+    allocs, marks = [], {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        kind, fields = e.typed
+        if kind == _EventType.Allocation and fields.device.type == "cpu":
+            allocs.append((e.start_time_ns, fields.alloc_size))
+        elif e.name.startswith(_MARK):
+            marks[e.name[len(_MARK):]] = e.start_time_ns
+        stack.extend(e.children)
+    allocs.sort()
+    return allocs, marks
+
+
 def _cpu_phases(fn, kwargs: dict, before_setup: bool) -> dict[str, dict[str, float]]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -55,26 +75,19 @@ def _cpu_phases(fn, kwargs: dict, before_setup: bool) -> dict[str, dict[str, flo
             phases = fn(**kwargs)
         names = list(phases)
         for i, name in enumerate(names):
-            # Empty marker ranges at the boundaries: a range around the phase would swallow the
-            # frees made outside ops (by Python or the autograd engine) into its own total.
             with record_function(f"{_MARK}{i}.start"):
                 pass
             phases[name]()
             with record_function(f"{_MARK}{i}.end"):
                 pass
-    events = prof.events()
-    marks = {e.name[len(_MARK):]: e.time_range.start for e in events if e.name.startswith(_MARK)}
-    spans = {i: (marks[f"{i}.start"], marks[f"{i}.end"]) for i in range(len(names))}
-    # Every event's own allocations minus its own frees (children carry theirs, so nothing is
-    # counted twice); frees outside any range are "[memory]" events. A net allocation is placed
-    # at the event's start, a net free at its end: a range such as a custom autograd Function
-    # or an autograd node frees its temporaries when it returns, not when it begins.
-    deltas = sorted((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end,
-                     e.self_cpu_memory_usage) for e in events
-                    if e.self_cpu_memory_usage and not e.name.startswith(_MARK))
+    # Every allocation and free at its own time, as the allocator reported it. (Summing each
+    # operator's net allocation instead would book the frees made by Python inside a range,
+    # e.g. a custom autograd Function's temporaries, at the range's end, after allocations
+    # that really came later: peaks that never were.)
+    deltas, marks = _allocations(prof)
     out, held, peak_all, j = {}, 0, 0, 0
     for i, name in enumerate(names):
-        start, end = spans[i]
+        start, end = marks[f"{i}.start"], marks[f"{i}.end"]
         while j < len(deltas) and deltas[j][0] < start:
             held += deltas[j][1]
             peak_all = max(peak_all, held)

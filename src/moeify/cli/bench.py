@@ -14,7 +14,8 @@ def register(sub) -> None:
                        description="Benchmarks measured side by side in one run (warm-up, median "
                        "of repeats). Add --json for machine-readable output.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_expert_matmul, _add_attention, _add_step, _add_ff, _add_generate):
+    for add in (_add_expert_matmul, _add_attention, _add_step, _add_ff, _add_generate,
+                _add_contract):
         add(bsub)
 
 
@@ -168,6 +169,35 @@ def _add_generate(bsub) -> None:
     ge.add_argument("--tokens", type=positive_int, default=8, help="timed decode steps per cell")
     _common(ge, memory=False, repeats=False, compile=False)
     ge.set_defaults(func=run_generate)
+
+
+def _add_contract(bsub) -> None:
+    """``moeify bench contract``."""
+    co = bsub.add_parser("contract", help="the cost contract: MACs, operators, host read-backs "
+                         "and memory, counted (no timing; the same on every machine)",
+                         description="Counts, for the SwitchHead 47M and 262M attention layers "
+                         "and a 47M training step and their dense baselines, per expert kernel: "
+                         "multiply-adds, operators dispatched, host read-backs, bytes allocated "
+                         "and peak memory (docs/cost-contract.md). --write regenerates the "
+                         "expectations the tests hold the code to.")
+    co.add_argument("--write", action="store_true",
+                    help="write the results to tests/bench/contract_expectations.json (under the "
+                    "current directory: run it from the repository root)")
+    co.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    co.set_defaults(func=run_contract)
+
+
+def run_contract(args) -> int:
+    from moeify.bench.contract import bench_contract, expectations_path, table, write_expectations
+    from moeify.bench.timing import emit
+
+    res = bench_contract()
+    if args.write:
+        path = expectations_path()
+        write_expectations(res, path)
+        print(f"wrote {path}", file=sys.stderr)
+    emit(res, table(res), args.json)
+    return 0
 
 
 def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,

@@ -9,8 +9,8 @@ from moeify.train.schedule import SCHEDULE_CHOICES
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a model preset on a corpus (default: tiny-switchhead on "
-        "wiki-excerpt, about 2 minutes on 2 CPU cores)",
+        "train", help="train a model preset on a corpus (default: tiny-switchhead, 1M "
+        "parameters, 300 steps on wiki-excerpt)",
         description="Train a model preset on a corpus and print the final validation bpc (or "
         "perplexity). With no arguments: the small SwitchHead preset (tiny-switchhead) on the "
         "wiki-excerpt corpus at byte level. The run directory holds the resolved configs, the "

@@ -1,6 +1,6 @@
 """Pure tensor functions: routing, the expert matmul, aux losses, attention and positional maths.
 
-No nn.Module and no config objects live here (docs/layout.md: the layering)."""
+No nn.Module and no config objects live here (the layering: docs/development/layout.md)."""
 
 from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
 from moeify.ops.routing import (

@@ -15,7 +15,7 @@ interop writes checkpoints without importing train.
         dcp/, state.pt                   sharded, one file per process (moeify.rundir.sharded)
         meta.json                        step, model config, sha256 of every file; written last
 
-Modules:
+Its modules:
     layout       file names, checkpoint names, finding checkpoints (``latest_checkpoint``)
     atomic       durable writes (fsync, atomic replace) and checksums
     files        the run's JSON files: reading, validating, writing them

@@ -28,11 +28,13 @@ from moeify.ops.moe.registry import get_kernel
 
 
 def _kernel_and_layout(x, idx, w, gates, groups, impl, group_size):
+    """(kernel, layout, plan): the caller holds the plan while it uses the layout (a layout
+    refers to its plan weakly, moeify.ops.moe.layout)."""
     plan = make_plan(idx, w.shape[0], group_size=group_size or None)
     name = policy.choose_impl(impl, x, w, plan, k=idx.shape[1] // groups,
                               gated=gates is not None, layouts_only=True)
     kernel = get_kernel(name)
-    return kernel, kernel.layout(plan)
+    return kernel, kernel.layout(plan), plan
 
 
 def _out_shape(x, idx, w, gates, groups, sum_rows):
@@ -50,7 +52,7 @@ def expert_matmul_fwd(x: Tensor, idx: Tensor, w: Tensor, gates: Optional[Tensor]
     """(y, the per-pair products [N, F] when ``keep_products``, else empty): ``keep_products``
     only for a kernel that reads rows itself and gates that need a gradient (the backward op
     is told the same flag: an empty [0, F] is kept products when there are no rows)."""
-    kernel, lay = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
+    kernel, lay, _plan = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
     if keep_products and not kernel.gathers_rows:
         raise ValueError(f"keep_products: kernel {kernel.name!r} does not read rows itself, so "
                          "its backward needs no products")
@@ -71,7 +73,7 @@ def expert_matmul_bwd(grad: Tensor, x: Tensor, idx: Tensor, w: Tensor, gates: Op
                       ys: Tensor, groups: int, sum_rows: int, impl: str, group_size: int,
                       keep_products: bool, need_x: bool, need_w: bool,
                       need_g: bool) -> tuple[Tensor, Tensor, Tensor]:
-    kernel, lay = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
+    kernel, lay, _plan = _kernel_and_layout(x, idx, w, gates, groups, impl, group_size)
     gx, gw, gg = matmul_backward(kernel, grad, x, w, gates, ys if keep_products else None, lay,
                                  idx.shape[1], groups, sum_rows, need_x, need_w, need_g)
     # Distinct empty tensors where not needed: a registered op's outputs must not alias.

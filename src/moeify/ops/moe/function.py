@@ -126,6 +126,7 @@ class ExpertMatmulFunction(torch.autograd.Function):
         y, ys_PF = matmul_forward(kernel, x_MD, w_EDF, gates_MK, lay, k, groups, sum_rows, keep)
         ctx.save_for_backward(x_MD, w_EDF, gates_MK, ys_PF)
         ctx.meta = (kernel, lay, k, groups, sum_rows)
+        ctx.plan = lay.plan if kernel.reads_plan else None  # the layout holds it weakly
         return y
 
     @staticmethod

@@ -9,10 +9,18 @@ A kernel multiplies P slots, each holding one routed pair (or padding): slot p h
 expert (P = N, no padding); the pair layout is the pairs in their own order (P = N, slot p is
 pair p: for kernels that read rows through the sort themselves); a kernel may define its own
 (padded blocks, moeify.ops.moe.cpu.padded) by deriving from ``SlotLayout``.
+
+A layout refers to its plan weakly. The plan keeps the layouts built from it (so the matmuls
+sharing a routing share them), and a strong reference back would make every plan and layout a
+reference cycle: freed only when Python's cyclic collector happens to run, so the routing of
+earlier steps (sorts, ids, layouts) stayed in memory into later ones. Whoever uses a layout
+holds its plan: the callers during the forward, the autograd Functions until the backward for
+a kernel whose entry points read it (``ExpertKernel.reads_plan``).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -21,11 +29,27 @@ import torch.nn.functional as F
 from moeify.ops.moe.plan import RoutingPlan
 
 
+class _WeakPlan:
+    """The ``plan`` field of a layout, held weakly (module docstring)."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            raise AttributeError("plan")  # a dataclass field without a default
+        plan = obj.__dict__["_plan"]()
+        if plan is None:
+            raise RuntimeError("this layout's RoutingPlan no longer exists: keep a reference to "
+                               "the plan while its layout is in use")
+        return plan
+
+    def __set__(self, obj, plan: RoutingPlan) -> None:
+        obj.__dict__["_plan"] = weakref.ref(plan)
+
+
 @dataclass(frozen=True, eq=False)
 class SlotLayout:
     """The P slots of a kernel (module docstring)."""
 
-    plan: RoutingPlan
+    plan: RoutingPlan = _WeakPlan()  # held weakly
     n_slots: int  # P
     pair_P: torch.Tensor  # int64 [P]: slot -> flat pair index (0 for padding)
     slot_N: torch.Tensor  # int64 [N]: flat pair index -> slot

@@ -53,6 +53,9 @@ class _ExpertMLP(torch.autograd.Function):
         y = sums_to_rows(kernel.forward(a_PG, w2_EGD, lay), lay, gate_N, k)
         ctx.save_for_backward(x_MD, w1_EDG, w2_EGD, gate_N, a_PG)
         ctx.meta = (kernel, lay, k, gates_MK.dtype, gates_MK.shape)
+        # the layout holds its plan weakly: keep it for the backward where it is read (variable k
+        # reads its rows there whatever the kernel)
+        ctx.plan = lay.plan if (kernel.reads_plan or k is None) else None
         return y
 
     @staticmethod

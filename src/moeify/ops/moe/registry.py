@@ -57,6 +57,10 @@ class ExpertKernel:
     # (a dot over F instead of a second gather and GEMM in the backward); False trades that
     # time for the memory (the padded layout, whose P includes its padding).
     keeps_narrow_products: bool = True
+    # The entry points read ``lay.plan`` (its sort, counts or offsets), so the autograd
+    # Functions keep the plan until the backward; False (a layout that holds all its backward
+    # needs) lets the routing's sort and ids go after the forward.
+    reads_plan: bool = True
 
     def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
         """Why this kernel cannot run on these operands (what to do instead), or None."""

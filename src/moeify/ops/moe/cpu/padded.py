@@ -88,6 +88,7 @@ def block_weights(w_EAB: torch.Tensor, lay: PaddedLayout) -> torch.Tensor:
 class PaddedKernel(ExpertKernel):
     name = "padded"
     keeps_narrow_products = False  # nothing [P, ·] kept between the passes
+    reads_plan = False  # the blocks are all the backward reads
 
     def layout(self, plan):
         return padded_layout(plan)
