@@ -13,6 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 # The Triton kernels' fixed configuration on a GPU: tests check correctness at dozens of shapes,
 # and autotuning would compile and time every configuration for each (moeify.ops.moe.kernels._triton_jit).
 os.environ.setdefault("MOEIFY_TRITON_AUTOTUNE", "0")
+# Without a GPU the Triton kernels run only in Triton's CPU interpreter, which must be chosen
+# before anything imports triton (torch._dynamo does, and so does moeify.ops.moe through it):
+# triton.language's own jitted helpers are built for one mode at import. tests/ops/
+# test_triton_matmul.py runs the kernels in it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Inductor's on-disk caches in a directory of this session's own: the FX graph cache keys a
 # compiled graph without the schemas of the custom ops it calls, so code cached before an op of
 # moeify.ops.moe.compiled changed its arguments would be run against the new op.

