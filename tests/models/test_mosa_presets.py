@@ -1,6 +1,8 @@
 """MoSA and MoEUT CPU-scale presets: compute / parameter matching against their dense RoPE
 baseline, and MoSA's cost accounting (O(k² + T) per sparse head)."""
 
+import pytest
+
 from moeify.layers.mosa import MoSAConfig
 from moeify.models.cost import attention_cost, model_cost, model_parameters, mosa_cost
 from moeify.models.presets import get_preset
@@ -106,3 +108,16 @@ def test_moeut_and_mosa_train_under_bf16_autocast():
         (out.loss + out.aux_loss).backward()
         assert torch.isfinite(out.loss)
         assert all(p.grad is not None for p in m.parameters())
+
+
+@pytest.mark.parametrize("T", [1024, 2048, 4096, 8192])
+def test_the_long_sequence_rows_follow_section_3_4(T):
+    """Sec. 3.4: 6 layers, hidden size 1024, 60 MoSA heads and 4 local attention heads in every
+    layer, k = 64 tokens per MoSA head at every length (rho 16 at T = 1024 up to 128 at 8192)."""
+    cfg = get_preset(f"c4-mosa-long-t{T}")
+    assert (cfg.d_model, cfg.context_length, cfg.vocab_size) == (1024, T, 8000)
+    layers = cfg.attention_layers()
+    assert len(layers) == 6
+    for a in layers:
+        assert (a.n_heads, a.d_head, a.n_dense_heads, a.n_local_heads) == (60, 64, 0, 4)
+        assert T // a.sparsity == 64 and a.local_window == 64

@@ -18,7 +18,7 @@ from moeify.layers.switchhead import SwitchHeadConfig
 from moeify.models.cost import model_parameters
 from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_MOE_ROWS
 from moeify.models.moh_presets import MOH_PAPER_PRESETS
-from moeify.models.mosa_presets import MOSA_PAPER_PRESETS
+from moeify.models.mosa_presets import MOSA_LONG_PRESETS, MOSA_PAPER_PRESETS
 from moeify.models.mor_presets import MOR_PRESETS
 from moeify.models.remoe_presets import REMOE_PRESETS
 from moeify.models.presets import PRESETS, get_preset
@@ -30,7 +30,7 @@ from moeify.models.presets import PRESETS, get_preset
 # MoH's (tests/models/test_moh_presets.py) and ReMoE's (tests/models/test_remoe_model.py).
 PAPER = [n for n in PRESETS if not n.startswith(("tiny-", "repro-", "repro256-"))
          and n not in MOEUT_ROWS and n not in MOEUT_BASELINE_ROWS and n not in SIGMA_MOE_ROWS
-         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOR_PRESETS + MOH_PAPER_PRESETS
+         and n not in {p.name for p in MOSA_PAPER_PRESETS + MOSA_LONG_PRESETS + MOR_PRESETS + MOH_PAPER_PRESETS
                        + REMOE_PRESETS}]
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 

@@ -15,6 +15,8 @@ The paper rows (C4; Sec. 3 "Implementation details" and App. C) are named
   (Large 2-4).
 - ``c4-mosa-{size}-matched``: Table 2's perplexity-matched rows (Sec. 3.3): 4 dense heads and
   17 / 14 / 12 / 16 MoSA heads at rho = 32 (Large: 16).
+- ``c4-mosa-long-t{T}``: Sec. 3.4's long-sequence models (local heads instead of dense ones),
+  T = 1024, 2048, 4096, 8192.
 
 Each MoSA row's baseline is its size's dense preset. H_mosa of an IsoFLOP row is not typed in:
 moeify.models.cost.mosa_isoflop_heads derives it with the paper's rule (the largest number of
@@ -51,6 +53,8 @@ dense model, as the paper's compute-matched MoSA models do.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from moeify.layers.mosa import MoSAConfig
 from moeify.models.builders import Size, dense_ff, dense_lm, lm
@@ -240,7 +244,37 @@ def _paper_presets() -> tuple[Preset, ...]:
 
 MOSA_PAPER_PRESETS: tuple[Preset, ...] = _paper_presets()
 
-MOSA_PRESETS: tuple[Preset, ...] = MOSA_PAPER_PRESETS + (
+# Sec. 3.4 ("Scaling with Sequence Length", Fig. 4): long sequences with local attention in place
+# of the dense heads: 6 layers of hidden size 1024, 60 MoSA heads and 4 local heads in every layer,
+# k = 64 tokens per MoSA head at every length (rho = T / 64: 16 at T = 1024 to 128 at T = 8192).
+# Not stated there, moeify's choices: h' = 64 and a 4h feedforward as in Table 4's sizes, the
+# local window w = k = 64 (the authors' hybrid_type="local" sets window_size = k), the first
+# token kept as in the IsoFLOP rows. The paper prints no parameter count for these models.
+MOSA_LONG_K = 64
+
+
+def mosa_long(T: int) -> ModelConfig:
+    """Sec. 3.4's long-sequence MoSA model at context T (module comment above)."""
+    s = Size(vocab=VOCAB_C4, d=1024, L=6, T=T, xl=False, dropout=0.0, dense_heads=0,
+             dense_d_head=64, dense_d_ff=4 * 1024)
+    attn = dataclasses.replace(
+        mosa_attn(d=s.d, L=s.L, H=60, d_h=64, sparsity=T // MOSA_LONG_K, include_first=True),
+        n_local_heads=4, local_window=MOSA_LONG_K)
+    return lm(s, attn, dense_ff(d=s.d, L=s.L, d_ff=s.dense_d_ff, dropout=s.dropout))
+
+
+def _long_preset(name: str, T: int) -> Preset:
+    desc = (f"C4 MoSA long sequences (Sec. 3.4, Fig. 4) at T={T}: 6 layers d=1024, 60 MoSA "
+            f"heads d_h=64 k={MOSA_LONG_K} (rho={T // MOSA_LONG_K}) + 4 local heads of window "
+            f"{MOSA_LONG_K}")
+    return paper(name, desc, lambda: mosa_long(T), data="c4", recipe=MOSA_C4)
+
+
+MOSA_LONG_PRESETS: tuple[Preset, ...] = (
+    _long_preset("c4-mosa-long-t1024", 1024), _long_preset("c4-mosa-long-t2048", 2048),
+    _long_preset("c4-mosa-long-t4096", 4096), _long_preset("c4-mosa-long-t8192", 8192))
+
+MOSA_PRESETS: tuple[Preset, ...] = MOSA_PAPER_PRESETS + MOSA_LONG_PRESETS + (
     Preset("tiny-mosa", "tiny RoPE: MoSA 32 sparse heads d_h=32 rho=8 (k=16) + 1 dense head, "
            "dense FFN d_ff=512 (attention MACs of 4 dense heads)", tiny_mosa),
     Preset("repro-mosa", "CPU-scale family (RoPE, no memory): MoSA 32 sparse heads d_h=32 "
