@@ -7,8 +7,8 @@ Shape legend
     y[m] = Σ_k gates[m, k] · ReLU(x[m] @ w1[idx[m, k]]) @ w2[idx[m, k]]            -> [M, D]
 
 sigma-MoE (arXiv 2310.10837) and the Switch feedforward (arXiv 2101.03961) are this function.
-Written as two ``expert_matmul`` calls (the reference, ``impl="reference"`` or "gather", and the path taken
-with dropout on the hidden units), each call gathers the rows into the kernel's slots and sums
+Written as two ``expert_matmul`` calls (the reference, ``impl="reference"`` or "gather", and the
+path taken with dropout on the hidden units), each call gathers the rows into the kernel's slots and sums
 back, so the hidden activations make a round trip through pair order between the two matmuls.
 Here the rows are gathered into the slots once, both matmuls and the ReLU run there, and the
 gated sum over a row's K pairs goes straight back to [M, D] (one ``embedding_bag``,
