@@ -422,15 +422,26 @@ def test_fsdp_on_the_other_parameters_trains_like_one_process_and_resumes_at_deg
         assert abs(b[s] - two["losses"][s]) < 1e-4, (s, b[s], two["losses"][s])
 
 
-def test_activation_checkpointing_composes_with_fsdp_and_expert_parallel(setup):
+# Switch with the global-batch balance loss (dropless: no capacity, which is per process) and
+# 2 micro-batches: micro-batch 0's loss takes the counts of micro-batch 0 of both processes, which
+# must be the tokens of one process's micro-batch 0 (moeify.train.trainer: before micro-batches
+# took every grad_accum-th row, step 2 differed from one process by 1.1e-3).
+GLOBAL_BALANCE = dict(preset="tiny-switch", grad_accum=2, model_overrides=TINY[:3] + (
+    "model.feedforward.dropless=true", "model.feedforward.balance_scope=global"))
+
+
+@pytest.mark.parametrize("case", [dict(preset="tiny-switchall"), GLOBAL_BALANCE],
+                         ids=["switchall", "global-balance-accum"])
+def test_activation_checkpointing_composes_with_fsdp_and_expert_parallel(setup, case):
     """activation_checkpointing=block under parallel=fsdp x expert_parallel=2 (2 processes):
     every block's forward, all-to-alls included, runs again in backward, and 3 steps equal one
-    plain process without recomputation (losses and every gradient)."""
+    plain process without recomputation (losses and every gradient), with gradient
+    accumulation and the global-batch balance loss too."""
     tmp, corpus = setup
-    cfg = TrainConfig(preset="tiny-switchall", data=str(corpus), tokenizer="byte256", steps=3,
-                      batch_size=4, warmup_steps=1, lr=3e-3, log_every=1,
-                      eval_every=0, eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
-                      model_overrides=TINY)
+    cfg = TrainConfig(**{**dict(data=str(corpus), tokenizer="byte256", steps=3, batch_size=4,
+                                warmup_steps=1, lr=3e-3, log_every=1, eval_every=0,
+                                eval_tokens=256, eval_batch_size=2, checkpoint_every=0,
+                                model_overrides=TINY), **case})
     single = _fit(cfg, tmp / "one")
     two = _train_two(tmp, "ac", {**cfg.to_dict(), "parallel": "fsdp", "expert_parallel": 2,
                                  "activation_checkpointing": "block"})

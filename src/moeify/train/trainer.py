@@ -8,8 +8,16 @@ One update: the process's [B, T+1] window is cut into grad_accum micro-batches o
 runs forward with its rows of the XL memory (the previous window's block inputs, detached) and
 backward with loss / grad_accum (the model's aux losses, already weighted, are added); then the
 gradients are averaged over processes (the run's plan: DDP, FSDP2, expert parallelism;
-moeify.train.plans), clipped to norm kappa, and AdamW steps. Every micro-batch has the same number of tokens, so this equals one big batch: W processes with B rows
-each compute the update of one process with W*B rows (tests/train/test_distributed.py).
+moeify.train.plans), clipped to norm kappa, and AdamW steps. Every micro-batch has the same
+number of tokens, so this equals one big batch: W processes with B rows each compute the update
+of one process with W*B rows (tests/train/test_distributed.py).
+
+Micro-batch a takes rows a, a + grad_accum, ... of the window (every grad_accum-th row). Process
+r holds streams r*B .. r*B + B-1 and grad_accum divides B, so micro-batch a of all processes is
+the streams congruent to a modulo grad_accum, whatever W: what is taken over the global
+micro-batch (the global-batch balance loss's counts so far, moeify.train.balancing) is one
+process's. (Blocks of b consecutive rows made micro-batch 0 the streams {0, B} of two processes,
+{0, 1} of one: another update whenever grad_accum > 1.)
 
 Exactness of resume: the checkpoint holds everything the next update reads (weights, AdamW
 moments, schedule position, grad-scaler state, data position, every process's RNG state and the
@@ -276,10 +284,12 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def _micro_batches(self, window_BT: torch.Tensor):
-        for a in range(self.cfg.grad_accum):
-            rows = slice(a * self.micro, (a + 1) * self.micro)
-            mem = None if self.memory is None else [m[rows] for m in self.memory]
-            yield a, window_BT[rows], mem
+        """(a, rows a, a + grad_accum, ... of the window and of the XL memory) for every
+        micro-batch a: the same streams whatever the process count (module docstring)."""
+        A = self.cfg.grad_accum
+        for a in range(A):
+            mem = None if self.memory is None else [m[a::A] for m in self.memory]
+            yield a, window_BT[a::A], mem
 
     def train_step(self) -> dict[str, Any]:
         """One update; returns the global LM loss and the last micro-batch's aux/stats."""
@@ -305,7 +315,8 @@ class Trainer:
                 new_memory.append(out.memory)
         self.plan.after_backward()
         if new_memory:
-            self.memory = [torch.cat(parts, 0) for parts in zip(*new_memory)]
+            # back in window order: row i of micro-batch a is row i * grad_accum + a
+            self.memory = [torch.stack(parts, 1).flatten(0, 1) for parts in zip(*new_memory)]
         losses_2 = self.env.all_reduce_mean_(sums_2 / cfg.grad_accum)
         loss, aux = (float(v) for v in losses_2.tolist())
         if not (math.isfinite(loss) and math.isfinite(aux)):
