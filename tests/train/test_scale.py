@@ -3,6 +3,7 @@ CUDA autocast defaults (bf16, fp16 with a scaler on request), and compile=true t
 like eager."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,48 +54,117 @@ def test_cuda_autocast_defaults_to_bf16_and_keeps_fp16_with_a_scaler(monkeypatch
     assert resolve_amp("auto", torch.device("cpu")) == (None, False)
 
 
-def test_compile_true_trains_exactly_like_eager(env, monkeypatch):
-    """The trainer's plumbing: every block compiled in place, same losses as eager. Inductor's
-    code generation is held to eager by tests/models/test_compile.py; here the blocks are traced by
-    dynamo and AOT autograd but run without generated kernels, which keeps the test short."""
-    tmp, corpus = env
+# The compiled runs of the two tests below. Blocks are traced by dynamo and AOT autograd but run
+# without generated kernels (backend aot_eager), which keeps them short; inductor's code
+# generation, and every family's compiled blocks against eager, are held by
+# tests/models/test_compile.py. Tracing is most of each test and each run is one thread, so both
+# compiled runs train side by side in two forked processes (``compiled_runs``) while the tests
+# train their eager references. The trainer's plumbing on sigma-MoE (routing-usage buffers
+# changed in the compiled forward), whose blocks trace in two thirds of SwitchHead's time.
+COMPILE_PRESET, COMPILE_KW = "tiny-sigmamoe", dict(steps=3)
+# Switch with the global-batch balance loss and 2 micro-batches, one block (the tracing is
+# shorter); 2 of 3 planned steps, so no validation (whose eval-mode graphs this test does not
+# compare) is compiled.
+AC_KW = dict(steps=3, grad_accum=2, model_overrides=(
+    "model.d_model=32", "model.n_layers=1", "model.context_length=16",
+    "model.feedforward.balance_scope=global"))
+
+
+def _compiled_run(preset, kw, stop_after, run_dir, cache, out):
+    """In a forked process: train ``preset`` with compile=true and the settings ``kw`` (to
+    ``stop_after`` steps), every block traced with aot_eager; writes the losses, the validation
+    and the classes of the compiled modules to ``out``."""
+    import os
+
+    os.environ["MOEIFY_CACHE_DIR"] = cache
+    torch.set_num_threads(1)
     torch._dynamo.reset()
     compile_module = torch.nn.Module.compile
-    compiled_blocks = []
+    compiled = []
 
     def compile_traced(self, **kw):
-        compiled_blocks.append(type(self).__name__)
+        compiled.append(type(self).__name__)
         return compile_module(self, backend="aot_eager", **kw)
 
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_traced)
-    eager = train(_cfg(corpus, "tiny-switchhead", steps=3), tmp / "eager", quiet=True)
-    compiled = train(_cfg(corpus, "tiny-switchhead", steps=3, compile=True), tmp / "compiled",
-                     quiet=True)
+    torch.nn.Module.compile = compile_traced
+    try:
+        from references import english_corpus
+
+        corpus = english_corpus(Path(run_dir).parent / "corpus.txt")
+        trainer = Trainer(_cfg(corpus, preset, compile=True, **kw), run_dir, quiet=True)
+        try:
+            res = trainer.fit(stop_after=stop_after)
+        finally:
+            trainer.close()
+        got = {"losses": res.losses, "valid": res.valid, "compiled": compiled}
+    except Exception as e:  # reported by the test
+        got = {"error": f"{type(e).__name__}: {e}"}
+    torch.save(got, out)
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(tmp_path_factory):
+    """name -> a function that waits for that compiled run and returns its record."""
+    import gc
+
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("compiled")
+    runs = {"compile": (COMPILE_PRESET, COMPILE_KW, None),
+            "ac": ("tiny-switch", {**AC_KW, "activation_checkpointing": "block"}, 2)}
+    gc.collect()  # as in test_fsdp._fork
+    procs = {}
+    for name, (preset, kw, stop_after) in runs.items():
+        (tmp / name).mkdir()
+        p = mp.get_context("fork").Process(target=_compiled_run, args=(
+            preset, kw, stop_after, str(tmp / name / "run"), str(tmp / name / "cache"),
+            str(tmp / name / "out.pt")))
+        p.start()
+        procs[name] = p
+
+    def result(name):
+        procs[name].join(600)
+        assert procs[name].exitcode == 0, (name, procs[name].exitcode)
+        got = torch.load(tmp / name / "out.pt")
+        assert "error" not in got, got["error"]
+        return got
+
+    yield result
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def test_compile_true_trains_exactly_like_eager(env, compiled_runs):
+    """The trainer's plumbing: every block compiled in place, same losses and validation as
+    eager."""
+    tmp, corpus = env
+    eager = train(_cfg(corpus, COMPILE_PRESET, **COMPILE_KW), tmp / "eager", quiet=True)
+    compiled = compiled_runs("compile")
     for s in (1, 2, 3):
-        assert abs(compiled.losses[s] - eager.losses[s]) < 1e-5, (s, compiled.losses,
-                                                                  eager.losses)
-    assert abs(compiled.valid["loss"] - eager.valid["loss"]) < 1e-5
-    assert compiled_blocks == ["TransformerBlock", "TransformerBlock"]
+        assert abs(compiled["losses"][s] - eager.losses[s]) < 1e-5, (s, compiled["losses"],
+                                                                     eager.losses)
+    assert abs(compiled["valid"]["loss"] - eager.valid["loss"]) < 1e-5
+    assert compiled["compiled"] == ["TransformerBlock", "TransformerBlock"]
 
 
-def test_activation_checkpointing_with_compile_trains_like_eager(env, monkeypatch):
+def test_activation_checkpointing_with_compile_trains_like_eager(env, compiled_runs):
     """activation_checkpointing=block with compile=true (blocks traced by dynamo and AOT
     autograd, the checkpointed region recomputed in the compiled backward), on Switch with the
     global-batch balance loss and 2 micro-batches (one block, to keep the tracing short): the
     same losses as the plain eager run."""
     tmp, corpus = env
-    torch._dynamo.reset()
-    compile_module = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
-    kw = dict(steps=2, grad_accum=2, model_overrides=(
-        "model.d_model=32", "model.n_layers=1", "model.context_length=16",
-        "model.feedforward.balance_scope=global"))
-    eager = train(_cfg(corpus, "tiny-switch", **kw), tmp / "eager", quiet=True)
-    both = train(_cfg(corpus, "tiny-switch", compile=True, activation_checkpointing="block",
-                      **kw), tmp / "ac", quiet=True)
+    trainer = Trainer(_cfg(corpus, "tiny-switch", **AC_KW), tmp / "eager", quiet=True)
+    try:
+        eager = trainer.fit(stop_after=2)
+    finally:
+        trainer.close()
+    both = compiled_runs("ac")
+    assert both["compiled"] == ["TransformerBlock"]
     for s in (1, 2):
-        assert abs(both.losses[s] - eager.losses[s]) < 1e-5, (s, both.losses, eager.losses)
+        assert abs(both["losses"][s] - eager.losses[s]) < 1e-5, (s, both["losses"],
+                                                                 eager.losses)
 
 
 def test_unknown_parallel_mode_is_a_clear_error():

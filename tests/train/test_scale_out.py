@@ -81,9 +81,32 @@ def _families_worker(rank, world, init_file, jobs, out_file):
         dist.destroy_process_group()
 
 
-def test_every_family_trains_under_fsdp2_and_ep_and_resumes_in_one_process(setup):
+def _resume_worker(rank, world, jobs, out_file):
+    """One plain process (no process group) per rank, resuming every ``world``-th run of
+    ``jobs`` (name, config, run directory); an expert-parallel run first as recorded (which must
+    be refused), then at expert_parallel=1. Writes name -> (refusal, final step, its loss)."""
     from moeify.train.trainer import train
 
+    torch.set_num_threads(1)
+    results = {}
+    for name, cfg_dict, run_dir in jobs[rank::world]:
+        try:
+            cfg = TrainConfig.from_dict(cfg_dict)
+            refusal = None
+            if name.endswith("+ep"):  # the recorded degree does not fit one process: say so
+                try:
+                    train(cfg, run_dir, resume=True, quiet=True)
+                except ValueError as e:
+                    refusal = str(e)
+            res = train(cfg.with_overrides(("parallel=ddp", "expert_parallel=1")), run_dir,
+                        resume=True, quiet=True)
+            results[name] = (refusal, res.step, res.losses.get(2))
+        except Exception as e:  # reported by the test, named by the family
+            results[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    torch.save(results, f"{out_file}.{rank}")
+
+
+def test_every_family_trains_under_fsdp2_and_ep_and_resumes_in_one_process(setup):
     tmp, corpus = setup
     # Two steps planned, one trained (a checkpoint at step 1), the second resumed below.
     kw = dict(parallel="fsdp", steps=2, checkpoint_every=1)
@@ -98,19 +121,25 @@ def test_every_family_trains_under_fsdp2_and_ep_and_resumes_in_one_process(setup
     for name, _, run_dir in jobs:
         ckpt = layout.latest_checkpoint(run_dir)
         assert (ckpt / layout.DCP_DIR).is_dir() and layout.step_of(ckpt) == 1, name
-        # One process, no FSDP: the sharded checkpoint resumes and trains the second step.
-        cfg = TrainConfig.from_dict(dict(jobs[[j[0] for j in jobs].index(name)][1]))
-        if name.endswith("+ep"):  # the recorded degree does not fit one process: say so
-            with pytest.raises(ValueError) as info:
-                train(cfg, run_dir, resume=True, quiet=True)
-            assert str(info.value) == (
+    # One process, no FSDP: each sharded checkpoint resumes and trains the second step (two
+    # single processes side by side, each resuming half of the runs).
+    resumed_out = tmp / "resumed.pt"
+    assert _start(_resume_worker, (2, jobs, str(resumed_out))) == [0, 0]
+    resumed = {**torch.load(f"{resumed_out}.0"), **torch.load(f"{resumed_out}.1")}
+    assert resumed.keys() == {j[0] for j in jobs}
+    failed = {k: v for k, v in resumed.items() if isinstance(v, str)}
+    assert not failed, failed
+    for name, _, run_dir in jobs:
+        refusal, step, loss = resumed[name]
+        if name.endswith("+ep"):
+            assert refusal == (
                 f"expert_parallel=2 (the run's recorded setting, in {run_dir}/config.json) must "
                 "divide the number of processes (1): start a multiple of 2 processes (torchrun "
                 "--nproc-per-node 2 -m moeify.cli.main train ...), or change it with --set "
                 "expert_parallel=N for N in 1 (a sharded checkpoint resumes at any degree)")
-        res = train(cfg.with_overrides(("parallel=ddp", "expert_parallel=1")), run_dir,
-                    resume=True, quiet=True)
-        assert res.step == 2 and torch.isfinite(torch.tensor(res.losses[2])), name
+        else:
+            assert refusal is None
+        assert step == 2 and torch.isfinite(torch.tensor(loss)), name
 
 
 # ---------------------------------------------------------------- the command under torchrun
