@@ -9,7 +9,7 @@ import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times, kernel_profile
 from moeify.data.cache import atomic_write
-from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, get_kernel, make_plan, resolved_impl
+from moeify.ops.moe import expert_matmul, get_kernel, implementations, make_plan, resolved_impl
 from moeify.ops.moe.device_table import class_of_name, table_entry
 from moeify.ops.moe.policy import planless
 
@@ -83,7 +83,7 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
     # By default not ``skip``, nor a kernel that cannot run on these operands ("triton" off
     # CUDA, "grouped" at widths grouped_mm cannot take); a kernel named in ``impls`` runs or
     # raises.
-    impls = list(impls or [i for i in IMPLEMENTATIONS if i not in skip
+    impls = list(impls or [i for i in implementations() if i not in skip
                            and get_kernel(i).unavailable(x, w) is None])
 
     def run_peer(peer):
