@@ -9,10 +9,11 @@ every case to, exactly.
 
 What is counted, per case (a ``CostMeter`` around the call):
 
-    macs      multiply-adds of the matrix products (torch.utils.flop_counter.FlopCounterMode:
-              mm, addmm, bmm, baddbmm, attention; plus CPU flash attention and grouped_mm,
-              whose formulas it lacks; FLOPs / 2). A matrix-product operator with no formula
-              fails the measurement rather than counting zero.
+    macs      multiply-adds of the matrix products (the formulas of
+              torch.utils.flop_counter: mm, addmm, bmm, baddbmm, attention; plus CPU flash
+              attention and grouped_mm, which it lacks; FLOPs / 2), counted by the meter
+              itself. A matrix-product operator with no formula fails the measurement rather
+              than counting zero.
     ops       aten operators dispatched (TorchDispatchMode), per operator name; ``kernels``
               leaves out views and metadata-only operators: a proxy for GPU kernel launches.
     syncs     host read-backs: ``.item()`` and friends (``aten._local_scalar_dense``),
@@ -31,21 +32,35 @@ allocates inside itself (a BLAS packing buffer, a reduction's per-thread partial
 seen, which is what makes the count the same on every machine and thread count. The profiler
 measurement of moeify.bench.memory sees those too (and is what ``bench step`` reports).
 
+Fake tensors. Every count above depends on shapes only, unless the code reads data on the
+host. Under torch's FakeTensorMode every operator runs its shape function alone (no
+arithmetic, no memory), and the meter counts the same operators, MACs and bytes: a step case
+with ``fake=True`` costs only its operators' dispatch, whatever the model's size, so the
+whole 47M training step at the paper's batch (64 x 256 tokens) counts in seconds, where running
+it takes minutes on two cores. A test holds a step counted both ways equal, field for field.
+What cannot be counted so: a kernel that reads the routing on the host to size its work
+("segment", "padded", "sets", hence CPU "auto"), which raises ``HostReadUnderFakeTensors``,
+and "grouped" (torch's fake grouped_mm takes bfloat16 only); those run with real tensors on
+two blocks and 32 tokens. The CPU check of expert ids reads them back; on fake tensors it is
+the device-side assertion a GPU runs (moeify.ops.moe.plan.check_ids).
+
 Cases (``CASES``): the attention layer of the SwitchHead 47M and 262M presets and of their
-dense baselines, fwd+bwd (layer_phases: weights and inputs excluded from the memory), and the
-47M training step (step_phases: forward, backward, clipping, AdamW; the memory counts
+dense baselines, fwd+bwd (layer_phases: weights and inputs excluded from the memory), and
+47M training steps (step_phases: forward, backward, clipping, AdamW; the memory counts
 everything from before the model is built, the costs are the second step's, after AdamW's
 state exists). The SwitchHead layers run once per expert kernel (``KERNELS``): "auto" and every
 registered kernel that runs on CPU tensors ("segment"; "grouped": torch's grouped GEMM;
-"concat": one dense GEMM over every expert, gated; "padded"; "sets"), all forced by name.
+"concat": one dense GEMM over every expert, gated, recomputing its intermediate in the
+backward; "concat_saved": the same, keeping it; "padded"; "sets"), all forced by name.
 "triton" runs on the CPU only in Triton's interpreter, far too slow at these shapes, and is
-left out;
-"reference", "gather", "pairs" and "all" are test and decoding paths; the steps run "auto"
-and "grouped" (``STEP_KERNELS``). Shapes: one sequence; the layers at 64 queries (128 keys
-with the XL memory), the step on the 47M preset's first two blocks and 32 tokens. Every width,
-head and expert count is the preset's; the full 47M step takes tens of seconds per case under
-the meter on two cores and the 262M step minutes (its AdamW state alone is 3 GiB), so the
-262M model is covered by its layer.
+left out; "reference", "gather", "pairs" and "all" are test and decoding paths. Shapes: one
+sequence for the layers, 64 queries (128 keys with the XL memory). The steps: the whole 47M
+models at batch 64 and the preset's 256 tokens under fake tensors, dense and SwitchHead with
+"concat" and "concat_saved" (``FULL_STEP_KERNELS``); and the first two blocks on one sequence
+of 32 tokens with real tensors for "auto" and "grouped" (``STEP_KERNELS``; their dense
+baseline counted fake). Every width, head and expert count is the preset's. The 262M step
+counts under fake tensors too (``Case("step", "wt103-262m-switchhead", 64, 512, "concat",
+fake=True)``), in about three times the 47M step's time: not among the cases the tests run.
 
 Measured with float32, ``THREADS`` intra-op threads (the CPU policy of "auto" reads the thread
 count) and the cases' fixed seeds.
@@ -67,7 +82,12 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 from moeify.bench.attention import layer_phases
 from moeify.bench.step import step_phases
@@ -83,7 +103,7 @@ _MIB = 1024 * 1024
 # The intra-op threads the cases run with: "auto"'s CPU policy pads only with several threads.
 THREADS = 2
 # Expert kernels of the SwitchHead cases (module docstring).
-KERNELS = ("auto", "segment", "grouped", "concat", "padded", "sets")
+KERNELS = ("auto", "segment", "grouped", "concat", "concat_saved", "padded", "sets")
 EXPECTATIONS = Path("tests") / "bench" / "contract_expectations.json"
 
 # ------------------------------------------------------------------------------ the meter
@@ -95,6 +115,7 @@ _DATA_SIZED = {aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
 _READ_BACKS = {aten._local_scalar_dense, aten.equal, aten.is_nonzero}
 # Operators that move no data (besides views): not a kernel launch on a GPU.
 _METADATA = {aten.detach, aten.alias, aten._unsafe_view, aten.lift_fresh, aten._local_scalar_dense,
+             aten.promote_types,
              aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
              aten.is_same_size, aten.set_}
 # A matrix product must have a MAC formula: one without would silently count zero.
@@ -138,6 +159,10 @@ EXTRA_FLOP_FORMULAS = {
 }
 
 
+# Every formula, taking (*args, out_val=output, **kwargs) as FlopCounterMode calls them.
+FLOP_FORMULAS = {**flop_registry, **{k: shape_wrapper(f) for k, f in EXTRA_FLOP_FORMULAS.items()}}
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -164,7 +189,8 @@ class CostMeter(TorchDispatchMode):
 
     def phase(self, name: str) -> None:
         self._cur = {"ops": collections.Counter(), "syncs": collections.Counter(), "kernels": 0,
-                     "allocated": 0, "allocations": 0, "start": self.live, "top": self.live}
+                     "allocated": 0, "allocations": 0, "start": self.live, "top": self.live,
+                     "flops": 0}
         self._phases[name] = self._cur
 
     def read_back(self, what: str) -> None:
@@ -187,16 +213,18 @@ class CostMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        if func.namespace == "profiler":  # record_function's markers: instrumentation
-            return func(*args, **kwargs)
+        if func.namespace in ("profiler", "prim"):  # record_function's markers: instrumentation;
+            return func(*args, **kwargs)            # prim.device: fake tensors' metadata queries
         name = str(packet).removeprefix("aten.")
-        if (_MATMUL_LIKE.search(name) and packet not in FlopCounterMode().flop_registry
-                and packet not in EXTRA_FLOP_FORMULAS):
+        formula = FLOP_FORMULAS.get(packet)
+        if formula is None and _MATMUL_LIKE.search(name):
             raise RuntimeError(f"the cost contract has no MAC formula for {func}; add one to "
                                "moeify.bench.contract.EXTRA_FLOP_FORMULAS")
         inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))
                   if t.device.type != "meta"}
         out = func(*args, **kwargs)
+        if formula is not None:
+            self._cur["flops"] += formula(*args, **kwargs, out_val=out)
         self._cur["ops"][name] += 1
         if not (func.is_view or packet in _METADATA):
             self._cur["kernels"] += 1
@@ -205,7 +233,10 @@ class CostMeter(TorchDispatchMode):
         elif packet in _DATA_SIZED or (packet in (aten.index, aten.index_put, aten.index_put_)
                                        and any(t.dtype == torch.bool for t in _tensors(args[1]))):
             self._cur["syncs"][name] += 1
-        for t in _tensors(out):
+        # lift_fresh hands the dispatcher a tensor made outside it (torch.tensor of a Python
+        # value), whose creation no operator reports: not counted (under fake tensors its
+        # output is a new fake storage, with real ones the same storage).
+        for t in _tensors(out) if packet is not aten.lift_fresh else ():
             st = t.untyped_storage()
             key, nbytes = st._cdata, st.nbytes()
             known = self._sizes.get(key)
@@ -228,8 +259,30 @@ class CostMeter(TorchDispatchMode):
                 "working": p["top"] - p["start"],
                 "sync_ops": dict(sorted(p["syncs"].items())),
                 "op_counts": ops,
+                "macs": p["flops"] // 2,
             }
         return out
+
+
+@contextlib.contextmanager
+def _host_reads_raise(fake: bool):
+    """Under fake tensors, a read of a value (FakeTensorMode's data-dependent-output errors)
+    as ``HostReadUnderFakeTensors``, with what to do."""
+    if not fake:
+        yield
+        return
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise HostReadUnderFakeTensors(
+            f"this case reads tensor data on the host ({e}), which fake tensors do not "
+            "have: count it with real tensors (Case(fake=False)) at a size that is fast "
+            "enough") from None
 
 
 @contextlib.contextmanager
@@ -253,13 +306,45 @@ def _counting_host_reads(meter: CostMeter):
             setattr(torch.Tensor, n, f)
 
 
+class HostReadUnderFakeTensors(RuntimeError):
+    """A case counted under fake tensors read a tensor's value on the host."""
+
+
+@contextlib.contextmanager
+def _fake_mode():
+    """A FakeTensorMode in which every operator runs its shape function only (no arithmetic,
+    no memory): an operator whose output size depends on the data, or a read of a value,
+    raises. torch picks its foreach kernels (gradient clipping, the optimizer's fallback) only
+    for tensors whose Python type it lists; FakeTensor joins those lists while the mode is on,
+    so the same kernels are chosen as for real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    lists = [_foreach_utils._foreach_supported_types, optimizer._foreach_supported_types]
+    for types in lists:
+        types.append(FakeTensor)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            yield mode
+    finally:
+        for types in lists:
+            types.remove(FakeTensor)
+
+
 def measure(setup: Callable[[], dict[str, Callable[[], object]]], *,
-            setup_counted: bool) -> dict:
+            setup_counted: bool, fake: bool = False) -> dict:
     """Run ``setup()`` (which returns ordered phases, name -> callable) and every phase once
     under a CostMeter and FlopCounterMode. ``setup_counted``: whether the setup's storages
     count towards the memory (a training step's weights and optimizer state) or not (one
-    layer's call: only what the call allocates). Returns {"peak": bytes, "phases": {name:
-    costs with "macs"}}."""
+    layer's call: only what the call allocates). ``fake``: everything (the setup included)
+    under fake tensors (``_fake_mode``): the same operators dispatched and counted, the same
+    sizes allocated and freed, and no arithmetic, so a model of any size costs only its
+    operators' dispatch; a case that reads data on the host raises
+    ``HostReadUnderFakeTensors`` (``setup_counted`` only: a layer's inputs would be made
+    outside the mode). Returns {"peak": bytes, "phases": {name: costs with "macs"}}."""
+    if fake and not setup_counted:
+        raise ValueError("fake=True counts the setup too: pass setup_counted=True")
     threads = torch.get_num_threads()
     gc_was = gc.isenabled()
     torch.set_num_threads(THREADS)
@@ -268,16 +353,13 @@ def measure(setup: Callable[[], dict[str, Callable[[], object]]], *,
     try:
         phases = None if setup_counted else setup()
         meter = CostMeter()
-        macs = {}
-        with meter, _counting_host_reads(meter):
+        with (_fake_mode() if fake else contextlib.nullcontext()), meter, \
+                _counting_host_reads(meter), _host_reads_raise(fake):
             if phases is None:
                 phases = setup()
             for name, fn in phases.items():
                 meter.phase(name)
-                flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-                with flops:
-                    fn()
-                macs[name] = flops.get_total_flops() // 2
+                fn()
         costs = meter.costs()
         peak = meter.peak
         del phases, meter
@@ -285,8 +367,6 @@ def measure(setup: Callable[[], dict[str, Callable[[], object]]], *,
         if gc_was:
             gc.enable()
         torch.set_num_threads(threads)
-    for name, m in macs.items():
-        costs[name]["macs"] = m
     return {"peak": peak, "phases": costs}
 
 
@@ -297,7 +377,8 @@ def measure(setup: Callable[[], dict[str, Callable[[], object]]], *,
 class Case:
     """One contract case: a preset's attention layer (fwd+bwd) or its training step at a
     chunk of ``T`` tokens and ``batch`` sequences, with the SwitchHead layers' expert kernel
-    forced (None: a dense model); ``dense``: the case its ratios are to."""
+    forced (None: a dense model); ``dense``: the case its ratios are to; ``fake``: counted
+    under fake tensors (``measure``; steps only)."""
 
     kind: str  # "layer" or "step"
     preset: str
@@ -306,12 +387,14 @@ class Case:
     kernel: str | None = None
     dense: str | None = None
     blocks: int | None = None  # the preset's first blocks only (None: all)
+    fake: bool = False
 
     @property
     def name(self) -> str:
         return " ".join([self.kind, self.preset] + ([self.kernel] if self.kernel else [])
                         + [f"b{self.batch}", f"T{self.T}"]
-                        + ([f"L{self.blocks}"] if self.blocks else []))
+                        + ([f"L{self.blocks}"] if self.blocks else [])
+                        + (["fake"] if self.fake else []))
 
     def config(self) -> ModelConfig:
         cfg = dataclasses.replace(get_preset(self.preset), context_length=self.T)
@@ -342,8 +425,16 @@ def _cases() -> list[Case]:
         out.append(Case("layer", dense, LAYER_BATCH, LAYER_T))
         out += [Case("layer", sh, LAYER_BATCH, LAYER_T, k, dense) for k in _kernels_for(sh)]
     dense, sh = "wt103-47m-dense", "wt103-47m-switchhead"
-    out.append(Case("step", dense, STEP_BATCH, STEP_T, blocks=STEP_BLOCKS))
+    # The dense step under fake tensors, which count what real ones do (a test holds them
+    # equal on a smaller step: tests/bench/test_contract.py), in a tenth of the time.
+    out.append(Case("step", dense, STEP_BATCH, STEP_T, blocks=STEP_BLOCKS, fake=True))
     out += [Case("step", sh, STEP_BATCH, STEP_T, k, dense, STEP_BLOCKS) for k in STEP_KERNELS]
+    for size in FULL_STEP_SIZES:
+        dense, sh = f"wt103-{size}-dense", f"wt103-{size}-switchhead"
+        T = get_preset(dense).context_length
+        out.append(Case("step", dense, FULL_STEP_BATCH, T, fake=True))
+        out += [Case("step", sh, FULL_STEP_BATCH, T, k, dense, fake=True)
+                for k in FULL_STEP_KERNELS]
     return out
 
 
@@ -354,6 +445,11 @@ STEP_BATCH, STEP_T, STEP_BLOCKS = 1, 32, 2
 # The steps run "auto" (the CPU's choice) and "grouped" (the CUDA one); every kernel's own
 # costs are the layers'.
 STEP_KERNELS = ("auto", "grouped")
+# The whole models' steps at the paper's training shape (batch 64, the preset's context),
+# counted under fake tensors (module docstring): the kernels that read nothing on the host.
+FULL_STEP_SIZES = ("47m",)
+FULL_STEP_BATCH = 64
+FULL_STEP_KERNELS = ("concat", "concat_saved")
 CASES = _cases()
 FIELDS = ("macs", "kernels", "ops", "syncs", "allocated", "allocations", "working", "peak")
 
@@ -362,12 +458,14 @@ def run_case(case: Case) -> dict:
     """The case's costs: the measured phase's counters, MACs and memory (module docstring)."""
     cfg_json = case.config().to_json()
     if case.kind == "layer":
+        if case.fake:
+            raise ValueError("a layer case is counted with real tensors (fake=False)")
         res = measure(lambda: {"fwd+bwd": layer_phases(cfg_json, batch=case.batch)["fwd+bwd"]},
                       setup_counted=False)
         costs = res["phases"]["fwd+bwd"]
     elif case.kind == "step":
         res = measure(lambda: step_phases(cfg_json, batch=case.batch, steps=2),
-                      setup_counted=True)
+                      setup_counted=True, fake=case.fake)
         costs = res["phases"]["step 2"]
     else:
         raise ValueError(f"unknown contract case kind {case.kind!r}")

@@ -85,7 +85,9 @@ def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str
     ``COMPILE_MODES``), as the trainer's compile=true does."""
     cfg = ModelConfig.from_json(config_json)
     torch.manual_seed(seed)
-    model = cfg.build().to(device)
+    model = cfg.build()
+    if torch.device(device) != torch.device("cpu"):  # (fake tensors cannot be moved in place)
+        model = model.to(device)
     model.train()
     for mode in compile_modes(compile):
         compile_blocks(model, mode)
