@@ -1,15 +1,27 @@
 """Tiny random Hugging Face checkpoints for the interop tests (tests/interop/): a
 save_pretrained directory with weights far from transformers' default init and a byte-level
-tokenizer.json, and a right-padded batch. transformers is imported by the caller's config."""
+tokenizer.json, and a right-padded batch. Test modules import transformers through
+``hf_transformers`` (offline, or the module skipped without the hf extra)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from moeify.interop.hf_export import byte_level_tokenizer_json
+
+
+def hf_transformers():
+    """transformers, with the Hugging Face libraries kept offline (nothing downloads), or the
+    calling test module skipped where the hf extra is not installed."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return pytest.importorskip("transformers", reason="needs the hf extra: "
+                               "pip install -e '.[hf]' in the checkout")
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:

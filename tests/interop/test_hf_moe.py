@@ -8,22 +8,19 @@ form are refused in one line."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install -e '.[hf]' in the checkout")
+from hf_checkpoints import hf_transformers, padded_batch, randomise, save_checkpoint
+
+transformers = hf_transformers()
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
 from moeify.models.cost import model_parameters  # noqa: E402
 from moeify.rundir import load_trained  # noqa: E402
-from hf_checkpoints import padded_batch, randomise, save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 V = 300
