@@ -60,6 +60,32 @@ def padded_batch(vocab: int, seed: int = 1):
     return ids, mask
 
 
+def imported_logit_diff(hf_model, model, vocab: int) -> float:
+    """The largest logit difference between a transformers model and the moeify model imported
+    from it, over ``padded_batch`` (its valid tokens) and its first row unpadded; the logits are
+    first checked to be far from zero, so that the comparison means something."""
+    ids, mask = padded_batch(vocab)
+    with torch.no_grad():
+        want = hf_model(ids, attention_mask=mask).logits
+        got = model(ids, valid_BT=mask.bool()).logits
+        full = (model(ids[:1]).logits - hf_model(ids[:1]).logits).abs().max()
+    assert want.abs().max() > 1.0
+    return max((got - want)[mask.bool()].abs().max().item(), full.item())
+
+
+def cached_decoding_diff(model, vocab: int) -> float:
+    """The largest logit difference between the full forward pass of a moeify model over the
+    rows of ``padded_batch(vocab, 2)`` and decoding them with its cache (5 tokens, then one by
+    one)."""
+    ids, _ = padded_batch(vocab, 2)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model.new_cache()
+        pieces = [model(ids[:, :5], cache=cache).logits]
+        pieces += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, ids.shape[1])]
+    return (torch.cat(pieces, 1) - full).abs().max().item()
+
+
 def random_run(root: Path, preset: str, seed: int = 0,
                overrides: tuple[str, ...] = ("model.n_layers=2", "model.context_length=32")
                ) -> Path:
