@@ -83,22 +83,26 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from moeify.layers.attention import check_inputs, core_config
-from moeify.layers.attention_core import AttentionCore, check_core_fields
+from moeify.layers.attention import (
+    HeadAttention,
+    check_inputs,
+    core_config,
+    destination_validity,
+    head_projection_params,
+)
+from moeify.layers.attention_core import check_core_fields, check_kv_heads
 from moeify.layers.common import (
     Aux,
     accumulate_usage,
+    check_count,
+    check_flag,
+    check_nonnegative,
     check_positive,
-    destination_validity,
     init_scale,
-    project_by_input,
     register_usage,
     routing_record,
-    trunc_normal_exact_std_,
 )
-from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import router_entropy, topk_balance_loss
 from moeify.ops.routing import selection_logits, top_indices
 
@@ -144,11 +148,8 @@ class MoHConfig:
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "d_head", "n_layers")
         check_core_fields(self, MOH_POSITIONAL)
+        check_count(self, "n_shared", "k")
         H, hs, K = self.n_heads, self.n_shared, self.k
-        for name in ("n_shared", "k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"MoHConfig.{name} must be an integer >= 0, got {v!r}")
         if hs > H:
             raise ValueError(f"MoHConfig.n_shared={hs} exceeds n_heads={H}")
         R = H - hs
@@ -168,16 +169,9 @@ class MoHConfig:
             raise ValueError("MoHConfig: router='query_norm' scores the routed heads by their "
                              "query norms over the norms' spread: it needs at least 2 routed "
                              "heads (n_heads - n_shared >= 2)")
-        if not self.balance_coef >= 0:
-            raise ValueError(f"MoHConfig.balance_coef must be >= 0, got {self.balance_coef}")
-        kv = self.kv_heads
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or H % kv:
-            raise ValueError(f"MoHConfig.n_kv_heads must be a positive divisor of n_heads={H}, "
-                             f"got {self.n_kv_heads!r}")
-        for name in ("qkv_bias", "out_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MoHConfig.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
+        check_nonnegative(self, "balance_coef")
+        check_kv_heads(self)
+        check_flag(self, "qkv_bias", "out_bias")
 
     @property
     def kv_heads(self) -> int:
@@ -210,12 +204,9 @@ class MoHConfig:
     def param_count(self) -> int:
         """Q and O: d·H·d_h each; K and V: d·Hk·d_h each; the biases; the routers; XL adds the
         dense layer's position projection, u, v and scale (the core's)."""
-        D, H, Hk, C = self.d_model, self.n_heads, self.kv_heads, self.d_head
-        n = 2 * D * H * C + 2 * D * Hk * C
-        if self.qkv_bias:
-            n += (H + 2 * Hk) * C
-        if self.out_bias:
-            n += D
+        H, Hk = self.n_heads, self.kv_heads
+        n = head_projection_params(self.d_model, H, Hk, self.d_head, qkv_bias=self.qkv_bias,
+                                   out_bias=self.out_bias)
         n += sum(a * b for a, b in self.router_shapes().values())
         return n + core_config(self, n_heads=H, n_kv_heads=Hk, xl_biases=True).param_count()
 
@@ -223,77 +214,34 @@ class MoHConfig:
         return MoHAttention(self)
 
 
-class MoHAttention(nn.Module):
-    """The attention interface of every moeify attention (docs/interfaces.md)."""
+class MoHAttention(HeadAttention):
+    """The attention interface of every moeify attention (docs/interfaces.md); the heads'
+    weights, their projections and the core are multi-head attention's (HeadAttention)."""
 
     def __init__(self, config: MoHConfig):
-        super().__init__()
-        self.config = c = config
-        D, H, Hk, C = c.d_model, c.n_heads, c.kv_heads, c.d_head
-        self.w_q = nn.Parameter(torch.empty(D, H * C))
-        self.w_k = nn.Parameter(torch.empty(D, Hk * C))
-        self.w_v = nn.Parameter(torch.empty(D, Hk * C))
-        self.w_o = nn.Parameter(torch.empty(H * C, D))
-        if c.qkv_bias:
-            self.bias_q = nn.Parameter(torch.zeros(H * C))
-            self.bias_k = nn.Parameter(torch.zeros(Hk * C))
-            self.bias_v = nn.Parameter(torch.zeros(Hk * C))
-        if c.out_bias:
-            self.bias_o = nn.Parameter(torch.zeros(D))
-        for name, shape in c.router_shapes().items():
-            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
-        self.core = AttentionCore(core_config(c, n_heads=H, n_kv_heads=Hk, xl_biases=True))
-        self._weight_memo: dict = {}  # fused projection weights (project_by_input)
+        c = config
+        super().__init__(c, n_kv_heads=c.kv_heads, qkv_bias=c.qkv_bias, out_bias=c.out_bias,
+                         extra=c.router_shapes())
         if c.n_routed:
             register_usage(self, "usage", (c.n_routed,))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Heads as the dense layer: trunc-normal (±2 std) rescaled to std s/sqrt(fan_in);
-        biases zero; routers N(0, s²/d) (module docstring, deviation 1)."""
+        """Heads as the dense layer (``reset_heads``); routers N(0, s²/d) (module docstring,
+        deviation 1)."""
         c = self.config
-        s = init_scale(c.n_layers)
-        for w in (self.w_q, self.w_k, self.w_v, self.w_o) + (
-                (self.core.w_pos,) if c.pos == "xl" else ()):
-            trunc_normal_exact_std_(w, s / math.sqrt(w.shape[0]))
-        for name in ("bias_q", "bias_k", "bias_v", "bias_o"):
-            if hasattr(self, name):
-                getattr(self, name).zero_()
+        self.reset_heads()
         for name in c.router_shapes():
-            getattr(self, name).normal_(0.0, s / math.sqrt(c.d_model))
+            getattr(self, name).normal_(0.0, init_scale(c.n_layers) / math.sqrt(c.d_model))
         self.core.reset_parameters()
 
-    def new_cache(self) -> KVCache:
-        return KVCache()
-
-    def param_count(self) -> int:
-        return self.config.param_count()
-
     # ------------------------------------------------------------------------------------------
-
-    def _qkv(self, q_BTD, kv_BSD):
-        """Q [B, H, T, C], K and V [B, Hk, S, C]; with RoPE the value keeps its own matmul
-        (moeify.layers.common.project_by_input)."""
-        c = self.config
-        src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        B, T, _ = q_BTD.shape
-        S = src_BSD.shape[1]
-        H, Hk, C = c.n_heads, c.kv_heads, c.d_head
-        proj = project_by_input([("q", q_BTD, self.w_q), ("k", src_BSD, self.w_k)]
-                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]),
-                                self._weight_memo)
-        q, k = proj["q"], proj["k"]
-        v = proj["v"] if "v" in proj else src_BSD @ self.w_v
-        if c.qkv_bias:
-            q, k, v = q + self.bias_q, k + self.bias_k, v + self.bias_v
-        return (q.view(B, T, H, C).transpose(1, 2), k.view(B, S, Hk, C).transpose(1, 2),
-                v.view(B, S, Hk, C).transpose(1, 2))
 
     def _route(self, x_MD, q_BHTC):
         """The gates g [M, H] (float32, float64 for float64 inputs) and, with routed heads, the
         router probabilities probs_MR, the kept heads idx_MK and their gates gates_MK (Eqs. 5-6;
-        module docstring for the two weightings and the query-norm router)."""
+        the query-norm router's Eq. 9; module docstring for the two weightings)."""
         c = self.config
         hs, R, K = c.n_shared, c.n_routed, c.k
         M = x_MD.shape[0]
