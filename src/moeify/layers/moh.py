@@ -1,24 +1,24 @@
-"""MoH, Mixture-of-Head attention (Jin, Zhu, Yuan, Yan, ICML 2025, arXiv 2410.11842, Sec. 3).
+"""MoH, Mixture-of-Head attention (Jin, Zhu, Yuan, Yan, ICML 2025, arXiv 2410.11842v3, Sec. 3).
 
-Multi-head attention written as a sum over heads (Sec. 3.1: MultiHead(X, X') = Σ_i H^i W_O^i,
-H^i the i-th head's attention output) becomes a weighted sum in which each token activates only
-some heads (Sec. 3.2):
+Multi-head attention written as a sum over heads (Sec. 3.1, Eq. 3: MultiHead(X, X') =
+Σ_i H^i W_O^i, H^i the i-th head's attention output, W_O^i its rows of W_O) becomes a weighted
+sum in which each token activates only some heads (Sec. 3.2, "Mixture-of-Head Attention"):
 
     MoH(X, X') = Σ_i g_i H^i W_O^i                                   Eq. 4 (per token x_t)
 
 The first h_s heads are *shared* (always active); of the other h - h_s *routed* heads each token
-keeps the Top-K. Two-stage routing (Eqs. 5-6), per token x_t:
+keeps the Top-K. Two-stage routing, per token x_t:
 
-    g_i = α1 · Softmax(W_s x_t)_i     1 <= i <= h_s                  shared heads
-    g_i = α2 · Softmax(W_r x_t)_i     if (W_r x_t)_i ∈ Top-K over the routed heads
-    g_i = 0                           otherwise
-    [α1, α2] = Softmax(W_h x_t)                                      W_h: [2, d]
+    g_i = α1 · Softmax(W_s x_t)_i          1 <= i <= h_s             Eq. 5, shared heads
+    g_i = α2 · Softmax(W_r x_t)_{i-h_s}    if (W_r x_t)_{i-h_s} ∈ Top-K (routed heads)
+    g_i = 0                                otherwise
+    [α1, α2] = Softmax(W_h x_t)                                      Eq. 6, W_h: [2, d_in]
 
-and the load-balance loss over the routed heads (Sec. 3.2, "Load Balance Loss"; Eq. 7 with
-β = 0.01, the paper's appendix tables):
+and the load-balance loss over the routed heads (Eq. 7), added to the task loss with weight β
+(Eq. 8: L = L_task + β L_b, β = 0.01 for all tasks):
 
-    L_b = Σ_{routed i} f_i P_i,   f_i = (1/T) Σ_t 1(x_t selects head i),
-                                  P_i = (1/T) Σ_t Softmax(W_r x_t)_i
+    L_b = Σ_{i=h_s+1}^{h} P_i f_i,   f_i = (1/T) Σ_t 1(x_t selects head i),
+                                     P_i = (1/T) Σ_t Softmax(W_r x_t)_{i-h_s}
 
 ``weights="authors"`` (the default) computes the gates as the authors' code does
 (SkyworkAI/MoH, MoH-ViT/attention.py and MoH-DiT/models.py ``MoHAttention``): the kept routed
@@ -34,20 +34,25 @@ routed heads (Switch Transformer's N·Σ f P; f_i sums to K over the routed head
 the valid (non-padding) tokens, present whenever ``balance_coef`` and a routed head exist (the
 authors' code adds it in training mode only).
 
-``router="query_norm"`` is the authors' MoH-LLaMA3-8B router (MoH-LLaMA3/Inference_code/
-modeling_llama.py, the model the paper continue-tunes from LLaMA3-8B, Sec. 4.4): no router
-weights; routed head i scores ‖q_t,i‖ (its query before RoPE) divided by the standard deviation
-(unbiased) of those norms over the routed heads, Softmax, Top-K, and the gates are 1 for the
-shared and the selected heads, 0 otherwise (no weighted sum, as the released code). The balance
-loss uses those softmax probabilities.
+``router="query_norm"`` is the router of the paper's continue-tuned LLaMA3-8B (Sec. 4.4: the
+first 16 of each layer's 32 heads shared, a parameter-free router from the ℓ2 norm of each
+head's query) as the authors' MoH-LLaMA3 code computes it (MoH-LLaMA3/Inference_code/
+modeling_llama.py): routed head i scores ‖q_t,i‖ (its query before RoPE) divided by the standard
+deviation (unbiased) of those norms over the routed heads, Softmax, Top-K, and the gates are
+quantised: 1 for the shared and the selected heads, 0 otherwise (Eq. 9; no weighted sum). The
+balance loss uses those softmax probabilities. The paper trains through the quantisation with a
+straight-through estimator (Eq. 10); moeify's quantised gates carry no gradient, as in the
+released inference code (deviation 5).
 
 Everything else is multi-head attention as moeify's dense layer computes it: Q for every head,
 K and V for ``n_kv_heads`` heads (grouped-query attention when fewer, as LLaMA3), optional
 biases (imported checkpoints), positions / masks / cache / dropout in the attention core
 (moeify.layers.attention_core), W_O of every head applied to the gated head outputs. Every head
 is computed for every token, as in the authors' code: the gates zero the inactive heads'
-outputs, so the layer's executed MACs are the dense layer's plus the routers', while
-moeify.models.cost counts what a head-sparse kernel would execute (the paper's activated heads).
+outputs, so the layer executes the dense layer's MACs plus the routers' and the gates', which is
+what moeify.models.cost counts as its MACs. The paper's inference speed-up (Table 7) comes from
+a sparse matrix multiplication over the activated heads only; the cost reports those
+activated-head MACs as a separate figure.
 
 Decoding: the routing of token t depends on x_t alone, and every head's key and value is cached
 for every token, so cached decoding equals the full forward pass.
@@ -62,8 +67,9 @@ routed_head=K, head_dim=C)`` (their ``qkv`` is one nn.Linear with output [3, H, 
 Their attention is bidirectional with no positions (ViT / DiT): moeify's ``pos="none"`` with
 ``causal=False`` computes the same. To their MoH-LLaMA3 ``LlamaAttention`` (h_s = h/2, K = h/4):
 w_q, w_k, w_v, w_o = q_proj.weight.T, k_proj.weight.T, v_proj.weight.T, o_proj.weight.T with
-``router="query_norm"``, ``n_kv_heads`` = num_key_value_heads, ``rope_fraction=1.0``. tests/layers/test_moh.py holds the layer to an independent
-transcription of Eqs. 4-7 (tests/references.py ``ref_moh``) in float64, outputs and gradients.
+``router="query_norm"``, ``n_kv_heads`` = num_key_value_heads, ``rope_fraction=1.0``.
+tests/layers/test_moh.py holds the layer to an independent transcription of Eqs. 4-7 and 9
+(tests/references.py ``ref_moh``) in float64, outputs and gradients.
 
 Deviations: (1) initialisation: every head as moeify's dense layer (trunc-normal, std
 s/sqrt(fan_in), s = sqrt(2/L)), routers N(0, s²/d); the authors' routers take their model's
@@ -71,7 +77,8 @@ Linear init (xavier-uniform in DiT, trunc-normal 0.02 in ViT). (2) Router probab
 softmaxes in float32 (float64 for float64 inputs) of logits in the input's precision (float32
 under autocast), as moeify's other routers. (3) Top-K ties go to the lowest head index
 (moeify.ops.routing.top_indices); torch.topk leaves them unspecified. (4) The balance loss
-leaves padding out.
+leaves padding out. (5) The query-norm router's gates (Eq. 9) have no straight-through gradient
+(Eq. 10): the query norms get the routing's gradient from the balance loss alone.
 
 Shape legend: B batch, T query tokens, S source tokens, D d_model, H heads (h), Hk key/value
 heads, C d_head, R routed heads (h - h_s), K routed heads kept per token, M = B·T tokens.
@@ -120,7 +127,7 @@ class MoHConfig:
                   conversion: routed heads scored by their query norms, binary gates).
     weights:      "authors" (their code's renormalised and rescaled gates) or "paper" (Eqs.
                   5-6 as printed); learned router only.
-    balance_coef: β of the load-balance loss (0.01 in the paper).
+    balance_coef: β of the load-balance loss (Eq. 8; 0.01 for all the paper's tasks).
     n_kv_heads:   key/value heads (None: n_heads); fewer is grouped-query attention.
     qkv_bias / out_bias: biases of the Q, K, V projections / of the output projection.
     pos:          "rope", "xl", "none" or "absolute" (the model's learned positions).
@@ -260,7 +267,7 @@ class MoHAttention(HeadAttention):
             idx_MK = top_indices(probs_MR.detach(), K)
             kept_MK = probs_MR.gather(-1, idx_MK)
             if c.router == "query_norm":
-                gates_MK = torch.ones_like(kept_MK)  # binary gates (MoH-LLaMA3)
+                gates_MK = torch.ones_like(kept_MK)  # Eq. 9's quantised gates (MoH-LLaMA3)
             elif authors:
                 # renormalised over the Top-K, times K (their clamp at eps kept)
                 denom = kept_MK.sum(-1, keepdim=True).clamp_min(torch.finfo(kept_MK.dtype).eps)
@@ -291,8 +298,8 @@ class MoHAttention(HeadAttention):
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
-        """docs/interfaces.md. ``aux.losses["balance"]``: β·L_b (routed heads and a non-zero
-        coefficient); ``aux.routing["router"]``: the kept routed heads, counts [1, h - h_s]
+        """docs/interfaces.md. ``aux.losses["balance"]``: β·L_b (Eqs. 7-8; routed heads and a
+        non-zero coefficient); ``aux.routing["router"]``: the kept routed heads, counts [1, h - h_s]
         (valid tokens only; also added to the ``usage`` buffer in training mode);
         ``aux.stats["router_entropy"]``."""
         c = self.config
