@@ -336,8 +336,8 @@ def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors"
     ``weights="authors"`` applies the authors' code's factors on top: routed gates renormalised
     over the Top-K and times K, shared times h_s, α times 2 (h_s = 1: the shared softmax is 1).
     ``router="query_norm"`` (Sec. 4.4, as their MoH-LLaMA3 code computes it): routed head
-    scores ‖q_i‖ / std(‖q‖), gates quantised to 1 for the shared and the Top-K heads (Eq. 9;
-    no straight-through gradient, Eq. 10, as the layer). Returns (g [H], the routed softmax
+    scores ‖q_i‖ / std(‖q‖), gates quantised to 1 for the shared and the Top-K heads (Eq. 9),
+    a Top-K head's gate with the gradient of its softmax probability (Eq. 10, straight-through). Returns (g [H], the routed softmax
     [R], the Top-K set)."""
     H = q_HC.shape[0]
     R = H - n_shared
@@ -354,7 +354,7 @@ def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors"
         kept_sum = sum(probs[i] for i in chosen)
         for i in chosen:
             if router == "query_norm":
-                g[n_shared + i] = torch.ones((), dtype=x_D.dtype)
+                g[n_shared + i] = 1 + (probs[i] - probs[i].detach())  # Eqs. 9-10
             elif weights == "authors":
                 g[n_shared + i] = probs[i] / kept_sum * k
             else:

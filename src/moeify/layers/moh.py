@@ -40,9 +40,10 @@ head's query) as the authors' MoH-LLaMA3 code computes it (MoH-LLaMA3/Inference_
 modeling_llama.py): routed head i scores ‖q_t,i‖ (its query before RoPE) divided by the standard
 deviation (unbiased) of those norms over the routed heads, Softmax, Top-K, and the gates are
 quantised: 1 for the shared and the selected heads, 0 otherwise (Eq. 9; no weighted sum). The
-balance loss uses those softmax probabilities. The paper trains through the quantisation with a
-straight-through estimator (Eq. 10); moeify's quantised gates carry no gradient, as in the
-released inference code (deviation 5).
+balance loss uses those softmax probabilities. As the paper trains (Eq. 10, a straight-through
+estimator), a selected head's gate passes its gradient on to the real-valued score, the head's
+softmax probability: the forward value is exactly 1, ``1 + (p - p.detach())``. The released
+inference code's gates are constant, which gives the same outputs.
 
 Everything else is multi-head attention as moeify's dense layer computes it: Q for every head,
 K and V for ``n_kv_heads`` heads (grouped-query attention when fewer, as LLaMA3), optional
@@ -77,8 +78,7 @@ Linear init (xavier-uniform in DiT, trunc-normal 0.02 in ViT). (2) Router probab
 softmaxes in float32 (float64 for float64 inputs) of logits in the input's precision (float32
 under autocast), as moeify's other routers. (3) Top-K ties go to the lowest head index
 (moeify.ops.routing.top_indices); torch.topk leaves them unspecified. (4) The balance loss
-leaves padding out. (5) The query-norm router's gates (Eq. 9) have no straight-through gradient
-(Eq. 10): the query norms get the routing's gradient from the balance loss alone.
+leaves padding out.
 
 Shape legend: B batch, T query tokens, S source tokens, D d_model, H heads (h), Hk key/value
 heads, C d_head, R routed heads (h - h_s), K routed heads kept per token, M = B·T tokens.
@@ -267,7 +267,8 @@ class MoHAttention(HeadAttention):
             idx_MK = top_indices(probs_MR.detach(), K)
             kept_MK = probs_MR.gather(-1, idx_MK)
             if c.router == "query_norm":
-                gates_MK = torch.ones_like(kept_MK)  # Eq. 9's quantised gates (MoH-LLaMA3)
+                # Eq. 9's quantised gates, exactly 1 forward; Eq. 10's straight-through gradient
+                gates_MK = 1 + (kept_MK - kept_MK.detach())
             elif authors:
                 # renormalised over the Top-K, times K (their clamp at eps kept)
                 denom = kept_MK.sum(-1, keepdim=True).clamp_min(torch.finfo(kept_MK.dtype).eps)
