@@ -64,8 +64,7 @@ def _add_expert_matmul(bsub) -> None:
     em.add_argument("--profile", action="store_true",
                     help="also profile one call of each case after the timing: the kernels it "
                     "launches (on CUDA; operations on the CPU), their count and time shares")
-    em.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    em.set_defaults(func=run_expert_matmul)
+    _output_and_run(em, run_expert_matmul)
 
 
 def _add_attention(bsub) -> None:
@@ -177,8 +176,7 @@ def _add_contract(bsub) -> None:
     co.add_argument("--write", action="store_true",
                     help="write the results to tests/bench/contract_expectations.json (under the "
                     "current directory: run it from the repository root)")
-    co.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    co.set_defaults(func=run_contract)
+    _output_and_run(co, run_contract)
 
 
 def run_contract(args) -> int:
@@ -222,6 +220,12 @@ def _device_options(p, *, dtype_help: str) -> None:
                    help=dtype_help)
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
+
+
+def _output_and_run(p, run) -> None:
+    """--json (instead of the table) and the function that runs the bench."""
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
 
 
 def _presets_option(p, help: str) -> None:
