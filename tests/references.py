@@ -159,6 +159,23 @@ def ref_expert_matmul_grads(x, idx, w, gates, groups=1, sum_rows=1, batch=None, 
     grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
     return y.detach(), g, grads
 
+
+def assert_kernel_matches_reference(impl, M, K, E, D, F, *, groups, sum_rows, gated, seed=0):
+    """Expert-matmul kernel ``impl`` on ``routed_inputs(M, K, E, D, F)`` under one contract
+    (``groups``, ``sum_rows``, gated or not): its output and its x, w and gate gradients equal
+    ``ref_expert_matmul_grads``'."""
+    from moeify.ops.moe import expert_matmul
+
+    x, idx, w, gates = routed_inputs(M, K, E, D, F, gated=gated, seed=seed)
+    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
+                                                   sum_rows=sum_rows)
+    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
+                      sum_rows=sum_rows, impl=impl)
+    torch.testing.assert_close(y, want)
+    for got, ref in zip(torch.autograd.grad(y, inputs, gy), want_grads):
+        torch.testing.assert_close(got, ref)
+
 def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None,
                   n_groups=1, unit=None):
     """The one input factory of the expert-matmul tests: x [M, D], expert ids [M, K], w [E, D, F]
