@@ -16,10 +16,11 @@ output is the
   formula 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))) (Hendrycks & Gimpel 2016).
 - Default positions (SwitchHead Eq. 7-10, XL memory): queries are the last T of the S sources
   [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
-- MoH (Jin et al., ICML 2025, arXiv 2410.11842, Sec. 3.2, Eqs. 4-7): y_t = Σ_i g_i H^i_t W_O^i,
-  every head written out on its own; the gates of Eqs. 5-6 one token at a time (shared heads
-  α1 · Softmax(W_s x), the Top-K routed heads α2 · Softmax(W_r x), [α1, α2] = Softmax(W_h x)),
-  with the authors' code's factors as a separate, named step; the balance loss E Σ f_i P_i.
+- MoH (Jin et al., ICML 2025, arXiv 2410.11842v3, Sec. 3.2, Eqs. 4-7): y_t = Σ_i g_i H^i_t
+  W_O^i, every head written out on its own; the gates of Eqs. 5-6 one token at a time (shared
+  heads α1 · Softmax(W_s x), the Top-K routed heads α2 · Softmax(W_r x), [α1, α2] =
+  Softmax(W_h x)), with the authors' code's factors as a separate, named step; the query-norm
+  router's gates quantised to 1 (Sec. 4.4, Eq. 9); the balance loss E Σ f_i P_i (Eq. 7).
 
 - Mixture-of-Recursions (Bae et al., NeurIPS 2025, arXiv 2507.10524, Sec. 2.2.1): expert-choice
   (Eq. 2): at step r, g_t = alpha * sigmoid(theta_r . H_t) (or alpha * tanh); the step keeps the
@@ -164,6 +165,23 @@ def ref_expert_matmul_grads(x, idx, w, gates, groups=1, sum_rows=1, batch=None, 
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
     return y.detach(), g, grads
+
+
+def assert_kernel_matches_reference(impl, M, K, E, D, F, *, groups, sum_rows, gated, seed=0):
+    """Expert-matmul kernel ``impl`` on ``routed_inputs(M, K, E, D, F)`` under one contract
+    (``groups``, ``sum_rows``, gated or not): its output and its x, w and gate gradients equal
+    ``ref_expert_matmul_grads``'."""
+    from moeify.ops.moe import expert_matmul
+
+    x, idx, w, gates = routed_inputs(M, K, E, D, F, gated=gated, seed=seed)
+    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
+                                                   sum_rows=sum_rows)
+    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
+                      sum_rows=sum_rows, impl=impl)
+    torch.testing.assert_close(y, want)
+    for got, ref in zip(torch.autograd.grad(y, inputs, gy), want_grads):
+        torch.testing.assert_close(got, ref)
 
 def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None,
                   n_groups=1, unit=None):
@@ -336,13 +354,15 @@ def assert_same_outputs_and_gradients(y, y_ref, x, x_ref, params, refs):
 
 def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors", w_r=None,
                   w_s=None, w_h=None):
-    """MoH's routing scores g_i of one token (Jin et al. 2025, arXiv 2410.11842, Sec. 3.2):
-    Eq. 5 g_i = α1 Softmax(W_s x)_i for the h_s shared heads, α2 Softmax(W_r x)_i for the
-    Top-K routed heads, 0 for the others; Eq. 6 [α1, α2] = Softmax(W_h x). ``weights="authors"``
-    applies the authors' code's factors on top: routed gates renormalised over the Top-K and
-    times K, shared times h_s, α times 2 (h_s = 1: the shared softmax is 1). ``router=
-    "query_norm"`` (their MoH-LLaMA3 code): routed head scores ‖q_i‖ / std(‖q‖), gates 1 for the
-    shared and the Top-K heads. Returns (g [H], the routed softmax [R], the Top-K set)."""
+    """MoH's routing scores g_i of one token (Jin et al. 2025, arXiv 2410.11842v3, Sec. 3.2):
+    Eq. 5 g_i = α1 Softmax(W_s x)_i for the h_s shared heads, α2 Softmax(W_r x)_{i-h_s} for
+    the Top-K routed heads, 0 for the others; Eq. 6 [α1, α2] = Softmax(W_h x).
+    ``weights="authors"`` applies the authors' code's factors on top: routed gates renormalised
+    over the Top-K and times K, shared times h_s, α times 2 (h_s = 1: the shared softmax is 1).
+    ``router="query_norm"`` (Sec. 4.4, as their MoH-LLaMA3 code computes it): routed head
+    scores ‖q_i‖ / std(‖q‖), gates quantised to 1 for the shared and the Top-K heads (Eq. 9),
+    a Top-K head's gate with the gradient of its softmax probability (Eq. 10, straight-through). Returns (g [H], the routed softmax
+    [R], the Top-K set)."""
     H = q_HC.shape[0]
     R = H - n_shared
     g = [0.0] * H
@@ -358,7 +378,7 @@ def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors"
         kept_sum = sum(probs[i] for i in chosen)
         for i in chosen:
             if router == "query_norm":
-                g[n_shared + i] = torch.ones((), dtype=x_D.dtype)
+                g[n_shared + i] = 1 + (probs[i] - probs[i].detach())  # Eqs. 9-10
             elif weights == "authors":
                 g[n_shared + i] = probs[i] / kept_sum * k
             else:
@@ -384,8 +404,9 @@ def ref_moh(x_BTD, w_q_HDC, w_k_GDC, w_v_GDC, w_o_HCD, *, n_shared, k, router="l
     """MoH attention (Eq. 4): y_t = Σ_i g_i H^i_t W_O^i (+ b_O), every head H^i the causal (or
     bidirectional) softmax attention of its own query over key/value head i // (H / G) (G key /
     value heads), RoPE on the first ``n_rot`` channels, gates from ``ref_moh_gates`` one token
-    at a time; and the authors' load-balance loss E Σ_i f_i P_i over the routed heads (f_i the
-    fraction of tokens choosing head i, P_i the mean routed softmax). Returns (y, loss or None)."""
+    at a time; and the authors' load-balance loss E Σ_i f_i P_i over the routed heads (Eq. 7
+    times E; f_i the fraction of tokens choosing head i, P_i the mean routed softmax), before
+    β (Eq. 8). Returns (y, loss or None)."""
     B, T, D = x_BTD.shape
     H, _, C = w_q_HDC.shape
     G = w_k_GDC.shape[0]

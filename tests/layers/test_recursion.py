@@ -329,7 +329,7 @@ def test_kv_sharing_compiles_as_one_graph_equal_to_eager():
     (dict(alpha=0.0), "alpha"),
     (dict(lossfree_rate=1e-3), "token-choice"),
     (dict(routing="token", lossfree_rate=-1.0), "lossfree_rate"),
-    (dict(kv_sharing=1), "kv_sharing must be true or false"),
+    (dict(kv_sharing=1), "kv_sharing must be True or False"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):

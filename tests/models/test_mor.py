@@ -153,7 +153,7 @@ def test_kv_sharing_is_a_field_and_refuses_attention_it_does_not_cover():
     assert cfg.recursion.kv_sharing is True
     assert ModelConfig.from_json(cfg.to_json()) == cfg
     assert len(cfg.build().blocks[1].new_cache().caches) == 1
-    with pytest.raises(ValueError, match="kv_sharing must be true or false"):
+    with pytest.raises(ValueError, match="kv_sharing must be True or False"):
         MoRConfig(d_model=8, kv_sharing="yes")
     from moeify.layers.switchhead import SwitchHeadConfig
     sh = SwitchHeadConfig(d_model=128, n_heads=2, d_head=64, n_experts=4, k=2, pos="rope",

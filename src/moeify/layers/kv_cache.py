@@ -17,6 +17,19 @@ The cache does not detach: decoding normally runs under torch.no_grad().
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+
+class KVCacheAttention(nn.Module):
+    """The base of the attention layers that decode with a ``KVCache`` (dense, grouped-query,
+    SwitchHead, MoA, MoH): ``new_cache`` and ``param_count`` (the config's formula), the rest
+    of the attention interface (docs/interfaces.md) their own."""
+
+    def new_cache(self) -> "KVCache":
+        return KVCache()
+
+    def param_count(self) -> int:
+        return self.config.param_count()
 
 
 class KVCache:

@@ -108,6 +108,7 @@ from torch import nn
 
 from moeify.layers.common import (
     Aux,
+    check_flag,
     check_nonnegative,
     check_positive,
     check_token_input,
@@ -116,13 +117,8 @@ from moeify.layers.common import (
 )
 from moeify.layers.kv_cache import SharedKVCache
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
-from moeify.ops.depth_routing import (
-    causal_route,
-    causal_rule_stats,
-    gather_tokens,
-    membership_bce,
-    scatter_tokens,
-)
+from moeify.ops.depth_routing import (causal_route, causal_rule_stats, gather_tokens,
+                                     membership_bce, scatter_tokens)
 from moeify.ops.recursion_routing import (
     EXPERT_GATES,
     TOKEN_GATES,
@@ -192,9 +188,7 @@ class MoRConfig:
         if self.gate is not None and self.gate not in gates:
             raise ValueError(f"MoRConfig.gate for {self.routing}-choice routing must be one of "
                              f"{gates}, got {self.gate!r}")
-        if not isinstance(self.kv_sharing, bool):
-            raise ValueError(f"MoRConfig.kv_sharing must be true or false, "
-                             f"got {self.kv_sharing!r}")
+        check_flag(self, "kv_sharing")
         check_nonnegative(self, "aux_coef", "balance_coef", "lossfree_rate")
         if self.lossfree_rate and self.routing != "token":
             raise ValueError("MoRConfig.lossfree_rate balances token-choice depths; set it to 0 "

@@ -53,14 +53,21 @@ def format_count(x: int | float) -> str:
 
 @dataclass(frozen=True)
 class AttentionCost:
-    """MACs and memory (floats held) of one attention layer for one sequence of T tokens."""
+    """MACs and memory (floats held) of one attention layer for one sequence of T tokens: what
+    moeify's layer executes. ``activated_head_macs``: for MoH, what a kernel computing only each
+    token's activated heads would execute (the paper's measure; ``moh_cost``), else None."""
 
     macs: int
     memory: int
+    activated_head_macs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"macs": self.macs, "memory": self.memory,
-                "macs_str": format_count(self.macs), "memory_str": format_count(self.memory)}
+        out = {"macs": self.macs, "memory": self.memory,
+               "macs_str": format_count(self.macs), "memory_str": format_count(self.memory)}
+        if self.activated_head_macs is not None:
+            out["activated_head_macs"] = self.activated_head_macs
+            out["activated_head_macs_str"] = format_count(self.activated_head_macs)
+        return out
 
 
 def _positive(**values: int) -> None:
@@ -169,27 +176,36 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
 
 
 def moh_cost(cfg: MoHConfig, *, T: int, C: int) -> AttentionCost:
-    """MoH (arXiv 2410.11842), in the terms of ``dense_attention_cost`` with the A = h_s + K
-    heads a token activates: their Q and O projections (2·d·A·d_h per token) and attention
-    (2·A·d_h·C·T per token), every head's K and V (2·d·Hk·d_h: a later token may activate any
-    head), the routers (W_r, W_s, W_h: (R + h_s + 2)·d when all exist; the query-norm router
-    R·d_h) and the gates (A·d_h). XL replaces H by A in the dense layer's position term. This
-    counts what a head-sparse kernel executes, the paper's activated heads; moeify's layer
-    computes every head (moeify.layers.moh), i.e. the dense layer's MACs plus the routers'. Our
-    accounting: the paper prints no MAC formula."""
+    """MoH (arXiv 2410.11842; moeify.layers.moh), in the terms of ``gqa_cost``. moeify's layer
+    computes every head, as the authors' code does, so its MACs and memory are those of
+    grouped-query attention with H heads (Hk key/value heads; XL adds the dense layer's
+    position term 2·H·d·T·d_h·C) plus, per token, the routers (W_r, W_s, W_h: (R + h_s + 2)·d
+    when all exist; the query-norm router R·d_h, the query norms) and the gates (H·d_h, every
+    head's output times its gate); memory adds the router scores (R + h_s + 2, or R, per
+    token).
+
+    ``activated_head_macs`` counts what a kernel computing only the A = h_s + K heads each
+    token activates would execute, the paper's measure (its Table 7 times such a sparse
+    matrix multiplication): the Q and O projections (2·d·A·d_h per token), the attention
+    (2·A·d_h·C·T per token) and XL's position term of those A heads, every head's K and V
+    (2·d·Hk·d_h: a later token may activate any head), the routers, and the A gates (A·d_h).
+    Our accounting: the paper prints no MAC formula."""
     d, H, Hk, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_head
     _positive(d_model=d, n_heads=H, d_head=dh, T=T, C=C)
-    A = cfg.active_heads
     shapes = cfg.router_shapes()
-    router = sum(rows for rows, _ in shapes.values()) * d if cfg.router == "learned" \
-        else cfg.n_routed * dh
-    macs = 2 * A * dh * C * T * T + 2 * d * (A + Hk) * dh * T + router * T + A * dh * T
-    mem = 2 * A * C * T * T + 2 * (A + Hk) * dh * T + (sum(r for r, _ in shapes.values())
-                                                       or cfg.n_routed) * T
-    if cfg.pos == "xl":
-        macs += 2 * A * d * T * dh * C
-        mem += 2 * A * T * dh * C
-    return AttentionCost(macs, mem)
+    rows = sum(r for r, _ in shapes.values())
+    router = rows * d if cfg.router == "learned" else cfg.n_routed * dh
+
+    def heads(n: int) -> tuple[int, int]:
+        """MACs and memory with n query heads computed (gqa_cost, XL, routers, gates)."""
+        base = gqa_cost(d_model=d, n_heads=n, n_kv_heads=Hk, d_head=dh, T=T, C=C)
+        macs, mem = base.macs + router * T + n * dh * T, base.memory + (rows or cfg.n_routed) * T
+        if cfg.pos == "xl":
+            macs, mem = macs + 2 * n * d * T * dh * C, mem + 2 * n * T * dh * C
+        return macs, mem
+
+    macs, mem = heads(H)
+    return AttentionCost(macs, mem, activated_head_macs=heads(cfg.active_heads)[0])
 
 
 def mosa_paper_flops(*, n_layers: int, d_model: int, d_head: int, T: int, n_dense_heads: int,
