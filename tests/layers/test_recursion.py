@@ -35,9 +35,9 @@ def _stack(m=2):
                          DenseFFConfig(d_model=D, d_ff=16).build()) for _ in range(m))
 
 
-def _mor(seed=0, w_std=0.5, **kw):
+def _mor(seed=0, w_std=0.5, m=2, **kw):
     torch.manual_seed(seed)
-    mor = MoRConfig(d_model=D, **kw).build(_stack()).double().train()
+    mor = MoRConfig(d_model=D, **kw).build(_stack(m)).double().train()
     with torch.no_grad():
         mor.w_router.normal_(0.0, w_std)  # scores well apart: no near-ties in the top-k
         if kw.get("kv_sharing"):  # LayerNorm affine away from (1, 0), which the reference sees
@@ -305,7 +305,7 @@ def test_a_shared_kv_cache_reads_a_filled_one_and_stores_nothing():
 def test_kv_sharing_compiles_as_one_graph_equal_to_eager():
     # the first step's caches are made inside the forward; fullgraph raises on a graph break
     torch._dynamo.reset()
-    eager = _mor(n_recursions=2, aux_coef=0.01, kv_sharing=True)
+    eager = _mor(n_recursions=2, m=1, aux_coef=0.01, kv_sharing=True)
     compiled = copy.deepcopy(eager)
     compiled.compile(fullgraph=True, backend="aot_eager")
     x = torch.randn(2, 9, D, dtype=torch.float64)
