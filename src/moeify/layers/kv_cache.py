@@ -170,40 +170,18 @@ class SharedKVCache:
     def __init__(self, source: KVCache) -> None:
         self.source = source
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.source.keys
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.source.values
-
-    @property
-    def positions(self) -> torch.Tensor | None:
-        return self.source.positions
-
-    @property
-    def valid(self) -> torch.Tensor | None:
-        return self.source.valid
-
-    @property
-    def length(self) -> int:
-        return self.source.length
+    # read through to the source (KVCache's properties)
+    keys = property(lambda self: self.source.keys)
+    values = property(lambda self: self.source.values)
+    positions = property(lambda self: self.source.positions)
+    valid = property(lambda self: self.source.valid)
+    length = property(lambda self: self.source.length)
+    contiguous = property(lambda self: self.source.contiguous)
+    all_valid = property(lambda self: self.source.all_valid)
+    derived = property(lambda self: self.source.derived)
 
     def __len__(self) -> int:
         return self.length
-
-    @property
-    def contiguous(self) -> bool:
-        return self.source.contiguous
-
-    @property
-    def all_valid(self) -> bool:
-        return self.source.all_valid
-
-    @property
-    def derived(self) -> dict[str, object]:
-        return self.source.derived
 
     def append(self, keys_BHSC: torch.Tensor, values_BHSC: torch.Tensor,
                positions_BS: torch.Tensor, valid_BS: torch.Tensor | None = None, *,
