@@ -31,7 +31,14 @@ output is the
   logit against "kept". Token-choice (Eq. 3): g = alpha * softmax(Theta^T H^1) over N_r depths,
   i = argmax; the token runs f i + 1 times (ungated in between) among the tokens still running,
   and ends as H^1 + g_i * f(...); balance loss N_r * sum_i f_i P_i (f_i the share of tokens at
-  depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2.
+  depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2. Loss-free balancing (the
+  authors' code, after arXiv 2408.15664): i = argmax(g + b) for a bias b, the gate still g_i.
+  Recursive KV sharing (Sec. 2.2.2): the first step computes the keys and values of every
+  token; every later step's queries attend to those, causal in position, and compute none.
+- A pre-LN block (SwitchHead appendix) with dense RoPE attention and a ReLU feedforward, one
+  sequence: x + W_O·concat_h softmax(q_h k_hᵀ / sqrt(C), causal) v_h, q = RoPE(LN1(x) W_Q),
+  k = RoPE(LN1(x) W_K), v = LN1(x) W_V; then + W_2 ReLU(W_1 LN2(x) + b_1) + b_2; LayerNorm
+  (x - mean) / sqrt(var + eps) · w + b, the biased variance.
 - ReMoE (Wang et al., ICLR 2025, arXiv 2412.14711, Sec. 3): ReLU routing, R(x) = ReLU(x W_r),
   y = Σ_e R(x)_e · expert_e(x) over the experts with R(x)_e > 0, any number per token; the
   load-balanced L1 regulariser: L_reg = Σ_e f_e · mean_t R(x_t)_e with
@@ -454,6 +461,52 @@ def ref_switchhead_selection_init(w_XD):
     return torch.stack([units[i] * stds[i] / sigma for i in range(X)])
 
 
+def ref_layer_norm(x, w, b, eps=1e-5):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * w + b
+
+
+def ref_prenorm_block(x_TD, pos_T, p, n_heads, n_rot, kv=None):
+    """The pre-LN block of the module docstring on one sequence. ``p``: ln1 / ln2 (weight,
+    bias), w_q, w_k, w_v [D, H·C] and w_o [H·C, D] (x @ w), w1 [F, D], b1, w2 [D, F], b2.
+    ``kv``: (k_HSC, v_HSC, pos_S) to attend to instead of the block's own keys and values
+    (recursive KV sharing). Returns (out_TD, the (k, v, pos) attended to)."""
+    T, _ = x_TD.shape
+    C = p["w_q"].shape[1] // n_heads
+    h = ref_layer_norm(x_TD, *p["ln1"])
+
+    def heads(w):
+        return (h @ w).view(T, n_heads, C).transpose(0, 1)
+
+    q = ref_rope(heads(p["w_q"])[None], pos_T[None], n_rot)[0]
+    if kv is None:
+        kv = (ref_rope(heads(p["w_k"])[None], pos_T[None], n_rot)[0], heads(p["w_v"]), pos_T)
+    k, v, pos_S = kv
+    logits = q @ k.transpose(-1, -2) / math.sqrt(C)
+    a = ref_softmax_attention(logits[None], v[None], pos_T[None], pos_S[None], True)[0]
+    x = x_TD + a.transpose(0, 1).reshape(T, n_heads * C) @ p["w_o"]
+    u = torch.clamp(ref_layer_norm(x, *p["ln2"]) @ p["w1"].t() + p["b1"], min=0)
+    return x + u @ p["w2"].t() + p["b2"], kv
+
+
+def ref_shared_kv_stack(params, n_heads, n_rot):
+    """The shared stack ``f(x_1KD, pos_1K, r)`` of ``ref_mor_expert`` / ``ref_mor_token`` under
+    recursive KV sharing: step 0 runs ``ref_prenorm_block`` on its tokens (every token of the
+    sequence) and keeps each block's keys and values; a later step's blocks attend to those.
+    Called one sequence at a time, step 0 first (as both references do)."""
+    kept = {}
+
+    def f(x_1KD, pos_1K, r):
+        x, pos = x_1KD[0], pos_1K[0]
+        for j, p in enumerate(params):
+            x, kv = ref_prenorm_block(x, pos, p, n_heads, n_rot, None if r == 0 else kept[j])
+            if r == 0:
+                kept[j] = kv
+        return x[None]
+    return f
+
+
 def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=None):
     """Mixture-of-Recursions expert-choice routing, one sequence and one step at a time.
     ``f(x_1KD, pos_1K, r)`` is the shared stack as step r. Returns (out, the summed auxiliary
@@ -489,14 +542,15 @@ def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=No
     return torch.stack(rows), bce, kept
 
 
-def ref_mor_token(x_BTD, w_ND, f, gate="softmax", alpha=1.0):
+def ref_mor_token(x_BTD, w_ND, f, gate="softmax", alpha=1.0, bias_N=None):
     """Mixture-of-Recursions token-choice routing, one sequence at a time. ``f(x_1KD, pos_1K, r)``
-    is the shared stack as step r. Returns (out, balance loss, z-loss, depth_BT)."""
+    is the shared stack as step r; ``bias_N`` the loss-free balancing bias, added to the
+    probabilities for the argmax only. Returns (out, balance loss, z-loss, depth_BT)."""
     B, T, _ = x_BTD.shape
     N = w_ND.shape[0]
     logits = x_BTD @ w_ND.t()
     probs = alpha * (torch.softmax(logits, -1) if gate == "softmax" else torch.sigmoid(logits))
-    depth = probs.argmax(-1)
+    depth = probs.argmax(-1) if bias_N is None else (probs + bias_N).argmax(-1)
     rows = []
     for b in range(B):
         h = x_BTD[b].clone()

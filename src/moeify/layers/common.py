@@ -283,6 +283,15 @@ def accumulate_usage(module: nn.Module, name: str, counts: "torch.Tensor | Routi
         buf.add_((c.round() if c.is_floating_point() else c).long().view_as(buf))
 
 
+def record_depth_routing(module: nn.Module, aux: "Aux", kind: str, counts: torch.Tensor,
+                         gate_sum: torch.Tensor | None = None) -> None:
+    """A depth router's routing record ``aux.routing[kind]`` (counts [1, n]: Mixture-of-Depths'
+    (skipped, routed) tokens, Mixture-of-Recursions' tokens by final depth) and the running
+    ``usage`` buffer it adds to in training."""
+    aux.routing[kind] = RoutingStats(kind, counts.view(1, -1), gate_sum)
+    accumulate_usage(module, "usage", counts)
+
+
 # ----------------------------------------------------------------------------------------------
 # Moved state-dict keys.
 

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeify.errors import MoeifyError
+from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.common import check_count, check_flag, check_positive, check_probability
 from moeify.layers.feedforward import SigmaMoEConfig
+from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.norm import NormConfig
 from moeify.layers.recursion import MoRConfig
 from moeify.layers.switchhead import SwitchHeadConfig
@@ -158,6 +160,12 @@ class ModelConfig:
             raise ValueError("Mixture-of-Recursions (ModelConfig.recursion) takes no XL memory, "
                              "group_size or depth routing: set xl_memory=False (RoPE "
                              "attention), group_size=0 and depth=None")
+        if mor.kv_sharing and not all(isinstance(a, (DenseAttentionConfig,
+                                                     GroupedQueryAttentionConfig))
+                                      for a in self.attention_layers()):
+            raise ValueError("recursive KV sharing (MoRConfig.kv_sharing) is built and costed "
+                             "for dense and grouped-query attention; use one of them, or "
+                             "kv_sharing=False")
 
     @property
     def n_blocks(self) -> int:

@@ -282,6 +282,30 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     return total
 
 
+def shared_kv_attention_cost(cfg: Any, *, queries: int, keys: int) -> AttentionCost:
+    """One application of an attention layer that reuses the keys and values an earlier
+    application computed (Mixture-of-Recursions' recursive KV sharing, arXiv 2507.10524
+    Sec. 2.2.2), in the terms of ``dense_attention_cost``: the Q and O projections of its
+    ``queries`` tokens (2·d·H·d_h each), their attention over ``keys`` cached tokens
+    (2·H·d_h·queries·keys) and no K or V projection; memory the queries × keys logits twice and
+    the Q and O activations. XL (dense attention) adds its position projection over the keys'
+    distances (2·H·d·keys·d_h). Grouped-query attention reads Hk key/value heads but its
+    queries have H, as the formula counts. Our accounting: the paper prints none. Dense and
+    grouped-query attention only (the paper's models are Llama); ValueError for the others."""
+    _positive(queries=queries, keys=keys)
+    if not isinstance(cfg, (DenseAttentionConfig, GroupedQueryAttentionConfig)):
+        raise ValueError(f"no cost formula for recursive KV sharing with "
+                         f"{type(cfg).__name__}; supported: DenseAttentionConfig, "
+                         "GroupedQueryAttentionConfig")
+    d, H, dh = cfg.d_model, cfg.n_heads, cfg.d_head
+    macs = 2 * H * dh * queries * keys + 2 * d * H * dh * queries
+    mem = 2 * H * queries * keys + 2 * H * dh * queries
+    if cfg.pos == "xl":
+        macs += 2 * H * d * keys * dh
+        mem += 2 * H * keys * dh
+    return AttentionCost(macs, mem)
+
+
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
     GroupedQueryAttentionConfig, MoSAConfig, MoHConfig)."""
@@ -448,6 +472,8 @@ def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any
     plan = [(attns[0], T, None)] if start else []
     for r, beta in enumerate(mor.betas):
         tokens = recursion_count(T, beta) if mor.routing == "expert" else T
+        if mor.kv_sharing and r == 0:
+            tokens = T  # the first step runs every token: the keys and values every step reads
         plan += [(a, tokens, r) for a in attns[start:start + size]]
     if start:
         plan.append((attns[-1], T, None))
@@ -456,7 +482,12 @@ def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any
         row = {"layer": i, "attention": attention_summary(attn), "tokens": tokens}
         if r is not None:
             row["recursion"] = r
-        rows.append({**row, **attention_cost(attn, T=tokens, C=C).to_dict()})
+        if mor.kv_sharing and r:
+            row["kv_shared"] = True
+            cost = shared_kv_attention_cost(attn, queries=tokens, keys=T)
+        else:
+            cost = attention_cost(attn, T=tokens, C=C)
+        rows.append({**row, **cost.to_dict()})
     return rows
 
 
@@ -470,7 +501,10 @@ def model_cost(config: "ModelConfig") -> ModelCost:
     With Mixture-of-Recursions there is one row per application of an attention layer: the
     unshared ones, then the shared stack at each recursion step r ("recursion": r), whose
     expert-choice step runs floor(beta_r · T) tokens (at least 1) that attend only to each
-    other; a token-choice step is counted at T tokens, its upper bound (the depths are learned)."""
+    other; a token-choice step is counted at T tokens, its upper bound (the depths are learned).
+    With recursive KV sharing the first step runs all T tokens and every later step's rows
+    ("kv_shared": True) count its queries over the first step's T keys, without K and V
+    projections (``shared_kv_attention_cost``)."""
     T = config.context_length
     C = 2 if config.xl_memory else 1
     parts = model_parameters(config)
