@@ -20,7 +20,7 @@ transformers = hf_transformers()
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
-from moeify.models.cost import model_parameters  # noqa: E402
+from moeify.models.params import model_parameters  # noqa: E402
 from moeify.rundir import load_trained  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -13,7 +13,8 @@ import torch
 
 from moeify.cli.main import main
 from moeify.layers.moh import MoHConfig
-from moeify.models.cost import model_cost, model_parameters
+from moeify.models.cost import model_cost
+from moeify.models.params import model_parameters
 from moeify.models.presets import PRESETS, get_preset
 from moeify.train.config import apply_model_overrides
 

@@ -11,7 +11,8 @@ import torch
 from moeify.errors import MoeifyError
 from moeify.layers.recursion import MixtureOfRecursions, MoRConfig
 from moeify.models.config import ModelConfig
-from moeify.models.cost import model_cost, model_parameters
+from moeify.models.cost import model_cost
+from moeify.models.params import model_parameters
 from moeify.models.presets import PRESETS, get_preset
 from moeify.train.overrides import apply_model_overrides
 from lm_checks import compiled_blocks_match_eager, train_steps

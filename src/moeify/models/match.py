@@ -29,7 +29,7 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.models.builders import moa_attn, switchhead_attn
 from moeify.models.config import ModelConfig
-from moeify.models.cost import layer_parameters, model_parameters
+from moeify.models.params import layer_parameters, model_parameters
 
 KINDS = ("switchhead", "moa")
 
