@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from moeify.ops.moe import expert_matmul, expert_mlp, get_kernel
 from moeify.ops.moe.kernels.concat import ConcatMatmul, outer_form
 from references import (
-    ref_expert_matmul_grads,
+    assert_kernel_matches_reference,
     ref_expert_mlp,
     ref_expert_rows,
     routed_inputs,
@@ -46,15 +46,8 @@ def _grads(y, inputs, gy):
 @pytest.mark.parametrize("case", CASES)
 def test_every_contract_and_gradient_matches_the_reference(case, impl):
     groups, sum_rows, gated, D, F = CASES[case]
-    x, idx, w, gates = routed_inputs(12, 4, 5, D, F, gated=gated, seed=3)
-    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
-                                                   sum_rows=sum_rows)
-    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
-    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
-                      sum_rows=sum_rows, impl=impl)
-    torch.testing.assert_close(y, want)
-    for got, ref in zip(_grads(y, inputs, gy), want_grads):
-        torch.testing.assert_close(got, ref)
+    assert_kernel_matches_reference(impl, 12, 4, 5, D, F, groups=groups, sum_rows=sum_rows,
+                                    gated=gated, seed=3)
 
 
 def test_the_form_follows_the_rows_of_the_gemm():
