@@ -17,16 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeify.bench.contract import (
-    CASES,
-    Case,
-    CostMeter,
-    HostReadUnderFakeTensors,
-    bench_contract,
-    differences,
-    measure,
-    run_case,
-)
+from moeify.bench.contract import CASES, Case, bench_contract, differences, run_case
+from moeify.bench.cost_meter import CostMeter, HostReadUnderFakeTensors, measure
 
 EXPECTED = Path(__file__).resolve().parent / "contract_expectations.json"
 
