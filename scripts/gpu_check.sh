@@ -5,11 +5,12 @@
 # Table 5: 47M 0.72x time, 0.65x memory; 262M 0.65x, 0.61x) and moeify's targets
 # (scripts/gpu_summary.py):
 #
-#   a kernels     every expert kernel ("concat" and "triton" included) and both equal-MAC
-#                 baselines at the 47M and 262M SwitchHead value and output shapes, each output
-#                 checked against the reference; writes kernel-table.json, the device table
-#                 that expert_impl=auto reads (commit it as src/moeify/ops/moe/tables/<class>.json);
-#                 then the Triton kernels without their width padding, and one profiled call
+#   a kernels     every expert kernel ("concat", "concat_saved", "triton" included) and both
+#                 equal-MAC baselines at the 47M and 262M SwitchHead value and output
+#                 shapes, each output checked against the reference; writes
+#                 kernel-table.json, the device table that expert_impl=auto reads (commit it
+#                 as src/moeify/ops/moe/tables/<class>.json); then the Triton kernels
+#                 without their width padding, and one profiled call
 #   b attention   the 47M and 262M attention layers, dense and SwitchHead with each kernel forced
 #                 and "auto"
 #   c step        the 47M and 262M training steps: eager, compiled, CUDA graphs (reduce-overhead)
@@ -114,7 +115,7 @@ else
     em=(-M 32768 -D 412 -E 10 -K 4 -F 76 --groups 2)
     # Every kernel a training step can take ("grouped" cannot run at these widths: rows of
     # 412 or 132 bf16 are not 16-byte multiples; "gather" copies [M*K, D, F] weights).
-    impls=(auto triton concat padded segment sets)
+    impls=(auto triton concat concat_saved padded segment sets)
     suite_args=(-m cuda tests/train/test_cuda.py)
 fi
 common=(--device "$DEVICE" --dtype bfloat16 --json)
@@ -129,7 +130,7 @@ if [ -n "$cuda" ]; then  # what the width padding (16-byte aligned rows) buys
         "${MOEIFY[@]}" bench expert-matmul "${em[@]}" --impl triton --repeats "$REPEATS" \
         "${common[@]}"
 fi
-prof_impls=(--impl triton --impl concat --impl padded)
+prof_impls=(--impl triton --impl concat --impl concat_saved --impl padded)
 [ -n "$cuda" ] || prof_impls=(--impl concat --impl padded)
 phase expert-matmul-profile 15 "$OUT_DIR/expert-matmul-profile.json" \
     "${MOEIFY[@]}" bench expert-matmul "${em[@]}" "${prof_impls[@]}" --repeats 1 --profile \

@@ -2,17 +2,18 @@
 (sm_90) without a GPU: catches compile errors and shared-memory overflow before a GPU run, and
 says whether each kernel's loads are vectorised.
 
-    python scripts/triton_compile_check.py [--arch 90] [--json] [--largest] [--unpadded]
+    python scripts/triton_compile_check.py [--arch 90] [--json] [--largest] [--unpadded] [--mlp]
 
 bf16 operands (fp32 atomic buffers) at the 47M SwitchHead value shape (D 412, F 76, E 10,
 K 4), specialised as a launch specialises them: unit strides become constants, and the
 pointers (torch's allocations are 16-byte aligned) and every integer divisible by 16 are marked
 so. The kernel wrapper pads D and F to 416 and 80 (moeify.ops.moe.kernels.scatter_gemm, "Aligned
 widths"), so the widths and row strides are marked too; ``--unpadded`` compiles them as 412 and
-76 instead, as a launch without the padding sees them. Each row reports the PTX's global
-memory traffic: ``vector`` when the tiles move by asynchronous copies (``cp.async``) and no
-2-byte load or store and no one-at-a-time fp32 atomic is left, ``scalar`` otherwise. Exits non-zero when a kernel fails to
-compile or needs more shared memory than one block may have (227 KiB on sm_90, 99 KiB on
+76 instead, as a launch without the padding sees them; ``--mlp`` compiles the expert MLP's
+variants (the hidden units read or written in expert order) instead of the expert matmul's.
+Each row reports the PTX's global memory traffic: ``vector`` when the tiles move by
+asynchronous copies (``cp.async``) and no 2-byte load or store and no one-at-a-time fp32
+atomic is left, ``scalar`` otherwise. Exits non-zero when a kernel fails to compile or needs more shared memory than one block may have (227 KiB on sm_90, 99 KiB on
 sm_86/89, 163 KiB on sm_80), or, padded, when a kernel is not vectorised. Runs the real
 compiler (ptxas is bundled with triton); TRITON_INTERPRET is cleared for this process.
 """
@@ -31,6 +32,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from moeify.ops.moe.kernels import _triton_jit as tk  # noqa: E402
+from moeify.ops.moe.kernels.scatter_gemm import PAIR, ROW, SORTED  # noqa: E402
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
 E, E_P2 = 10, 16
@@ -56,22 +58,39 @@ def traffic(ptx: str) -> str:
     return "vector" if "cp.async" in ptx and not SCALAR.search(ptx) else "scalar"
 
 
-def signatures():
-    """(name, kernel, signature, constexprs, configs) of each kernel variant to compile."""
+def signatures(mlp: bool = False):
+    """(name, kernel, signature, constexprs, configs) of each kernel variant to compile: the
+    expert matmul's (x at the input rows, products in pair order); with ``mlp``, the expert
+    MLP's instead (its hidden units in expert order: the rows modes of scatter_gemm)."""
     bf, f32, i32, i64p, i32p = "*bf16", "*fp32", "i32", "*i64", "*i32"
     common = dict(E=E, E_P2=E_P2, PRECISION="tf32")
     fwd_sig = dict(x_ptr=bf, w_ptr=bf, y_ptr=bf, order_ptr=i64p, offsets_ptr=i32p, N=i32, D=i32,
                    F=i32, K=i32, sxm=i32, sxd="constexpr", swe=i32, swd=i32, swf="constexpr")
-    yield ("fwd", tk._fwd, fwd_sig, dict(common, sxd=1, swf=1), tk.FWD_CONFIGS)
-    for atomic in (True, False):
-        sig = dict(grad_ptr=bf, w_ptr=bf, gx_ptr=f32 if atomic else bf, order_ptr=i64p,
-                   offsets_ptr=i32p, N=i32, D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr",
-                   swe=i32, swd=i32, swf="constexpr")
-        yield (f"bwd_x{'' if atomic else ' (K=1, stores)'}", tk._bwd_x, sig,
-               dict(common, ATOMIC=atomic, sxd=1, swf=1), tk.BWD_X_CONFIGS)
-    sig = dict(x_ptr=bf, grad_ptr=bf, gw_ptr=f32, order_ptr=i64p, offsets_ptr=i32p, N=i32,
-               D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr")
-    yield "bwd_w", tk._bwd_w, sig, dict(common, sxd=1), tk.BWD_W_CONFIGS
+    bwd_x_sig = dict(grad_ptr=bf, w_ptr=bf, gx_ptr=f32, order_ptr=i64p, offsets_ptr=i32p, N=i32,
+                     D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr", swe=i32, swd=i32,
+                     swf="constexpr")
+    bwd_w_sig = dict(x_ptr=bf, grad_ptr=bf, gw_ptr=f32, order_ptr=i64p, offsets_ptr=i32p,
+                     N=i32, D=i32, F=i32, K=i32, sxm=i32, sxd="constexpr")
+    fwd, bwd_x = dict(common, sxd=1, swf=1), dict(common, ATOMIC=True, sxd=1, swf=1)
+    bwd_w = dict(common, sxd=1)
+    if mlp:
+        yield ("fwd (hidden out, expert order)", tk._fwd, fwd_sig,
+               dict(fwd, X_ROWS=ROW, Y_ROWS=SORTED), tk.FWD_CONFIGS)
+        yield ("fwd (hidden in, expert order)", tk._fwd, fwd_sig,
+               dict(fwd, X_ROWS=SORTED, Y_ROWS=PAIR), tk.FWD_CONFIGS)
+        yield ("bwd_x (grad in expert order)", tk._bwd_x, bwd_x_sig,
+               dict(bwd_x, G_ROWS=SORTED), tk.BWD_X_CONFIGS)
+        yield ("bwd_w (x in expert order)", tk._bwd_w, bwd_w_sig,
+               dict(bwd_w, X_ROWS=SORTED, G_ROWS=ROW), tk.BWD_W_CONFIGS)
+        yield ("bwd_w (grad in expert order)", tk._bwd_w, bwd_w_sig,
+               dict(bwd_w, X_ROWS=ROW, G_ROWS=SORTED), tk.BWD_W_CONFIGS)
+        return
+    yield ("fwd", tk._fwd, fwd_sig, dict(fwd, X_ROWS=ROW, Y_ROWS=PAIR), tk.FWD_CONFIGS)
+    yield ("bwd_x", tk._bwd_x, bwd_x_sig, dict(bwd_x, G_ROWS=PAIR), tk.BWD_X_CONFIGS)
+    yield ("bwd_x (K=1, stores)", tk._bwd_x, dict(bwd_x_sig, gx_ptr=bf),
+           dict(bwd_x, ATOMIC=False, G_ROWS=PAIR), tk.BWD_X_CONFIGS)
+    yield ("bwd_w", tk._bwd_w, bwd_w_sig, dict(bwd_w, X_ROWS=ROW, G_ROWS=PAIR),
+           tk.BWD_W_CONFIGS)
 
 
 def main(argv=None) -> int:
@@ -81,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--largest", action="store_true",
                     help="only each kernel's largest configuration (tiles x stages): the one "
                     "closest to the shared-memory limit; a few seconds (the test suite's check)")
+    ap.add_argument("--mlp", action="store_true",
+                    help="the expert MLP's variants instead (hidden units in expert order)")
     ap.add_argument("--unpadded", action="store_true",
                     help="compile for widths 412 and 76 as given (no divisibility marks on "
                     "widths and strides), as a launch with MOEIFY_TRITON_PAD=0 sees them")
@@ -88,7 +109,7 @@ def main(argv=None) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     limit = SHARED_LIMIT.get(args.arch, 101376)
     rows, failed = [], 0
-    for name, fn, sig, consts, configs in signatures():
+    for name, fn, sig, consts, configs in signatures(args.mlp):
         if args.largest:
             configs = [max(configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_M"]
                            * c.kwargs["BLOCK_D"] * c.kwargs["BLOCK_F"])]

@@ -1,15 +1,27 @@
 """Tiny random Hugging Face checkpoints for the interop tests (tests/interop/): a
 save_pretrained directory with weights far from transformers' default init and a byte-level
-tokenizer.json, and a right-padded batch. transformers is imported by the caller's config."""
+tokenizer.json, and a right-padded batch. Test modules import transformers through
+``hf_transformers`` (offline, or the module skipped without the hf extra)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from moeify.interop.hf_export import byte_level_tokenizer_json
+
+
+def hf_transformers():
+    """transformers, with the Hugging Face libraries kept offline (nothing downloads), or the
+    calling test module skipped where the hf extra is not installed."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return pytest.importorskip("transformers", reason="needs the hf extra: "
+                               "pip install -e '.[hf]' in the checkout")
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
@@ -46,6 +58,32 @@ def padded_batch(vocab: int, seed: int = 1):
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
     return ids, mask
+
+
+def imported_logit_diff(hf_model, model, vocab: int) -> float:
+    """The largest logit difference between a transformers model and the moeify model imported
+    from it, over ``padded_batch`` (its valid tokens) and its first row unpadded; the logits are
+    first checked to be far from zero, so that the comparison means something."""
+    ids, mask = padded_batch(vocab)
+    with torch.no_grad():
+        want = hf_model(ids, attention_mask=mask).logits
+        got = model(ids, valid_BT=mask.bool()).logits
+        full = (model(ids[:1]).logits - hf_model(ids[:1]).logits).abs().max()
+    assert want.abs().max() > 1.0
+    return max((got - want)[mask.bool()].abs().max().item(), full.item())
+
+
+def cached_decoding_diff(model, vocab: int) -> float:
+    """The largest logit difference between the full forward pass of a moeify model over the
+    rows of ``padded_batch(vocab, 2)`` and decoding them with its cache (5 tokens, then one by
+    one)."""
+    ids, _ = padded_batch(vocab, 2)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model.new_cache()
+        pieces = [model(ids[:, :5], cache=cache).logits]
+        pieces += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, ids.shape[1])]
+    return (torch.cat(pieces, 1) - full).abs().max().item()
 
 
 def random_run(root: Path, preset: str, seed: int = 0,

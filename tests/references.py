@@ -16,10 +16,11 @@ output is the
   formula 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))) (Hendrycks & Gimpel 2016).
 - Default positions (SwitchHead Eq. 7-10, XL memory): queries are the last T of the S sources
   [memory ; x], so they sit at S-T .. S-1 and keys at 0 .. S-1.
-- MoH (Jin et al., ICML 2025, arXiv 2410.11842, Sec. 3.2, Eqs. 4-7): y_t = Σ_i g_i H^i_t W_O^i,
-  every head written out on its own; the gates of Eqs. 5-6 one token at a time (shared heads
-  α1 · Softmax(W_s x), the Top-K routed heads α2 · Softmax(W_r x), [α1, α2] = Softmax(W_h x)),
-  with the authors' code's factors as a separate, named step; the balance loss E Σ f_i P_i.
+- MoH (Jin et al., ICML 2025, arXiv 2410.11842v3, Sec. 3.2, Eqs. 4-7): y_t = Σ_i g_i H^i_t
+  W_O^i, every head written out on its own; the gates of Eqs. 5-6 one token at a time (shared
+  heads α1 · Softmax(W_s x), the Top-K routed heads α2 · Softmax(W_r x), [α1, α2] =
+  Softmax(W_h x)), with the authors' code's factors as a separate, named step; the query-norm
+  router's gates quantised to 1 (Sec. 4.4, Eq. 9); the balance loss E Σ f_i P_i (Eq. 7).
 
 - Mixture-of-Recursions (Bae et al., NeurIPS 2025, arXiv 2507.10524, Sec. 2.2.1): expert-choice
   (Eq. 2): at step r, g_t = alpha * sigmoid(theta_r . H_t) (or alpha * tanh); the step keeps the
@@ -30,7 +31,14 @@ output is the
   logit against "kept". Token-choice (Eq. 3): g = alpha * softmax(Theta^T H^1) over N_r depths,
   i = argmax; the token runs f i + 1 times (ungated in between) among the tokens still running,
   and ends as H^1 + g_i * f(...); balance loss N_r * sum_i f_i P_i (f_i the share of tokens at
-  depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2.
+  depth i, P_i the mean probability), z-loss mean logsumexp(logits)^2. Loss-free balancing (the
+  authors' code, after arXiv 2408.15664): i = argmax(g + b) for a bias b, the gate still g_i.
+  Recursive KV sharing (Sec. 2.2.2): the first step computes the keys and values of every
+  token; every later step's queries attend to those, causal in position, and compute none.
+- A pre-LN block (SwitchHead appendix) with dense RoPE attention and a ReLU feedforward, one
+  sequence: x + W_O·concat_h softmax(q_h k_hᵀ / sqrt(C), causal) v_h, q = RoPE(LN1(x) W_Q),
+  k = RoPE(LN1(x) W_K), v = LN1(x) W_V; then + W_2 ReLU(W_1 LN2(x) + b_1) + b_2; LayerNorm
+  (x - mean) / sqrt(var + eps) · w + b, the biased variance.
 - ReMoE (Wang et al., ICLR 2025, arXiv 2412.14711, Sec. 3): ReLU routing, R(x) = ReLU(x W_r),
   y = Σ_e R(x)_e · expert_e(x) over the experts with R(x)_e > 0, any number per token; the
   load-balanced L1 regulariser: L_reg = Σ_e f_e · mean_t R(x_t)_e with
@@ -157,6 +165,23 @@ def ref_expert_matmul_grads(x, idx, w, gates, groups=1, sum_rows=1, batch=None, 
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     grads = torch.autograd.grad(y, [t for t in (xr, wr, gr) if t is not None], g)
     return y.detach(), g, grads
+
+
+def assert_kernel_matches_reference(impl, M, K, E, D, F, *, groups, sum_rows, gated, seed=0):
+    """Expert-matmul kernel ``impl`` on ``routed_inputs(M, K, E, D, F)`` under one contract
+    (``groups``, ``sum_rows``, gated or not): its output and its x, w and gate gradients equal
+    ``ref_expert_matmul_grads``'."""
+    from moeify.ops.moe import expert_matmul
+
+    x, idx, w, gates = routed_inputs(M, K, E, D, F, gated=gated, seed=seed)
+    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
+                                                   sum_rows=sum_rows)
+    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
+    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
+                      sum_rows=sum_rows, impl=impl)
+    torch.testing.assert_close(y, want)
+    for got, ref in zip(torch.autograd.grad(y, inputs, gy), want_grads):
+        torch.testing.assert_close(got, ref)
 
 def routed_inputs(M, K, E, D, F, *, dtype=f64, seed=0, skew=False, gated=True, idx=None,
                   n_groups=1, unit=None):
@@ -329,13 +354,15 @@ def assert_same_outputs_and_gradients(y, y_ref, x, x_ref, params, refs):
 
 def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors", w_r=None,
                   w_s=None, w_h=None):
-    """MoH's routing scores g_i of one token (Jin et al. 2025, arXiv 2410.11842, Sec. 3.2):
-    Eq. 5 g_i = α1 Softmax(W_s x)_i for the h_s shared heads, α2 Softmax(W_r x)_i for the
-    Top-K routed heads, 0 for the others; Eq. 6 [α1, α2] = Softmax(W_h x). ``weights="authors"``
-    applies the authors' code's factors on top: routed gates renormalised over the Top-K and
-    times K, shared times h_s, α times 2 (h_s = 1: the shared softmax is 1). ``router=
-    "query_norm"`` (their MoH-LLaMA3 code): routed head scores ‖q_i‖ / std(‖q‖), gates 1 for the
-    shared and the Top-K heads. Returns (g [H], the routed softmax [R], the Top-K set)."""
+    """MoH's routing scores g_i of one token (Jin et al. 2025, arXiv 2410.11842v3, Sec. 3.2):
+    Eq. 5 g_i = α1 Softmax(W_s x)_i for the h_s shared heads, α2 Softmax(W_r x)_{i-h_s} for
+    the Top-K routed heads, 0 for the others; Eq. 6 [α1, α2] = Softmax(W_h x).
+    ``weights="authors"`` applies the authors' code's factors on top: routed gates renormalised
+    over the Top-K and times K, shared times h_s, α times 2 (h_s = 1: the shared softmax is 1).
+    ``router="query_norm"`` (Sec. 4.4, as their MoH-LLaMA3 code computes it): routed head
+    scores ‖q_i‖ / std(‖q‖), gates quantised to 1 for the shared and the Top-K heads (Eq. 9),
+    a Top-K head's gate with the gradient of its softmax probability (Eq. 10, straight-through). Returns (g [H], the routed softmax
+    [R], the Top-K set)."""
     H = q_HC.shape[0]
     R = H - n_shared
     g = [0.0] * H
@@ -351,7 +378,7 @@ def ref_moh_gates(x_D, q_HC, *, n_shared, k, router="learned", weights="authors"
         kept_sum = sum(probs[i] for i in chosen)
         for i in chosen:
             if router == "query_norm":
-                g[n_shared + i] = torch.ones((), dtype=x_D.dtype)
+                g[n_shared + i] = 1 + (probs[i] - probs[i].detach())  # Eqs. 9-10
             elif weights == "authors":
                 g[n_shared + i] = probs[i] / kept_sum * k
             else:
@@ -377,8 +404,9 @@ def ref_moh(x_BTD, w_q_HDC, w_k_GDC, w_v_GDC, w_o_HCD, *, n_shared, k, router="l
     """MoH attention (Eq. 4): y_t = Σ_i g_i H^i_t W_O^i (+ b_O), every head H^i the causal (or
     bidirectional) softmax attention of its own query over key/value head i // (H / G) (G key /
     value heads), RoPE on the first ``n_rot`` channels, gates from ``ref_moh_gates`` one token
-    at a time; and the authors' load-balance loss E Σ_i f_i P_i over the routed heads (f_i the
-    fraction of tokens choosing head i, P_i the mean routed softmax). Returns (y, loss or None)."""
+    at a time; and the authors' load-balance loss E Σ_i f_i P_i over the routed heads (Eq. 7
+    times E; f_i the fraction of tokens choosing head i, P_i the mean routed softmax), before
+    β (Eq. 8). Returns (y, loss or None)."""
     B, T, D = x_BTD.shape
     H, _, C = w_q_HDC.shape
     G = w_k_GDC.shape[0]
@@ -433,6 +461,52 @@ def ref_switchhead_selection_init(w_XD):
     return torch.stack([units[i] * stds[i] / sigma for i in range(X)])
 
 
+def ref_layer_norm(x, w, b, eps=1e-5):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * w + b
+
+
+def ref_prenorm_block(x_TD, pos_T, p, n_heads, n_rot, kv=None):
+    """The pre-LN block of the module docstring on one sequence. ``p``: ln1 / ln2 (weight,
+    bias), w_q, w_k, w_v [D, H·C] and w_o [H·C, D] (x @ w), w1 [F, D], b1, w2 [D, F], b2.
+    ``kv``: (k_HSC, v_HSC, pos_S) to attend to instead of the block's own keys and values
+    (recursive KV sharing). Returns (out_TD, the (k, v, pos) attended to)."""
+    T, _ = x_TD.shape
+    C = p["w_q"].shape[1] // n_heads
+    h = ref_layer_norm(x_TD, *p["ln1"])
+
+    def heads(w):
+        return (h @ w).view(T, n_heads, C).transpose(0, 1)
+
+    q = ref_rope(heads(p["w_q"])[None], pos_T[None], n_rot)[0]
+    if kv is None:
+        kv = (ref_rope(heads(p["w_k"])[None], pos_T[None], n_rot)[0], heads(p["w_v"]), pos_T)
+    k, v, pos_S = kv
+    logits = q @ k.transpose(-1, -2) / math.sqrt(C)
+    a = ref_softmax_attention(logits[None], v[None], pos_T[None], pos_S[None], True)[0]
+    x = x_TD + a.transpose(0, 1).reshape(T, n_heads * C) @ p["w_o"]
+    u = torch.clamp(ref_layer_norm(x, *p["ln2"]) @ p["w1"].t() + p["b1"], min=0)
+    return x + u @ p["w2"].t() + p["b2"], kv
+
+
+def ref_shared_kv_stack(params, n_heads, n_rot):
+    """The shared stack ``f(x_1KD, pos_1K, r)`` of ``ref_mor_expert`` / ``ref_mor_token`` under
+    recursive KV sharing: step 0 runs ``ref_prenorm_block`` on its tokens (every token of the
+    sequence) and keeps each block's keys and values; a later step's blocks attend to those.
+    Called one sequence at a time, step 0 first (as both references do)."""
+    kept = {}
+
+    def f(x_1KD, pos_1K, r):
+        x, pos = x_1KD[0], pos_1K[0]
+        for j, p in enumerate(params):
+            x, kv = ref_prenorm_block(x, pos, p, n_heads, n_rot, None if r == 0 else kept[j])
+            if r == 0:
+                kept[j] = kv
+        return x[None]
+    return f
+
+
 def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=None):
     """Mixture-of-Recursions expert-choice routing, one sequence and one step at a time.
     ``f(x_1KD, pos_1K, r)`` is the shared stack as step r. Returns (out, the summed auxiliary
@@ -468,14 +542,15 @@ def ref_mor_expert(x_BTD, w_ND, f, betas, gate="sigmoid", alpha=0.1, valid_BT=No
     return torch.stack(rows), bce, kept
 
 
-def ref_mor_token(x_BTD, w_ND, f, gate="softmax", alpha=1.0):
+def ref_mor_token(x_BTD, w_ND, f, gate="softmax", alpha=1.0, bias_N=None):
     """Mixture-of-Recursions token-choice routing, one sequence at a time. ``f(x_1KD, pos_1K, r)``
-    is the shared stack as step r. Returns (out, balance loss, z-loss, depth_BT)."""
+    is the shared stack as step r; ``bias_N`` the loss-free balancing bias, added to the
+    probabilities for the argmax only. Returns (out, balance loss, z-loss, depth_BT)."""
     B, T, _ = x_BTD.shape
     N = w_ND.shape[0]
     logits = x_BTD @ w_ND.t()
     probs = alpha * (torch.softmax(logits, -1) if gate == "softmax" else torch.sigmoid(logits))
-    depth = probs.argmax(-1)
+    depth = probs.argmax(-1) if bias_N is None else (probs + bias_N).argmax(-1)
     rows = []
     for b in range(B):
         h = x_BTD[b].clone()

@@ -14,13 +14,13 @@
 # c and e fill RUNS_DIR/wiki-3000steps-d256 (the longest budget and the larger family, each
 # with its own dense baseline); d and h fill RUNS_DIR/shakespeare; m (the follow-ups, MoEUT and
 # MoSA, not in the default STAGES: STAGES=m) fills RUNS_DIR/wiki-followups; n (the 2024-2025
-# layers, not in the default STAGES: STAGES=n) fills RUNS_DIR/wiki-followups too.
+# layers, not in the default STAGES: STAGES=n) fills RUNS_DIR/wiki-newlayers.
 set -euo pipefail
 R=${1:?usage: study.sh RUNS_DIR}
 MOEIFY=${MOEIFY:-moeify}
 JOBS=${JOBS:-1}   # runs at a time, one thread each
 STAGES=${STAGES:-abfgecdh}
-export MOEIFY_DATA_DIR=${MOEIFY_DATA_DIR:-/work/shared/data}
+# The corpora come from $MOEIFY_DATA_DIR when it holds them, else from PyPI (moeify.data.corpora).
 export MOEIFY_CACHE_DIR=${MOEIFY_CACHE_DIR:-$R/cache}
 
 # The recipe of the 300-step reproduction, pinned: AdamW lr 1.5e-3, betas (0.9, 0.999), 20

@@ -193,7 +193,9 @@ def report_moh(runs: Path, names: dict[str, str], conversions: dict[str, str], N
     for r in rows:
         cfg = read_model_config(runs / r["run"])
         cost = model_cost(cfg)
-        r.update(attention_macs=cost.layers[0]["macs"], params=cost.params,
+        r.update(attention_macs=cost.layers[0]["macs"],
+                 activated_head_macs=cost.layers[0].get("activated_head_macs"),
+                 params=cost.params,
                  nats_at_conversion=None if r["bpc_at_conversion"] is None
                  else (r["bpc_at_conversion"] - dense) * math.log(2))
     base = rows[0]["attention_macs"]
@@ -202,14 +204,16 @@ def report_moh(runs: Path, names: dict[str, str], conversions: dict[str, str], N
     lines = [f"N = {N}, M = {M}; validation bpc on {EVAL_TOKENS:,} tokens of "
              "wiki-excerpt/valid, every number on the same tokens",
              "", "| model | bpc right after upcycling | change right after (nats/token) | "
-             "valid bpc after M steps | attention MACs / layer | params |",
-             "|---|---|---|---|---|---|"]
+             "valid bpc after M steps | attention MACs / layer | activated-head MACs | params |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         at = "" if r["bpc_at_conversion"] is None else f"{r['bpc_at_conversion']:.3f}"
         dn = "" if r["nats_at_conversion"] is None else f"{r['nats_at_conversion']:+.3f}"
+        act = r.get("activated_head_macs")
+        sparse = "" if act is None else f"{format_count(act)} ({act / base:.0%})"
         lines.append(f"| {r['model']} | {at} | {dn} | {r['bpc']:.3f} | "
                      f"{format_count(r['attention_macs'])} ({r['attention_macs'] / base:.0%}) | "
-                     f"{format_count(r['params'])} |")
+                     f"{sparse} | {format_count(r['params'])} |")
     table = "\n".join(lines) + "\n"
     (here / "results-moh.md").write_text(table)
     print(table)

@@ -170,17 +170,7 @@ class _Temporary(torch.autograd.Function):
         return g
 
 
-def _temporary_in_a_function():
-    return {"call": lambda: _Temporary.apply(torch.ones(4))}
-
-
-def test_memory_timeline_sees_temporaries_freed_inside_a_function():
-    # Frees inside a custom Function are booked to its range: they must count at its end.
-    out = run_phases(f"{__name__}:_temporary_in_a_function", {})
-    assert out["call"]["working"] == pytest.approx(8.0, abs=0.1)
-
-
-class _TwoTemporaries(torch.autograd.Function):
+class _TwoTemporaries(_Temporary):
     """Inside its forward: an 8 MiB temporary freed by Python, then a second one, then the
     result. Never more than 8 MiB held at once."""
 
@@ -192,18 +182,21 @@ class _TwoTemporaries(torch.autograd.Function):
         u = x.new_ones(2 * 1024 * 1024)
         return u[:4] * s
 
-    @staticmethod
-    def backward(ctx, g):
-        return g
+
+def _temporary_in_a_function():
+    return {"call": lambda: _Temporary.apply(torch.ones(4))}
 
 
 def _two_temporaries():
     return {"call": lambda: _TwoTemporaries.apply(torch.ones(4))}
 
 
-def test_memory_timeline_places_each_free_at_its_time():
-    # Booking a range's Python-made frees at its end would count both temporaries: 16 MiB.
-    out = run_phases(f"{__name__}:_two_temporaries", {})
+@pytest.mark.parametrize("factory", ["_temporary_in_a_function", "_two_temporaries"])
+def test_memory_timeline_books_frees_inside_a_function_at_their_time(factory):
+    # One temporary: a free inside a custom Function is booked to its range and must count by
+    # the range's end (8 MiB). Two, one after the other: each free counts at its own time;
+    # booked at the range's end both would count (16 MiB).
+    out = run_phases(f"{__name__}:{factory}", {})
     assert out["call"]["working"] == pytest.approx(8.0, abs=0.1)
 
 

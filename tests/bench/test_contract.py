@@ -3,18 +3,22 @@ read-backs and memory equal the committed expectations (tests/bench/contract_exp
 exactly, so a change that adds a GEMM, a copy, an operator or a sync fails here; and the meter
 itself against work counted by hand.
 
-The cases run at the contract's small shapes (one sequence; 64 queries for the layers, a
-two-block 47M model on 32 tokens for the steps). To accept a deliberate change: run
+The layers run one sequence of 64 queries; the steps the whole 47M models at batch 64 under
+fake tensors (no arithmetic; a test holds a step counted so equal to the real one) and a
+two-block 47M model on 32 tokens with real tensors for the kernels that read the routing on
+the host. To accept a deliberate change: run
 `moeify bench contract --write` from the repository root and commit the file with the change
 that explains it (docs/cost-contract.md)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from moeify.bench.contract import CASES, CostMeter, bench_contract, differences, measure
+from moeify.bench.contract import CASES, Case, bench_contract, differences, run_case
+from moeify.bench.cost_meter import CostMeter, HostReadUnderFakeTensors, measure
 
 EXPECTED = Path(__file__).resolve().parent / "contract_expectations.json"
 
@@ -47,6 +51,38 @@ def test_switchhead_layers_cost_less_than_dense(measured):
         dense = measured[f"layer wt103-{size}-dense b1 T64"]["macs"]
         for k in ("segment", "grouped"):
             assert measured[f"layer wt103-{size}-switchhead {k} b1 T64"]["macs"] < dense
+
+
+def test_fake_tensors_count_what_real_tensors_do():
+    """A training step counted under fake tensors (no arithmetic) equals the same step run for
+    real, every field and every operator (the weights, AdamW's state and the step's memory
+    included): what makes the steps counted only so stand for the real ones."""
+    case = Case("step", "wt103-47m-dense", 1, 16, blocks=1)
+    real = run_case(case)
+    fake = run_case(dataclasses.replace(case, fake=True))
+    assert real["macs"] and real["peak"] and real["kernels"]
+    assert not differences(real, fake), differences(real, fake)
+
+
+def test_concat_saved_trades_the_recomputation_for_memory(measured):
+    """SwitchHead 47M's attention (value and output experts, 2 heads x 5): "concat_saved"
+    skips exactly the products "concat" recomputes in the backward, worked out by hand from
+    the preset: the value experts' x @ W_cat over the S = 128 source rows (M·D·E·F =
+    128·412·10·76) and the output experts' gated inputs (T·E·R·A = 64·10·2·76, two heads
+    summed per token); it holds them from the forward to the backward instead."""
+    concat = measured["layer wt103-47m-switchhead concat b1 T64"]
+    saved = measured["layer wt103-47m-switchhead concat_saved b1 T64"]
+    assert concat["macs"] - saved["macs"] == 128 * 412 * 10 * 76 + 64 * 10 * 2 * 76
+    assert saved["working"] > concat["working"]
+
+
+def test_a_host_read_under_fake_tensors_fails_clearly():
+    def setup():
+        x = torch.ones(3)
+        return {"call": lambda: x.sum().item()}
+
+    with pytest.raises(HostReadUnderFakeTensors, match="reads tensor data on the host"):
+        measure(setup, setup_counted=True, fake=True)
 
 
 def _known_work():

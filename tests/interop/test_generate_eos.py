@@ -5,19 +5,16 @@ token (greedy decoding of the same tiny Llama, imported), at a --stop string, an
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install -e '.[hf]'")
+from hf_checkpoints import hf_transformers, save_checkpoint
+
+transformers = hf_transformers()
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop import import_hf  # noqa: E402
-from hf_checkpoints import save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 PROMPT = "abc"

@@ -5,23 +5,21 @@ every moeify family is exported and loaded back by transformers."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install -e '.[hf]'")
+from hf_checkpoints import (cached_decoding_diff, hf_transformers, imported_logit_diff,
+                            padded_batch, random_run)
+
+transformers = hf_transformers()
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.data.tokenizers import ByteTokenizer  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
-from moeify.models.cost import model_parameters  # noqa: E402
+from moeify.models.params import model_parameters  # noqa: E402
 from moeify.rundir import load_trained  # noqa: E402
-from hf_checkpoints import padded_batch, random_run, save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 V = 300  # model vocabulary; the byte-level test tokenizer has 256 ids (padded rows beyond)
@@ -54,41 +52,14 @@ HF_CONFIGS = {
 }
 
 
-def make_hf_checkpoint(root: Path, name: str, seed: int = 0):
-    """A save_pretrained directory with random weights and a byte-level tokenizer.json."""
-    return save_checkpoint(HF_CONFIGS[name](), root, name, seed)
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {name: make_hf_checkpoint(root, name, seed=i) for i, name in enumerate(HF_CONFIGS)}
-
-
-@pytest.fixture(scope="module")
-def imported(hf_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    return {name: import_hf(path, root / name) for name, (_, path) in hf_dirs.items()}
-
-
 def _batch(seed: int = 1):
     return padded_batch(V, seed)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_imported_logits_equal_transformers(name, hf_dirs, imported):
-    hf_model, _ = hf_dirs[name]
-    tm = load_trained(imported[name])
-    ids, mask = _batch()
-    with torch.no_grad():
-        want = hf_model(ids, attention_mask=mask).logits
-        got = tm.model(ids, valid_BT=mask.bool()).logits
-        full_want = hf_model(ids[:1]).logits
-        full_got = tm.model(ids[:1]).logits
-    valid = mask.bool()
-    diff = max((got - want)[valid].abs().max().item(), (full_got - full_want).abs().max().item())
+    diff = imported_logit_diff(hf_dirs[name][0], load_trained(imported[name]).model, V)
     MAX_DIFF[f"import {name}"] = diff
-    assert want.abs().max() > 1.0  # the comparison is not between two near-zero tensors
     assert diff < 1e-4, diff
 
 
@@ -106,14 +77,7 @@ def test_sharded_checkpoint_imports(hf_dirs, tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied"])
 def test_imported_cached_decoding_equals_full_forward(name, imported):
-    model = load_trained(imported[name]).model
-    ids, _ = _batch(2)
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = model.new_cache()
-        pieces = [model(ids[:, :5], cache=cache).logits]
-        pieces += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, 12)]
-    assert (torch.cat(pieces, 1) - full).abs().max() < 1e-5
+    assert cached_decoding_diff(load_trained(imported[name]).model, V) < 1e-5
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))

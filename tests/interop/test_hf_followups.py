@@ -1,7 +1,8 @@
 """Hugging Face export of the follow-ups: a MoEUT model (shared peri-layernorm blocks, one KV
-cache per layer application) exports through the remote-code model and decodes greedily as
-moeify does; MoSA is refused with the reason (its prefix-routing cache is not a transformers
-cache layer)."""
+cache per layer application) and an MoH model (Mixture-of-Head attention) export through the
+remote-code model and decode greedily as moeify does; the native format refuses MoH in one line
+naming the format that holds it; MoSA is refused with the reason (its prefix-routing cache is not
+a transformers cache layer)."""
 
 from __future__ import annotations
 
@@ -10,24 +11,26 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install -e '.[hf]' in the checkout")
+from hf_checkpoints import hf_transformers, random_run
 
+transformers = hf_transformers()
+
+from moeify.cli.main import main  # noqa: E402
 from moeify.errors import MoeifyError  # noqa: E402
 from moeify.eval.generate import generate  # noqa: E402
 from moeify.interop import export_hf  # noqa: E402
 from moeify.rundir import load_trained  # noqa: E402
-from hf_checkpoints import random_run  # noqa: E402
 
 
-def make_run(root, preset):
-    return random_run(root, preset, overrides=("model.context_length=32",))
+def make_run(root, preset, *overrides):
+    return random_run(root, preset, overrides=("model.context_length=32", *overrides))
 
 
-def test_moeut_exports_and_generates_as_moeify(tmp_path):
-    run = make_run(tmp_path, "tiny-moeut")
+@pytest.mark.parametrize("preset, overrides", [("tiny-moeut", ()),
+                                               ("tiny-moh", ("model.n_layers=2",))],
+                         ids=["tiny-moeut", "tiny-moh"])
+def test_exports_and_generates_as_moeify(preset, overrides, tmp_path):
+    run = make_run(tmp_path, preset, *overrides)
     out = export_hf(run, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     model = load_trained(run).model
@@ -36,6 +39,16 @@ def test_moeut_exports_and_generates_as_moeify(tmp_path):
         assert (hf(ids, use_cache=False).logits - model(ids).logits).abs().max() < 1e-5
     new = generate(model, ids[0, :6].tolist(), max_new_tokens=10, temperature=0.0)
     assert hf.generate(ids[:1, :6], max_new_tokens=10, do_sample=False)[0, 6:].tolist() == new
+
+
+def test_moh_native_export_is_refused_naming_the_moeify_format(tmp_path, capsys):
+    """transformers has no Mixture-of-Head attention: --format native says so in one line and
+    names the format that exports it, before anything is written."""
+    run, out = make_run(tmp_path, "tiny-moh", "model.n_layers=2"), tmp_path / "hf"
+    assert main(["export", "--run", str(run), "--out", str(out), "--format", "native"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "MoH" in err and "--format moeify" in err, err
+    assert not out.exists()
 
 
 def test_mosa_export_is_refused_with_the_reason(tmp_path):

@@ -6,22 +6,19 @@ and exported as bfloat16."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install -e '.[hf]'")
+from hf_checkpoints import hf_transformers, save_checkpoint
+
+transformers = hf_transformers()
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop import export_hf, import_hf  # noqa: E402
 from moeify.rundir import load_trained  # noqa: E402
-from hf_checkpoints import save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 V = 256

@@ -2,14 +2,13 @@
 says when it is shorter: only a sliding window caps it."""
 
 import json
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: "
-                                   "pip install -e '.[hf]'")
+from hf_checkpoints import hf_transformers
+
+transformers = hf_transformers()
 
 from moeify.cli.main import main  # noqa: E402
 from moeify.interop.hf_export import byte_level_tokenizer_json  # noqa: E402

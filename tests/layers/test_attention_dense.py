@@ -254,7 +254,7 @@ def test_dense_attention_dropout_only_in_training():
 
 
 def test_project_by_input_groups_pieces_of_the_same_input():
-    from moeify.layers.common import project_by_input
+    from moeify.layers.projection import project_by_input
 
     g = torch.Generator().manual_seed(0)
     x, z = torch.randn(2, 3, 5, generator=g, dtype=f64), torch.randn(2, 4, 5, generator=g,
@@ -269,7 +269,7 @@ def test_project_by_input_groups_pieces_of_the_same_input():
 
 
 def test_project_by_input_keeps_fused_weights_only_without_gradients():
-    from moeify.layers.common import project_by_input
+    from moeify.layers.projection import project_by_input
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 5, generator=g, dtype=f64)

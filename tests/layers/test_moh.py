@@ -1,8 +1,9 @@
-"""MoH (arXiv 2410.11842, Sec. 3.2, Eqs. 4-7) against the independent float64 transcription in
-tests/references.py (``ref_moh``): outputs, the load-balance loss and every gradient, over the
-shared / routed splits, both routers, both weightings, RoPE or no positions, grouped-query
-attention and biases; cached decoding against the full forward; the zero-router layer with
-every head active against dense attention; padding; the config's checks.
+"""MoH (arXiv 2410.11842v3, Sec. 3.2, Eqs. 4-7; the query-norm router of Sec. 4.4, Eq. 9)
+against the independent float64 transcription in tests/references.py (``ref_moh``): outputs,
+the load-balance loss and every gradient, over the shared / routed splits, both routers, both
+weightings, RoPE or no positions, grouped-query attention and biases; cached decoding against
+the full forward; the zero-router layer with every head active against dense attention;
+padding; the config's checks.
 
 Shape legend: B batch, T tokens, D d_model, H heads, G key/value heads, C d_head.
 """

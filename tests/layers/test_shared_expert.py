@@ -8,7 +8,7 @@ import torch
 
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
-from moeify.models.cost import model_parameters
+from moeify.models.params import model_parameters
 from moeify.models.presets import get_preset
 
 D, G = 16, 8

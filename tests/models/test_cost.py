@@ -194,3 +194,55 @@ def test_mosa_local_heads_by_hand():
     assert model_paper_flops(cfg) is not None
     attn = dataclasses.replace(cfg.attention_layers()[0], n_local_heads=1, local_window=32)
     assert model_paper_flops(dataclasses.replace(cfg, attention=attn)) is None
+
+
+@pytest.mark.parametrize("kw", [
+    dict(n_shared=2, k=1, pos="rope"),                        # W_r [2, d], W_s [2, d], W_h [2, d]
+    dict(n_shared=1, k=2, pos="xl", n_kv_heads=2),             # W_r [3, d], W_h [2, d]; XL
+    dict(n_shared=0, k=2, pos="none"),                         # W_r [4, d] alone
+    dict(n_shared=2, k=1, pos="rope", router="query_norm"),    # no weights: R query norms
+])
+def test_moh_cost_by_hand(kw):
+    """MoH: the MACs are what moeify's layer executes (every head's Q, K, V, O and attention,
+    the routers, a gate per head); ``activated_head_macs`` the same with the A = h_s + K heads
+    a token activates in place of H for Q, O, the attention, XL's position term and the gates
+    (K and V of every key/value head stay)."""
+    from moeify.layers.moh import MoHConfig
+    from moeify.models.cost import moh_cost
+
+    d, H, dh, T, C = 16, 4, 3, 10, 2
+    cfg = MoHConfig(d_model=d, n_heads=H, d_head=dh, **kw)
+    Hk, hs, R = kw.get("n_kv_heads", H), kw["n_shared"], H - kw["n_shared"]
+    A = hs + kw["k"]
+    if kw.get("router") == "query_norm":
+        router_macs, scores = R * dh, R
+    else:
+        scores = R + (hs if hs > 1 else 0) + (2 if hs and R else 0)
+        router_macs = scores * d
+    xl = kw["pos"] == "xl"
+
+    def macs(n):
+        return (2 * n * dh * C * T * T + 2 * d * (n + Hk) * dh * T + router_macs * T
+                + n * dh * T + (2 * n * d * T * dh * C if xl else 0))
+
+    c = moh_cost(cfg, T=T, C=C)
+    assert c.macs == macs(H)
+    assert c.activated_head_macs == macs(A) < c.macs
+    assert c.memory == (2 * H * C * T * T + 2 * (H + Hk) * dh * T + scores * T
+                        + (2 * H * T * dh * C if xl else 0))
+    assert c.to_dict()["activated_head_macs"] == macs(A)
+    assert "activated_head_macs" not in dense_attention_cost(
+        d_model=d, n_heads=H, d_head=dh, T=T, C=C, xl=xl).to_dict()
+
+
+def test_moh_count_reports_both_figures(capsys):
+    """repro-moh (8 RoPE heads of 16, d 128, T 128; 4 shared + 2 of 4 routed): executed
+    2·8·16·128² + 4·128·8·16·128 = 12,582,912 (dense attention) + 10 router rows · 128 · 128
+    = 163,840 + 8 gates · 16 · 128 = 16,384; activated heads (6 of 8): 2·6·16·128² +
+    2·128·(6 + 8)·16·128 + 163,840 + 6·16·128 = 10,661,888."""
+    assert main(["count", "--preset", "repro-moh", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["layers"][0]
+    assert (row["macs"], row["activated_head_macs"]) == (12_763_136, 10_661_888)
+    assert main(["count", "--preset", "repro-moh"]) == 0
+    text = capsys.readouterr().out
+    assert "12.8M" in text and "activated-head MACs" in text and "layers 0-3 10.7M" in text

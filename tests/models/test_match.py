@@ -7,7 +7,7 @@ import pytest
 
 from moeify.cli.main import main
 from moeify.layers.switchhead import SwitchHeadConfig
-from moeify.models.cost import model_parameters
+from moeify.models.params import model_parameters
 from moeify.models.match import match_attention
 from moeify.models.presets import get_preset, match_preset
 

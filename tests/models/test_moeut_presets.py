@@ -15,7 +15,7 @@ counts) and to their exact count, not to printed figures."""
 
 import pytest
 
-from moeify.models.cost import model_parameters
+from moeify.models.params import model_parameters
 from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_MOE_ROWS
 from moeify.models.presets import PRESETS, get_preset
 

@@ -1,8 +1,9 @@
-"""MoH in the model: the paper's LLM rows land on the parameter counts its appendix table prints
-(LLM-S / MoH-LLM-S 186M, LLM-B 881M, MoH-LLM-B 882M; transcribed here, not read from the
-presets), repro-moh is repro-rope-dense's heads with MoH routing, ``moeify count`` accounts the
-active heads, the compiled blocks (fullgraph) equal eager, cached decoding equals the full
-forward, a few training steps lower the loss, and the routing / attention plots draw."""
+"""MoH in the model: the paper's LLM rows land on the parameter counts its appendix's Tab. C
+prints (LLM-S / MoH-LLM-S 186M, LLM-B 881M, MoH-LLM-B 882M; transcribed here, not read from the
+presets), repro-moh is repro-rope-dense's heads with MoH routing, ``moeify count`` accounts every
+head computed and, apart, the active heads, the compiled blocks (fullgraph) equal eager, cached
+decoding equals the full forward, a few training steps lower the loss, and the routing /
+attention plots draw."""
 
 import copy
 import json
@@ -12,7 +13,8 @@ import torch
 
 from moeify.cli.main import main
 from moeify.layers.moh import MoHConfig
-from moeify.models.cost import model_cost, model_parameters
+from moeify.models.cost import model_cost
+from moeify.models.params import model_parameters
 from moeify.models.presets import PRESETS, get_preset
 from moeify.train.config import apply_model_overrides
 
@@ -52,11 +54,15 @@ def test_repro_moh_is_the_rope_baseline_with_routing():
     assert moh.feedforward == dense.feedforward
     # (h + 2)·d router weights per layer
     assert model_parameters(moh)["total"] - model_parameters(dense)["total"] == 4 * 10 * 128
-    # 6 of 8 heads active: Q/O projections and attention shrink to 6/8, K/V stay, routers add
+    # moeify computes every head: the dense layer's MACs plus the routers (10 rows of d) and a
+    # gate per head; with only the 6 of 8 active heads' Q/O projections and attention (K/V
+    # stay), the paper's activated-head measure
     T, d = 128, 128
     dense_macs = model_cost(dense).layers[0]["macs"]
-    expected = dense_macs - 2 * 2 * 16 * T * T - 2 * d * 2 * 16 * T + 10 * d * T + 6 * 16 * T
-    assert model_cost(moh).layers[0]["macs"] == expected
+    row = model_cost(moh).layers[0]
+    assert row["macs"] == dense_macs + 10 * d * T + 8 * 16 * T
+    assert row["activated_head_macs"] == (dense_macs - 2 * 2 * 16 * T * T - 2 * d * 2 * 16 * T
+                                          + 10 * d * T + 6 * 16 * T)
 
 
 def test_count_cli_lists_moh(capsys):

@@ -19,7 +19,8 @@ from moeify.cli.main import main
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.mosa import MoSAConfig
-from moeify.models.cost import model_parameters, model_paper_flops, mosa_paper_flops
+from moeify.models.cost import model_paper_flops, mosa_paper_flops
+from moeify.models.params import model_parameters
 from moeify.models.mosa_presets import (MOSA_DENSE_ROWS, MOSA_MATCHED_ROWS, MOSA_PAPER_PRESETS,
                                         MOSA_ROWS, isoflop_heads)
 from moeify.models.presets import PRESETS, get_preset

@@ -4,7 +4,8 @@ baseline, and MoSA's cost accounting (O(k² + T) per sparse head)."""
 import pytest
 
 from moeify.layers.mosa import MoSAConfig
-from moeify.models.cost import attention_cost, model_cost, model_parameters, mosa_cost
+from moeify.models.cost import attention_cost, model_cost, mosa_cost
+from moeify.models.params import model_parameters
 from moeify.models.presets import get_preset
 
 

@@ -15,7 +15,7 @@ from moeify.layers.moa import MoAConfig
 from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig
 from moeify.layers.switchhead import SwitchHeadConfig
-from moeify.models.cost import model_parameters
+from moeify.models.params import model_parameters
 from moeify.models.moeut_presets import MOEUT_BASELINE_ROWS, MOEUT_ROWS, SIGMA_MOE_ROWS
 from moeify.models.moh_presets import MOH_PAPER_PRESETS
 from moeify.models.mosa_presets import MOSA_LONG_PRESETS, MOSA_PAPER_PRESETS

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from moeify.layers.remoe import ReMoEConfig
-from moeify.models.cost import model_cost, model_parameters
+from moeify.models.cost import model_cost
+from moeify.models.params import model_parameters
 from moeify.models.presets import get_preset
 from moeify.train.config import apply_model_overrides
 from lm_checks import compiled_blocks_match_eager, train_steps

@@ -18,7 +18,8 @@ from moeify.cli.main import main
 from moeify.layers.depth import MixtureOfDepths
 from moeify.layers.sigma_moe import SigmaMoE
 from moeify.layers.switchhead import SwitchHeadAttention
-from moeify.models.cost import count_module_parameters, model_cost
+from moeify.models.cost import model_cost
+from moeify.models.params import count_module_parameters
 from moeify.models.upcycle import Spec, parse_spec, upcycle
 from moeify.models.upcycle.feedforward import balanced_clusters
 from moeify.train.config import TrainConfig

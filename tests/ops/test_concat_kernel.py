@@ -1,25 +1,29 @@
-"""The dense-over-experts kernel "concat" (moeify.ops.moe.kernels.concat) against the float64
-pair-by-pair references: every output contract in both of its forms, every gradient, the
-expert MLP; what its backward keeps (x, w and the gate matrix, never the [M, E·F]
-intermediate); torch.compile (fullgraph) traces it in place of the registered op and equals
-eager; a routing with a different number of experts per row is a gate matrix.
+"""The dense-over-experts kernels "concat" and "concat_saved" (moeify.ops.moe.kernels.concat)
+against the float64 pair-by-pair references: every output contract in both of their forms,
+every gradient, the expert MLP; what their backwards keep ("concat": x, w and the gate matrix,
+never the [M, E·F] intermediate; "concat_saved": that intermediate too, and one product fewer
+in the backward); torch.compile (fullgraph) traces them in place of the registered op and
+equals eager; a routing with a different number of experts per row is a gate matrix.
 
 Shape legend: M rows, K experts per row, E experts, D input width, F output width, G groups,
 R rows summed per output, H hidden width."""
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from moeify.ops.moe import expert_matmul, expert_mlp, get_kernel
 from moeify.ops.moe.kernels.concat import ConcatMatmul, outer_form
 from references import (
-    ref_expert_matmul_grads,
+    assert_kernel_matches_reference,
     ref_expert_mlp,
     ref_expert_rows,
     routed_inputs,
 )
 
 f64 = torch.float64
+# The kernel, and its variant that keeps the intermediate for the backward.
+KERNELS = ("concat", "concat_saved")
 
 # (groups, sum_rows, gated, D, F): each gated contract once with D > F and once with D < F,
 # so both the V form (gates on the output) and the O form (gates on the input) run.
@@ -38,18 +42,12 @@ def _grads(y, inputs, gy):
     return torch.autograd.grad(y, inputs, gy)
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("case", CASES)
-def test_every_contract_and_gradient_matches_the_reference(case):
+def test_every_contract_and_gradient_matches_the_reference(case, impl):
     groups, sum_rows, gated, D, F = CASES[case]
-    x, idx, w, gates = routed_inputs(12, 4, 5, D, F, gated=gated, seed=3)
-    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
-                                                   sum_rows=sum_rows)
-    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
-    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
-                      sum_rows=sum_rows, impl="concat")
-    torch.testing.assert_close(y, want)
-    for got, ref in zip(_grads(y, inputs, gy), want_grads):
-        torch.testing.assert_close(got, ref)
+    assert_kernel_matches_reference(impl, 12, 4, 5, D, F, groups=groups, sum_rows=sum_rows,
+                                    gated=gated, seed=3)
 
 
 def test_the_form_follows_the_rows_of_the_gemm():
@@ -75,11 +73,12 @@ def test_repeated_ids_in_a_row_add():
         torch.testing.assert_close(got, r)
 
 
-def test_the_expert_mlp_and_its_gradients():
+@pytest.mark.parametrize("impl", KERNELS)
+def test_the_expert_mlp_and_its_gradients(impl):
     x, idx, w1, gates = routed_inputs(10, 2, 4, 6, 5, seed=2)
     w2 = torch.randn(4, 5, 6, dtype=f64, generator=torch.Generator().manual_seed(4))
     inputs = [t.clone().requires_grad_() for t in (x, w1, w2, gates)]
-    y = expert_mlp(inputs[0], idx, inputs[1], inputs[2], inputs[3], impl="concat")
+    y = expert_mlp(inputs[0], idx, inputs[1], inputs[2], inputs[3], impl=impl)
     ref_in = [t.clone().requires_grad_() for t in (x, w1, w2, gates)]
     want = ref_expert_mlp(ref_in[0], idx, ref_in[1], ref_in[2], ref_in[3])
     torch.testing.assert_close(y, want)
@@ -124,8 +123,48 @@ def test_the_backward_keeps_no_intermediate_over_all_experts(what):
     assert max(sizes) < M * E * min(D, F)
 
 
-@pytest.mark.parametrize("case", ["rows", "groups-V", "sum_rows-O"])
-def test_compiled_fullgraph_traces_it_in_place_and_equals_eager(case):
+def _saved_run(what, impl, M=64, K=2, E=8, D=12, F=10):
+    """(numels saved, backward MACs) of one call of ``impl``: the V form (SwitchHead's value
+    experts, 2 heads), the O form (its output experts) or the expert MLP."""
+    x, idx, w, gates = routed_inputs(M, K, E, D, F, seed=5)
+    x.requires_grad_(), w.requires_grad_(), gates.requires_grad_()
+    if what == "mlp":
+        w2 = torch.randn(E, F, D, dtype=f64, requires_grad=True)
+        call = lambda: expert_mlp(x, idx, w, w2, gates, impl=impl)  # noqa: E731
+    elif what == "V":
+        call = lambda: expert_matmul(x, idx, w, gates, groups=2, impl=impl)  # noqa: E731
+    else:
+        wo = w.transpose(1, 2).contiguous().requires_grad_()
+        xo = x[:, :F].contiguous()
+        call = lambda: expert_matmul(xo, idx, wo, gates, sum_rows=2, impl=impl)  # noqa: E731
+    out = []
+    sizes = _saved_numels(lambda: out.append(call()))
+    flops = FlopCounterMode(display=False)
+    with flops:
+        out[0].sum().backward()
+    return sizes, flops.get_total_flops() // 2
+
+
+@pytest.mark.parametrize("what", ["V", "O", "mlp"])
+def test_concat_saved_keeps_the_intermediate_and_skips_its_recomputation(what):
+    # "concat_saved" saves exactly one tensor more than "concat", the intermediate over every
+    # expert: Y [M, E·F] (V), the gated inputs Z [M / 2, E·F] (O, two rows summed per output),
+    # the hidden units [M, E·F] (MLP); its backward skips the product that rebuilt it (Y and
+    # the hidden units: x @ W_cat, M·D·E·F multiply-adds; Z: the [2, E]ᵀ x [2, F] bmm per
+    # output row, (M / 2)·E·2·F).
+    M, E, D, F = 64, 8, 12, 10
+    sizes, macs = _saved_run(what, "concat", M, 2, E, D, F)
+    sizes_saved, macs_saved = _saved_run(what, "concat_saved", M, 2, E, D, F)
+    kept = {"V": M * E * F, "O": M // 2 * E * F, "mlp": M * E * F}[what]
+    assert sorted(sizes_saved) == sorted(sizes + [kept])
+    skipped = {"V": M * D * E * F, "O": M // 2 * E * 2 * F, "mlp": M * D * E * F}[what]
+    assert macs - macs_saved == skipped
+
+
+@pytest.mark.parametrize("case,impl", [("rows", "concat"), ("groups-V", "concat"),
+                                       ("sum_rows-O", "concat"), ("groups-V", "concat_saved"),
+                                       ("sum_rows-O", "concat_saved")])
+def test_compiled_fullgraph_traces_it_in_place_and_equals_eager(case, impl):
     groups, sum_rows, gated, D, F = CASES[case]
     x, idx, w, gates = routed_inputs(12, 4, 5, D, F, gated=gated, dtype=torch.float32, seed=6)
     calls = []
@@ -136,13 +175,13 @@ def test_compiled_fullgraph_traces_it_in_place_and_equals_eager(case):
 
     torch._dynamo.reset()
     f = torch.compile(lambda *a: expert_matmul(*a, groups=groups, sum_rows=sum_rows,
-                                               impl="concat"), fullgraph=True, backend=backend)
+                                               impl=impl), fullgraph=True, backend=backend)
     inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
     eager_in = [t.clone().requires_grad_() for t in inputs]
     g = None if not gated else inputs[2]
     y = f(inputs[0], idx, inputs[1], g)
     want = expert_matmul(eager_in[0], idx, eager_in[1], eager_in[2] if gated else None,
-                         groups=groups, sum_rows=sum_rows, impl="concat")
+                         groups=groups, sum_rows=sum_rows, impl=impl)
     torch.testing.assert_close(y, want)
     gy = torch.randn_like(y)
     for a, b in zip(_grads(y, inputs, gy), _grads(want, eager_in, gy)):
@@ -152,17 +191,21 @@ def test_compiled_fullgraph_traces_it_in_place_and_equals_eager(case):
     assert calls
 
 
-def test_the_compiled_expert_mlp_is_the_kernels_own():
+@pytest.mark.parametrize("impl", KERNELS)
+def test_the_compiled_expert_mlp_is_the_kernels_own(impl):
     x, idx, w1, gates = routed_inputs(10, 2, 4, 6, 5, dtype=torch.float32, seed=7)
     w2 = torch.randn(4, 5, 6)
     torch._dynamo.reset()
-    f = torch.compile(lambda *a: expert_mlp(*a, impl="concat"), fullgraph=True, backend="eager")
+    f = torch.compile(lambda *a: expert_mlp(*a, impl=impl), fullgraph=True, backend="eager")
     inputs = [t.clone().requires_grad_() for t in (x, w1, w2, gates)]
+    eager_in = [t.detach().clone().requires_grad_() for t in inputs]
     y = f(inputs[0], idx, *inputs[1:])
-    want = expert_mlp(x, idx, w1, w2, gates, impl="concat")
+    want = expert_mlp(eager_in[0], idx, *eager_in[1:], impl=impl)
     torch.testing.assert_close(y, want)
     y.sum().backward()
-    assert all(t.grad is not None for t in inputs)
+    want.sum().backward()
+    for a, b in zip(inputs, eager_in):
+        torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_a_variable_number_of_experts_per_row_is_a_gate_matrix():
@@ -178,6 +221,15 @@ def test_a_variable_number_of_experts_per_row_is_a_gate_matrix():
     torch.testing.assert_close(y, want)
 
 
-def test_it_needs_no_routing_plan():
-    kernel = get_kernel("concat")
+@pytest.mark.parametrize("impl", KERNELS)
+def test_it_needs_no_routing_plan(impl):
+    kernel = get_kernel(impl)
     assert not kernel.needs_plan and kernel.traceable
+
+
+def test_the_variant_is_measured_but_not_in_the_test_matrices():
+    from moeify.ops.moe import IMPLEMENTATIONS, implementations
+
+    assert get_kernel("concat_saved").variant_of == "concat"
+    assert "concat_saved" in implementations() and "concat_saved" not in IMPLEMENTATIONS
+    assert set(implementations()) - set(IMPLEMENTATIONS) == {"concat_saved"}

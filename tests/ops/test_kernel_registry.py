@@ -21,7 +21,7 @@ from moeify.ops.moe import (
 )
 from moeify.ops.moe.layout import pair_layout
 from moeify.ops.moe.registry import KERNELS
-from references import ref_expert_matmul_grads, ref_expert_rows, routed_inputs
+from references import assert_kernel_matches_reference, ref_expert_rows, routed_inputs
 
 f64 = torch.float64
 
@@ -59,15 +59,8 @@ CONTRACTS = {"rows": (1, 1, False), "sum": (1, 1, True), "groups": (2, 1, True),
 @pytest.mark.parametrize("contract", CONTRACTS)
 def test_a_registered_kernel_runs_every_contract(loop_kernel, contract):
     groups, sum_rows, gated = CONTRACTS[contract]
-    x, idx, w, gates = routed_inputs(12, 4, 5, 6, 3, gated=gated)
-    want, gy, want_grads = ref_expert_matmul_grads(x, idx, w, gates, groups=groups,
-                                                   sum_rows=sum_rows)
-    inputs = [t.clone().requires_grad_() for t in (x, w, gates) if t is not None]
-    y = expert_matmul(inputs[0], idx, inputs[1], inputs[2] if gated else None, groups=groups,
-                      sum_rows=sum_rows, impl="test-loop")
-    torch.testing.assert_close(y, want)
-    for got, ref in zip(torch.autograd.grad(y, inputs, gy), want_grads):
-        torch.testing.assert_close(got, ref)
+    assert_kernel_matches_reference("test-loop", 12, 4, 5, 6, 3, groups=groups,
+                                    sum_rows=sum_rows, gated=gated)
 
 
 def test_a_registered_kernel_runs_the_expert_mlp_and_a_layer(loop_kernel):

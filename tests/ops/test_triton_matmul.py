@@ -285,10 +285,12 @@ def test_every_kernel_compiles_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), env.get("PYTHONPATH", "")])
     script = str(repo / "scripts" / "triton_compile_check.py")
-    res = subprocess.run([sys.executable, script, "--largest"], env=env, capture_output=True,
-                         text=True, timeout=300)
+    # The expert MLP's variants (hidden units read or written in expert order) too.
+    res = subprocess.run([sys.executable, script, "--largest", "--mlp", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("ok   sm_90") == 4
+    rows = json.loads(res.stdout)["rows"]
+    assert len(rows) == 5 and all(r["ok"] and r["traffic"] == "vector" for r in rows), rows
     # At the padded widths every kernel moves its tiles by 16-byte asynchronous copies; at 412
     # and 76 as given, the compiler can prove no row aligned and loads 2 bytes at a time.
     traffic = {}
@@ -299,20 +301,34 @@ def test_every_kernel_compiles_for_hopper():
         assert res.returncode == 0, res.stdout + res.stderr
         rows = json.loads(res.stdout)["rows"]
         traffic[unpadded] = {r["kernel"]: r["traffic"] for r in rows}
-    assert set(traffic[False].values()) == {"vector"}
+    assert len(traffic[False]) == 4 and set(traffic[False].values()) == {"vector"}
     assert set(traffic[True].values()) == {"scalar"}
 
 
-def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():
-    """sigma-MoE / Switch (moeify.ops.moe.mlp): with impl="triton" the two expert matmuls run
-    on the kernels, the hidden units in pair order between them; against the definition."""
+@pytest.mark.parametrize("K", [2, 1])
+def test_expert_mlp_keeps_its_hidden_units_in_expert_order(K, monkeypatch):
+    """sigma-MoE / Switch (moeify.ops.moe.mlp): with impl="triton" the two matmuls run on the
+    kernels with the hidden units in expert order between them (the first writes them sorted,
+    the second reads them there; the backward's four products likewise), with atomics (K = 2)
+    and stores (K = 1), at widths that are not multiples of the tiles; outputs and every
+    gradient against the float64 definition."""
     from moeify.ops.moe import expert_mlp
     from references import ref_expert_mlp
 
-    x, idx, w1, gates = routed_inputs(10, 2, 4, 12, 20, dtype=f32, seed=8)
+    launches = []
+    launch = triton_matmul._launch
+
+    def spy(name, grid, *args, **kw):
+        launches.append((name, *(kw.get(m) for m in ("X_ROWS", "Y_ROWS", "G_ROWS"))))
+        return launch(name, grid, *args, **kw)
+
+    monkeypatch.setattr(triton_matmul, "_launch", spy)
+    x, idx, w1, gates = routed_inputs(10, K, 4, 12, 20, dtype=f32, seed=8)
     w2 = torch.randn(4, 20, 12, generator=torch.Generator().manual_seed(9))
     ins = [t.to(DEVICE).requires_grad_() for t in (x, w1, w2, gates)]
     y = expert_mlp(ins[0], idx.to(DEVICE), ins[1], ins[2], ins[3], impl="triton")
+    row, pair, srt = triton_matmul.ROW, triton_matmul.PAIR, triton_matmul.SORTED
+    assert launches == [("fwd", row, srt, None), ("fwd", srt, pair, None)]
     refs = [t.detach().double().requires_grad_() for t in (x, w1, w2, gates)]
     want = ref_expert_mlp(refs[0], idx, refs[1], refs[2], refs[3])
     assert rel_err(y, want) <= TOL[f32]
@@ -320,6 +336,8 @@ def test_expert_mlp_runs_its_two_matmuls_on_the_kernels():
     for a, b in zip(torch.autograd.grad(y, ins, g.to(DEVICE, f32)),
                     torch.autograd.grad(want, refs, g)):
         assert rel_err(a, b) <= TOL[f32]
+    assert launches[2:] == [("fwd", row, srt, None), ("bwd_w", srt, None, row),
+                            ("bwd_w", row, None, srt), ("bwd_x", None, None, srt)]
 
 
 def _tilings() -> int:

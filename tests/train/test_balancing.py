@@ -274,3 +274,44 @@ def test_remoe_coefficient_follows_the_update_sparsity(setup):
         for block in tr.model.layer_blocks():
             assert block.feedforward.l1_coef.item() == pytest.approx(lam, rel=1e-5)
     tr.close()
+
+
+def test_token_choice_recursion_depth_bias_follows_the_update_counts():
+    """Mixture-of-Recursions token-choice with loss-free balancing (the authors' "loss_free"):
+    over an update of two micro-batches the bias moves by rate · sign(mean c - c), c the tokens
+    that chose each depth, recomputed here from the input the recursion module saw; the next
+    update chooses with the new bias."""
+    from moeify.models.presets import get_preset
+    from moeify.train.balancing import Balancing
+    from moeify.train.distributed import DistEnv
+    from moeify.train.overrides import apply_model_overrides
+
+    cfg = apply_model_overrides(get_preset("repro-mor-token"), (
+        "model.d_model=32", "model.context_length=16", "model.attention.n_heads=2",
+        "model.feedforward.d_ff=64", f"model.recursion.lossfree_rate={RATE}",
+        "model.recursion.balance_coef=0"))
+    torch.manual_seed(0)
+    model = cfg.build().train()
+    mor = model.blocks[1]
+    with torch.no_grad():
+        mor.w_router.normal_(0.0, 0.5)
+    seen = []
+    mor.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
+    balancing = Balancing(model, DistEnv())
+    bias = torch.zeros(2)
+    for step in range(2):
+        balancing.start_step()
+        counts = torch.zeros(2)
+        for micro in range(2):
+            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(
+                10 * step + micro))
+            out = model(ids)
+            balancing.after_forward(out)
+            probs = torch.softmax(seen[-1].double() @ mor.w_router.detach().double().t(), -1)
+            depth = (probs + bias.double()).argmax(-1)
+            counts += torch.bincount(depth.flatten(), minlength=2)
+        load = balancing.after_optimizer_step()
+        assert torch.equal(load["layers.1.mor"], counts.double())
+        bias = bias + RATE * torch.sign(counts.mean() - counts)
+        torch.testing.assert_close(mor.expert_bias, bias)
+    assert mor.expert_bias.abs().sum() > 0

@@ -8,23 +8,17 @@ import torch.multiprocessing as mp
 from moeify.rundir import checkpoints as ckr
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import train
+from process_groups import gloo_group
 
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16",
         "model.feedforward.d_ff=64")
 
 
 def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         res = train(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
         if rank == 0:
             torch.save({"losses": res.losses, "valid": res.valid}, out_file)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(setup):

@@ -20,6 +20,7 @@ from moeify.rundir import sharded
 from moeify.train.config import TrainConfig
 from moeify.train.trainer import NonFiniteLoss, Trainer, train
 from moeify.train.validate import evaluate_stream
+from process_groups import gloo_group
 
 # SwitchHead attention and a sigma-MoE feedforward: both kinds of routing-usage buffer.
 TINY = ("model.d_model=32", "model.n_layers=2", "model.context_length=16")
@@ -40,19 +41,12 @@ def _usage(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank, world, init_file, cfg_dict, run_dir, out_file):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
         res = trainer.fit()
         torch.save({"losses": res.losses, "valid": res.valid, "usage": _usage(trainer.model),
                     "sharded": trainer.sharded}, f"{out_file}.{rank}")
         trainer.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def _cfg(corpus, **kw) -> TrainConfig:
@@ -156,12 +150,7 @@ def test_a_corrupt_shard_is_refused_with_a_clear_error(setup):
 
 def _poisoning_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
     """Rank 1 puts a NaN into its own shard of one weight; both ranks try to checkpoint."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
         name, param = next((n, p) for n, p in trainer.model.named_parameters()
                            if p.dim() >= 2 and p.shape[0] >= world)
@@ -175,8 +164,6 @@ def _poisoning_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
             error = str(e)
         torch.save({"name": name, "error": error}, f"{out_file}.{rank}")
         trainer.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_non_finite_shard_on_one_process_is_refused_by_every_process(setup):
@@ -228,12 +215,7 @@ def _signalled_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
     agreement and both stop after step 3 with one sharded checkpoint."""
     import signal
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         import io
 
         said = io.StringIO()
@@ -252,8 +234,6 @@ def _signalled_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
                     "checkpoint": str(res.checkpoint), "said": said.getvalue()},
                    f"{out_file}.{rank}")
         trainer.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_signal_to_one_sharded_process_stops_all_with_a_checkpoint(setup):
@@ -289,12 +269,7 @@ def test_a_sharded_checkpoint_of_the_weights_that_diverged_is_set_aside(setup):
 
 
 def _diverging_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         trainer = Trainer(TrainConfig.from_dict(cfg_dict), run_dir, quiet=True)
         try:
             trainer.fit()
@@ -303,8 +278,6 @@ def _diverging_worker(rank, world, init_file, cfg_dict, run_dir, out_file):
             error = str(e)
         torch.save({"error": error, "last": trainer.last_checkpoint}, f"{out_file}.{rank}")
         trainer.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_sharded_processes_agree_to_set_a_diverged_checkpoint_aside(setup):

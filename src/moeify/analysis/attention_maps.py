@@ -182,7 +182,6 @@ def panel_titles(maps: AttentionMaps) -> list[str]:
     return titles + [f"layer {maps.layer} max over {heads}s"]
 
 
-# One figure, panel by panel, so that its layout reads in one place.
 def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = None) -> Path:
     """One panel per head plus the max over heads. SwitchHead panels carry the destination-side
     expert gates as a strip left of the rows and the source-side gates as a strip under the
@@ -193,7 +192,6 @@ def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = 
     n_panels = H + 1
     ncols = min(n_panels, 4)
     nrows = -(-n_panels // ncols)
-    strips = maps.kind in ("switchhead", "moh")
     E = 0
     for sel in (maps.sel_dst_THE, maps.sel_src_SHE):
         if sel is not None:
@@ -202,58 +200,74 @@ def plot_attention(maps: AttentionMaps, out: str | Path, *, title: str | None = 
     fig = plt.figure(figsize=(ncols * panel_in + 0.6, nrows * (panel_in + 0.5) + 0.6))
     outer = fig.add_gridspec(nrows, ncols, wspace=0.35, hspace=0.45)
     titles = panel_titles(maps)
+    strips = maps.kind in ("switchhead", "moh")
     strip_frac = max(0.06, E / max(T, S, 1) * 1.5) if strips and E else 0.0
     image = None
     for p in range(n_panels):
-        cell = outer[p // ncols, p % ncols]
-        is_max = p == H
-        probs = maps.probs_HTS.max(0) if is_max else maps.probs_HTS[p]
-        dst = None if is_max or maps.sel_dst_THE is None else maps.sel_dst_THE[:, p, :]
-        src = None if is_max or maps.sel_src_SHE is None else maps.sel_src_SHE[:, p, :]
-        if strips:
-            g = cell.subgridspec(2, 2, width_ratios=[strip_frac, 1], height_ratios=[1, strip_frac],
-                                 wspace=0.02, hspace=0.02)
-            ax = fig.add_subplot(g[0, 1])
-        else:
-            ax = fig.add_subplot(cell)
-        image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
-                          interpolation="nearest")
-        ax.set_title(titles[p], fontsize=8, pad=4)
-        if strips:
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if dst is not None:
-                ax_d = fig.add_subplot(g[0, 0], sharey=ax)
-                # MoH's gates reach 2 and more (the authors' scaled gates): its own range
-                top = max(1.0, float(np.nanmax(dst))) if maps.kind == "moh" else 1
-                ax_d.imshow(np.where(dst > 0, dst, np.nan), cmap="Oranges", vmin=0, vmax=top,
-                            aspect="auto", interpolation="nearest")
-                ax_d.set_xticks(range(dst.shape[1]))
-                ax_d.set_xticklabels([str(e) for e in range(dst.shape[1])], fontsize=5)
-                _tick_labels(ax_d, maps.dst_tokens, "y")
-                ax_d.set_xlabel("gate" if maps.kind == "moh" else "O expert", fontsize=6)
-            else:
-                _tick_labels(ax, maps.dst_tokens, "y")
-            if src is not None:
-                ax_s = fig.add_subplot(g[1, 1], sharex=ax)
-                ax_s.imshow(np.where(src.T > 0, src.T, np.nan), cmap="Purples", vmin=0, vmax=1,
-                            aspect="auto", interpolation="nearest")
-                ax_s.set_yticks(range(src.shape[1]))
-                ax_s.set_yticklabels([str(e) for e in range(src.shape[1])], fontsize=5)
-                ax_s.yaxis.set_ticks_position("right")
-                _tick_labels(ax_s, maps.src_tokens, "x")
-                ax_s.set_ylabel("V expert", fontsize=6)
-                ax_s.yaxis.set_label_position("right")
-            else:
-                _tick_labels(ax, maps.src_tokens, "x")
-        else:
-            _tick_labels(ax, maps.dst_tokens, "y")
-            _tick_labels(ax, maps.src_tokens, "x")
+        image = _panel(fig, outer[p // ncols, p % ncols], maps, p, titles[p],
+                       strip_frac if strips else None)
     if image is not None:
         fig.colorbar(image, ax=fig.axes, shrink=0.6, label="attention probability")
     kind = {"switchhead": "SwitchHead", "moa": "MoA", "moh": "MoH", "dense": "dense"}[maps.kind]
     fig.suptitle(title or f"{kind} attention, layer {maps.layer}", fontsize=10)
     return save_figure(fig, out, titles)
+
+
+def _panel(fig, cell, maps: AttentionMaps, p: int, title: str, strip_frac: float | None):
+    """Panel ``p`` (head p, or the max over heads when p = H) in grid cell ``cell``, with the
+    gate strips when ``strip_frac`` is given; returns its image."""
+    is_max = p == maps.probs_HTS.shape[0]
+    probs = maps.probs_HTS.max(0) if is_max else maps.probs_HTS[p]
+    if strip_frac is not None:
+        g = cell.subgridspec(2, 2, width_ratios=[strip_frac, 1], height_ratios=[1, strip_frac],
+                             wspace=0.02, hspace=0.02)
+        ax = fig.add_subplot(g[0, 1])
+    else:
+        ax = fig.add_subplot(cell)
+    image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
+                      interpolation="nearest")
+    ax.set_title(title, fontsize=8, pad=4)
+    if strip_frac is None:
+        _tick_labels(ax, maps.dst_tokens, "y")
+        _tick_labels(ax, maps.src_tokens, "x")
+        return image
+    ax.set_xticks([])
+    ax.set_yticks([])
+    dst = None if is_max or maps.sel_dst_THE is None else maps.sel_dst_THE[:, p, :]
+    src = None if is_max or maps.sel_src_SHE is None else maps.sel_src_SHE[:, p, :]
+    if dst is not None:
+        _dst_strip(fig.add_subplot(g[0, 0], sharey=ax), dst, maps)
+    else:
+        _tick_labels(ax, maps.dst_tokens, "y")
+    if src is not None:
+        _src_strip(fig.add_subplot(g[1, 1], sharex=ax), src, maps)
+    else:
+        _tick_labels(ax, maps.src_tokens, "x")
+    return image
+
+
+def _dst_strip(ax_d, dst, maps: AttentionMaps) -> None:
+    """The destination-side gates [T, E] left of a panel's rows."""
+    # MoH's gates reach 2 and more (the authors' scaled gates): its own range
+    top = max(1.0, float(np.nanmax(dst))) if maps.kind == "moh" else 1
+    ax_d.imshow(np.where(dst > 0, dst, np.nan), cmap="Oranges", vmin=0, vmax=top,
+                aspect="auto", interpolation="nearest")
+    ax_d.set_xticks(range(dst.shape[1]))
+    ax_d.set_xticklabels([str(e) for e in range(dst.shape[1])], fontsize=5)
+    _tick_labels(ax_d, maps.dst_tokens, "y")
+    ax_d.set_xlabel("gate" if maps.kind == "moh" else "O expert", fontsize=6)
+
+
+def _src_strip(ax_s, src, maps: AttentionMaps) -> None:
+    """The source-side gates [S, E] under a panel's columns."""
+    ax_s.imshow(np.where(src.T > 0, src.T, np.nan), cmap="Purples", vmin=0, vmax=1,
+                aspect="auto", interpolation="nearest")
+    ax_s.set_yticks(range(src.shape[1]))
+    ax_s.set_yticklabels([str(e) for e in range(src.shape[1])], fontsize=5)
+    ax_s.yaxis.set_ticks_position("right")
+    _tick_labels(ax_s, maps.src_tokens, "x")
+    ax_s.set_ylabel("V expert", fontsize=6)
+    ax_s.yaxis.set_label_position("right")
 
 
 def format_entropy(maps: AttentionMaps) -> str:

@@ -186,7 +186,6 @@ def _ratio(a, b):
     return None if a is None or b is None or not b else a / b
 
 
-# One side-by-side timing loop: the ratios must come from the same run.
 def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = None,
                     tokens: int = DEFAULT_TOKENS, device: str = "cpu", dtype: str = "float32",
                     textbook: bool = True, memory: bool = True, warmup: int = 2,
@@ -209,78 +208,100 @@ def bench_attention(presets: Sequence = DEFAULT_PRESETS, *, batch: int | None = 
     if tokens < 1 or repeats < 1 or warmup < 0 or ops < 0:
         raise ValueError("tokens and repeats must be positive, warmup and ops non-negative")
     autocast_for(device, dtype)  # validates dtype
-    groups = []
     cases_in = add_dense_baselines(resolve_cases(presets))
     if expert_impls:
         cases_in = [v for case in cases_in for v in with_expert_impls(*case, expert_impls)]
+    groups = []
     for members in group_by_shape(cases_in):
-        base_name, base_cfg = members[0]
-        T, xl = base_cfg.context_length, base_cfg.xl_memory
-        B = batch or max(1, tokens // T)
-        C = 2 if xl else 1
-        cases = []  # (label, preset name, config, textbook, compiled)
-        for name, cfg in members:
-            cases.append((name, name, cfg, False, False))
-            if compile:
-                cases.append((name + COMPILED_SUFFIX, name, cfg, False, True))
-            if (textbook and name == base_name
-                    and isinstance(cfg.attention_layers()[0], DenseAttentionConfig)):
-                cases.append((name + TEXTBOOK_SUFFIX, name, cfg, True, False))
-        fns = {}
-        for label, _, cfg, tb, c in cases:
-            ph = layer_phases(cfg.to_json(), batch=B, textbook=tb, device=device, dtype=dtype,
-                              seed=seed, compile=c)
-            fns[(label, "fwd")], fns[(label, "fwd+bwd")] = ph["fwd"], ph["fwd+bwd"]
-        times = interleaved_median_times(fns, warmup=max(warmup, 2) if compile else warmup,
-                                         repeats=repeats, device=device)
-        del fns
-        split = {}
-        if ops:
-            for label, _, cfg, tb, c in cases:
-                if not c:  # the timer sees the eager operations, not a compiled graph
-                    split[label] = op_times(layer_phases(
-                        cfg.to_json(), batch=B, textbook=tb, device=device, dtype=dtype,
-                        seed=seed)["fwd+bwd"], repeats=repeats, top=ops)
-
-        peaks = {}
-        if memory:
-            for label, _, cfg, tb, c in cases:
-                peaks[label] = peak_memory(
-                    "moeify.bench.attention:layer_phases",
-                    dict(config_json=cfg.to_json(), batch=B, textbook=tb, device=device,
-                         dtype=dtype, seed=seed, compile=c), device=device)
-        base_cost = attention_cost(base_cfg.attention_layers()[0], T=T, C=C)
-        rows = []
-        for label, name, cfg, tb, c in cases:
-            attn = cfg.attention_layers()[0]
-            cost = attention_cost(attn, T=T, C=C)
-            mem = peaks.get(label, {})
-            peak = mem["fwd+bwd"]["working"] if mem else None
-            rows.append({
-                "case": label,
-                "attention": attention_summary(attn) + (" textbook" if tb else ""),
-                "fwd ms": times[(label, "fwd")] * 1e3,
-                "fwd+bwd ms": times[(label, "fwd+bwd")] * 1e3,
-                "fwd x": _ratio(times[(label, "fwd")], times[(base_name, "fwd")]),
-                "fwd+bwd x": _ratio(times[(label, "fwd+bwd")], times[(base_name, "fwd+bwd")]),
-                "vs eager": (_ratio(times[(label, "fwd+bwd")], times[(name, "fwd+bwd")])
-                             if compile and not tb else None),
-                "MACs": cost.macs,
-                "MACs x": cost.macs / base_cost.macs,
-                "fwd peak MiB": mem["fwd"]["working"] if mem else None,
-                "peak MiB": peak,
-                "peak x": _ratio(peak, peaks[base_name]["fwd+bwd"]["working"] if mem else None),
-                "Mem x": cost.memory / base_cost.memory,
-            })
-            if label in split:
-                rows[-1]["ops"] = split[label]
-                rows[-1]["GEMM x"] = split[label]["gemm ms"] / split[base_name]["ops ms"]
-        groups.append({"baseline": base_name, "batch": B, "T": T, "S": C * T, "xl_memory": xl,
-                       "d_model": base_cfg.d_model, "rows": rows})
+        B = batch or max(1, tokens // members[0][1].context_length)
+        setup = dict(batch=B, device=device, dtype=dtype, seed=seed)
+        groups.append(_bench_group(members, setup, textbook=textbook, memory=memory,
+                                   warmup=warmup, repeats=repeats, compile=compile, ops=ops))
     return {"bench": "attention", "device": str(device), "dtype": dtype, "compile": compile,
             "ops": ops,
             "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
             "warmup": warmup, "repeats": repeats, "groups": groups}
+
+
+def _group_cases(members: list[tuple[str, ModelConfig]], *, compile: bool,
+                 textbook: bool) -> list[tuple]:
+    """The rows of a shape group: (label, preset name, config, textbook, compiled)."""
+    base_name = members[0][0]
+    cases = []
+    for name, cfg in members:
+        cases.append((name, name, cfg, False, False))
+        if compile:
+            cases.append((name + COMPILED_SUFFIX, name, cfg, False, True))
+        if (textbook and name == base_name
+                and isinstance(cfg.attention_layers()[0], DenseAttentionConfig)):
+            cases.append((name + TEXTBOOK_SUFFIX, name, cfg, True, False))
+    return cases
+
+
+def _bench_group(members: list[tuple[str, ModelConfig]], setup: dict, *, textbook: bool,
+                 memory: bool, warmup: int, repeats: int, compile: bool, ops: int) -> dict:
+    """One shape group, timed side by side (``setup``: layer_phases' batch, device, dtype and
+    seed)."""
+    base_name, base_cfg = members[0]
+    T, xl = base_cfg.context_length, base_cfg.xl_memory
+    C = 2 if xl else 1
+    cases = _group_cases(members, compile=compile, textbook=textbook)
+    fns = {}
+    for label, _, cfg, tb, c in cases:
+        ph = layer_phases(cfg.to_json(), textbook=tb, compile=c, **setup)
+        fns[(label, "fwd")], fns[(label, "fwd+bwd")] = ph["fwd"], ph["fwd+bwd"]
+    times = interleaved_median_times(fns, warmup=max(warmup, 2) if compile else warmup,
+                                     repeats=repeats, device=setup["device"])
+    del fns
+    split = {}
+    if ops:
+        for label, _, cfg, tb, c in cases:
+            if not c:  # the timer sees the eager operations, not a compiled graph
+                split[label] = op_times(layer_phases(cfg.to_json(), textbook=tb, **setup
+                                                     )["fwd+bwd"], repeats=repeats, top=ops)
+    peaks = {}
+    if memory:
+        for label, _, cfg, tb, c in cases:
+            peaks[label] = peak_memory(
+                "moeify.bench.attention:layer_phases",
+                dict(config_json=cfg.to_json(), textbook=tb, compile=c, **setup),
+                device=setup["device"])
+    base_cost = attention_cost(base_cfg.attention_layers()[0], T=T, C=C)
+    rows = []
+    for case in cases:
+        label = case[0]
+        rows.append(_row(case, times, peaks, base_name, base_cost, T=T, C=C, compile=compile))
+        if label in split:
+            rows[-1]["ops"] = split[label]
+            rows[-1]["GEMM x"] = split[label]["gemm ms"] / split[base_name]["ops ms"]
+    return {"baseline": base_name, "batch": setup["batch"], "T": T, "S": C * T, "xl_memory": xl,
+            "d_model": base_cfg.d_model, "rows": rows}
+
+
+def _row(case: tuple, times: dict, peaks: dict, base_name: str, base_cost, *, T: int, C: int,
+         compile: bool) -> dict:
+    """The result row of one case, its ratios to the group's baseline ``base_name``."""
+    label, name, cfg, tb, _ = case
+    attn = cfg.attention_layers()[0]
+    cost = attention_cost(attn, T=T, C=C)
+    mem = peaks.get(label, {})
+    peak = mem["fwd+bwd"]["working"] if mem else None
+    return {
+        "case": label,
+        "attention": attention_summary(attn) + (" textbook" if tb else ""),
+        "fwd ms": times[(label, "fwd")] * 1e3,
+        "fwd+bwd ms": times[(label, "fwd+bwd")] * 1e3,
+        "fwd x": _ratio(times[(label, "fwd")], times[(base_name, "fwd")]),
+        "fwd+bwd x": _ratio(times[(label, "fwd+bwd")], times[(base_name, "fwd+bwd")]),
+        "vs eager": (_ratio(times[(label, "fwd+bwd")], times[(name, "fwd+bwd")])
+                     if compile and not tb else None),
+        "MACs": cost.macs,
+        "MACs x": cost.macs / base_cost.macs,
+        "fwd peak MiB": mem["fwd"]["working"] if mem else None,
+        "peak MiB": peak,
+        "peak x": _ratio(peak, peaks[base_name]["fwd+bwd"]["working"] if mem else None),
+        "Mem x": cost.memory / base_cost.memory,
+    }
 
 
 COMPILED_SUFFIX = " compiled"

@@ -7,45 +7,26 @@ without a GPU. ``moeify bench contract`` prints them; ``--write`` regenerates th
 expectations (tests/bench/contract_expectations.json), which tests/bench/test_contract.py holds
 every case to, exactly.
 
-What is counted, per case (a ``CostMeter`` around the call):
-
-    macs      multiply-adds of the matrix products (torch.utils.flop_counter.FlopCounterMode:
-              mm, addmm, bmm, baddbmm, attention; plus CPU flash attention and grouped_mm,
-              whose formulas it lacks; FLOPs / 2). A matrix-product operator with no formula
-              fails the measurement rather than counting zero.
-    ops       aten operators dispatched (TorchDispatchMode), per operator name; ``kernels``
-              leaves out views and metadata-only operators: a proxy for GPU kernel launches.
-    syncs     host read-backs: ``.item()`` and friends (``aten._local_scalar_dense``),
-              ``.tolist()`` / ``.numpy()``, and the operators whose output size depends on the
-              data (nonzero, masked_select, unique, bincount, boolean indexing,
-              repeat_interleave without an output size), which read back on a GPU.
-    allocated bytes (and count) of the tensor storages the call creates: every operator
-              output that is not a view of an existing storage, plus a storage's growth by
-              an ``out=`` resize.
-    peak      the most bytes held at once by the storages created since the measurement
-              began (a storage is freed when its last reference goes: CPython's reference
-              counting, with the cyclic collector off while measuring).
-
-Memory here is what the operators return, at the dispatcher: the scratch space a kernel
-allocates inside itself (a BLAS packing buffer, a reduction's per-thread partials) is not
-seen, which is what makes the count the same on every machine and thread count. The profiler
-measurement of moeify.bench.memory sees those too (and is what ``bench step`` reports).
+What is counted, and how: moeify.bench.cost_meter (MACs, operators and kernels, host
+read-backs, bytes allocated, peak memory; fake tensors).
 
 Cases (``CASES``): the attention layer of the SwitchHead 47M and 262M presets and of their
-dense baselines, fwd+bwd (layer_phases: weights and inputs excluded from the memory), and the
-47M training step (step_phases: forward, backward, clipping, AdamW; the memory counts
+dense baselines, fwd+bwd (layer_phases: weights and inputs excluded from the memory), and
+47M training steps (step_phases: forward, backward, clipping, AdamW; the memory counts
 everything from before the model is built, the costs are the second step's, after AdamW's
 state exists). The SwitchHead layers run once per expert kernel (``KERNELS``): "auto" and every
 registered kernel that runs on CPU tensors ("segment"; "grouped": torch's grouped GEMM;
-"concat": one dense GEMM over every expert, gated; "padded"; "sets"), all forced by name.
+"concat": one dense GEMM over every expert, gated, recomputing its intermediate in the
+backward; "concat_saved": the same, keeping it; "padded"; "sets"), all forced by name.
 "triton" runs on the CPU only in Triton's interpreter, far too slow at these shapes, and is
-left out;
-"reference", "gather", "pairs" and "all" are test and decoding paths; the steps run "auto"
-and "grouped" (``STEP_KERNELS``). Shapes: one sequence; the layers at 64 queries (128 keys
-with the XL memory), the step on the 47M preset's first two blocks and 32 tokens. Every width,
-head and expert count is the preset's; the full 47M step takes tens of seconds per case under
-the meter on two cores and the 262M step minutes (its AdamW state alone is 3 GiB), so the
-262M model is covered by its layer.
+left out; "reference", "gather", "pairs" and "all" are test and decoding paths. Shapes: one
+sequence for the layers, 64 queries (128 keys with the XL memory). The steps: the whole 47M
+models at batch 64 and the preset's 256 tokens under fake tensors, dense and SwitchHead with
+"concat" and "concat_saved" (``FULL_STEP_KERNELS``); and the first two blocks on one sequence
+of 32 tokens with real tensors for "auto" and "grouped" (``STEP_KERNELS``; their dense
+baseline counted fake). Every width, head and expert count is the preset's. The 262M step
+counts under fake tensors too (``Case("step", "wt103-262m-switchhead", 64, 512, "concat",
+fake=True)``), in about three times the 47M step's time: not among the cases the tests run.
 
 Measured with float32, ``THREADS`` intra-op threads (the CPU policy of "auto" reads the thread
 count) and the cases' fixed seeds.
@@ -53,23 +34,16 @@ count) and the cases' fixed seeds.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import gc
 import json
 import os
-import re
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from moeify.bench.attention import layer_phases
+from moeify.bench.cost_meter import measure
 from moeify.bench.step import step_phases
 from moeify.bench.timing import format_table
 from moeify.layers.attention import DenseAttentionConfig
@@ -83,212 +57,8 @@ _MIB = 1024 * 1024
 # The intra-op threads the cases run with: "auto"'s CPU policy pads only with several threads.
 THREADS = 2
 # Expert kernels of the SwitchHead cases (module docstring).
-KERNELS = ("auto", "segment", "grouped", "concat", "padded", "sets")
+KERNELS = ("auto", "segment", "grouped", "concat", "concat_saved", "padded", "sets")
 EXPECTATIONS = Path("tests") / "bench" / "contract_expectations.json"
-
-# ------------------------------------------------------------------------------ the meter
-
-# Operators whose output size depends on tensor values: a GPU must read back to size it.
-_DATA_SIZED = {aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
-               aten.unique_consecutive, aten.bincount, aten.nonzero_static}
-# Operators that hand a value to the host.
-_READ_BACKS = {aten._local_scalar_dense, aten.equal, aten.is_nonzero}
-# Operators that move no data (besides views): not a kernel launch on a GPU.
-_METADATA = {aten.detach, aten.alias, aten._unsafe_view, aten.lift_fresh, aten._local_scalar_dense,
-             aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
-             aten.is_same_size, aten.set_}
-# A matrix product must have a MAC formula: one without would silently count zero.
-_MATMUL_LIKE = re.compile(r"mm|matmul|dot|linear|conv|attention|einsum|addmv|\bmv\b|addr|ger")
-
-
-def _grouped_mm_flops(a_shape, b_shape, offs_shape=None, bias_shape=None, out_dtype=None,
-                      out_shape=None, **kwargs) -> int:
-    """grouped_mm: [P, A] x [E, A, B] -> [P, B] (the forward), [A, P] x [P, B] -> [E, A, B]
-    (the weight gradient, P split by the offsets), or one product per group of 3-D operands."""
-    if len(a_shape) == 2 and len(b_shape) == 3:
-        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
-    if len(a_shape) == 2 and len(b_shape) == 2:
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    if len(a_shape) == 3 and len(b_shape) == 3:
-        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
-    raise ValueError(f"no MAC formula for grouped_mm of {a_shape} and {b_shape}")
-
-
-def _addmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """addmm_ / baddbmm_ (in place): 2 m k n per product."""
-    batch = a_shape[0] if len(a_shape) == 3 else 1
-    return 2 * batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
-
-
-def _cpu_sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(q, k, v)
-
-
-def _cpu_sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, q, k, v)
-
-
-# FlopCounterMode's registry lacks CPU flash attention, grouped_mm and the in-place products.
-EXTRA_FLOP_FORMULAS = {
-    aten.addmm_: _addmm_flops,
-    aten.baddbmm_: _addmm_flops,
-    aten._grouped_mm: _grouped_mm_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
-}
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-class CostMeter(TorchDispatchMode):
-    """Counts operators, host read-backs and storage allocations (module docstring) while
-    active; ``phase(name)`` opens a new set of counters, ``costs()`` returns them."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0  # bytes held by the storages created while measuring
-        self.peak = 0
-        self._sizes: dict[int, int] = {}  # storage -> bytes counted for it
-        self._phases: dict[str, dict] = {}
-        self._cur: dict | None = None
-        self.phase("setup")
-
-    def phase(self, name: str) -> None:
-        self._cur = {"ops": collections.Counter(), "syncs": collections.Counter(), "kernels": 0,
-                     "allocated": 0, "allocations": 0, "start": self.live, "top": self.live}
-        self._phases[name] = self._cur
-
-    def read_back(self, what: str) -> None:
-        self._cur["syncs"][what] += 1
-
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
-
-    def _allocate(self, st, nbytes: int) -> None:
-        key = st._cdata
-        self._sizes[key] = self._sizes.get(key, 0) + nbytes
-        if nbytes == self._sizes[key]:
-            weakref.finalize(st, self._free, key)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        self._cur["top"] = max(self._cur["top"], self.live)
-        self._cur["allocated"] += nbytes
-        self._cur["allocations"] += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if func.namespace == "profiler":  # record_function's markers: instrumentation
-            return func(*args, **kwargs)
-        name = str(packet).removeprefix("aten.")
-        if (_MATMUL_LIKE.search(name) and packet not in FlopCounterMode().flop_registry
-                and packet not in EXTRA_FLOP_FORMULAS):
-            raise RuntimeError(f"the cost contract has no MAC formula for {func}; add one to "
-                               "moeify.bench.contract.EXTRA_FLOP_FORMULAS")
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))
-                  if t.device.type != "meta"}
-        out = func(*args, **kwargs)
-        self._cur["ops"][name] += 1
-        if not (func.is_view or packet in _METADATA):
-            self._cur["kernels"] += 1
-        if packet in _READ_BACKS:
-            self._cur["syncs"][name] += 1
-        elif packet in _DATA_SIZED or (packet in (aten.index, aten.index_put, aten.index_put_)
-                                       and any(t.dtype == torch.bool for t in _tensors(args[1]))):
-            self._cur["syncs"][name] += 1
-        for t in _tensors(out):
-            st = t.untyped_storage()
-            key, nbytes = st._cdata, st.nbytes()
-            known = self._sizes.get(key)
-            if known is None and key not in inputs:
-                self._allocate(st, nbytes)
-            elif known is not None and nbytes > known:  # grown by an out= resize
-                self._allocate(st, nbytes - known)
-        return out
-
-    def costs(self) -> dict[str, dict]:
-        out = {}
-        for name, p in self._phases.items():
-            ops = dict(sorted(p["ops"].items()))
-            out[name] = {
-                "ops": sum(ops.values()),
-                "kernels": p["kernels"],
-                "syncs": sum(p["syncs"].values()),
-                "allocated": p["allocated"],
-                "allocations": p["allocations"],
-                "working": p["top"] - p["start"],
-                "sync_ops": dict(sorted(p["syncs"].items())),
-                "op_counts": ops,
-            }
-        return out
-
-
-@contextlib.contextmanager
-def _counting_host_reads(meter: CostMeter):
-    """``Tensor.tolist`` and ``Tensor.numpy`` counted as read-backs: on a CPU tensor they read
-    memory without dispatching an operator."""
-    saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
-
-    def wrap(n, f):
-        def counted(self, *a, **kw):
-            meter.read_back(n)
-            return f(self, *a, **kw)
-        return counted
-
-    for n, f in saved.items():
-        setattr(torch.Tensor, n, wrap(n, f))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-
-
-def measure(setup: Callable[[], dict[str, Callable[[], object]]], *,
-            setup_counted: bool) -> dict:
-    """Run ``setup()`` (which returns ordered phases, name -> callable) and every phase once
-    under a CostMeter and FlopCounterMode. ``setup_counted``: whether the setup's storages
-    count towards the memory (a training step's weights and optimizer state) or not (one
-    layer's call: only what the call allocates). Returns {"peak": bytes, "phases": {name:
-    costs with "macs"}}."""
-    threads = torch.get_num_threads()
-    gc_was = gc.isenabled()
-    torch.set_num_threads(THREADS)
-    gc.collect()
-    gc.disable()
-    try:
-        phases = None if setup_counted else setup()
-        meter = CostMeter()
-        macs = {}
-        with meter, _counting_host_reads(meter):
-            if phases is None:
-                phases = setup()
-            for name, fn in phases.items():
-                meter.phase(name)
-                flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-                with flops:
-                    fn()
-                macs[name] = flops.get_total_flops() // 2
-        costs = meter.costs()
-        peak = meter.peak
-        del phases, meter
-    finally:
-        if gc_was:
-            gc.enable()
-        torch.set_num_threads(threads)
-    for name, m in macs.items():
-        costs[name]["macs"] = m
-    return {"peak": peak, "phases": costs}
-
 
 # ------------------------------------------------------------------------------ the cases
 
@@ -297,7 +67,8 @@ def measure(setup: Callable[[], dict[str, Callable[[], object]]], *,
 class Case:
     """One contract case: a preset's attention layer (fwd+bwd) or its training step at a
     chunk of ``T`` tokens and ``batch`` sequences, with the SwitchHead layers' expert kernel
-    forced (None: a dense model); ``dense``: the case its ratios are to."""
+    forced (None: a dense model); ``dense``: the case its ratios are to; ``fake``: counted
+    under fake tensors (``measure``; steps only)."""
 
     kind: str  # "layer" or "step"
     preset: str
@@ -306,12 +77,14 @@ class Case:
     kernel: str | None = None
     dense: str | None = None
     blocks: int | None = None  # the preset's first blocks only (None: all)
+    fake: bool = False
 
     @property
     def name(self) -> str:
         return " ".join([self.kind, self.preset] + ([self.kernel] if self.kernel else [])
                         + [f"b{self.batch}", f"T{self.T}"]
-                        + ([f"L{self.blocks}"] if self.blocks else []))
+                        + ([f"L{self.blocks}"] if self.blocks else [])
+                        + (["fake"] if self.fake else []))
 
     def config(self) -> ModelConfig:
         cfg = dataclasses.replace(get_preset(self.preset), context_length=self.T)
@@ -342,8 +115,16 @@ def _cases() -> list[Case]:
         out.append(Case("layer", dense, LAYER_BATCH, LAYER_T))
         out += [Case("layer", sh, LAYER_BATCH, LAYER_T, k, dense) for k in _kernels_for(sh)]
     dense, sh = "wt103-47m-dense", "wt103-47m-switchhead"
-    out.append(Case("step", dense, STEP_BATCH, STEP_T, blocks=STEP_BLOCKS))
+    # The dense step under fake tensors, which count what real ones do (a test holds them
+    # equal on a smaller step: tests/bench/test_contract.py), in a tenth of the time.
+    out.append(Case("step", dense, STEP_BATCH, STEP_T, blocks=STEP_BLOCKS, fake=True))
     out += [Case("step", sh, STEP_BATCH, STEP_T, k, dense, STEP_BLOCKS) for k in STEP_KERNELS]
+    for size in FULL_STEP_SIZES:
+        dense, sh = f"wt103-{size}-dense", f"wt103-{size}-switchhead"
+        T = get_preset(dense).context_length
+        out.append(Case("step", dense, FULL_STEP_BATCH, T, fake=True))
+        out += [Case("step", sh, FULL_STEP_BATCH, T, k, dense, fake=True)
+                for k in FULL_STEP_KERNELS]
     return out
 
 
@@ -354,6 +135,11 @@ STEP_BATCH, STEP_T, STEP_BLOCKS = 1, 32, 2
 # The steps run "auto" (the CPU's choice) and "grouped" (the CUDA one); every kernel's own
 # costs are the layers'.
 STEP_KERNELS = ("auto", "grouped")
+# The whole models' steps at the paper's training shape (batch 64, the preset's context),
+# counted under fake tensors (module docstring): the kernels that read nothing on the host.
+FULL_STEP_SIZES = ("47m",)
+FULL_STEP_BATCH = 64
+FULL_STEP_KERNELS = ("concat", "concat_saved")
 CASES = _cases()
 FIELDS = ("macs", "kernels", "ops", "syncs", "allocated", "allocations", "working", "peak")
 
@@ -362,12 +148,14 @@ def run_case(case: Case) -> dict:
     """The case's costs: the measured phase's counters, MACs and memory (module docstring)."""
     cfg_json = case.config().to_json()
     if case.kind == "layer":
+        if case.fake:
+            raise ValueError("a layer case is counted with real tensors (fake=False)")
         res = measure(lambda: {"fwd+bwd": layer_phases(cfg_json, batch=case.batch)["fwd+bwd"]},
-                      setup_counted=False)
+                      setup_counted=False, threads=THREADS)
         costs = res["phases"]["fwd+bwd"]
     elif case.kind == "step":
         res = measure(lambda: step_phases(cfg_json, batch=case.batch, steps=2),
-                      setup_counted=True)
+                      setup_counted=True, fake=case.fake, threads=THREADS)
         costs = res["phases"]["step 2"]
     else:
         raise ValueError(f"unknown contract case kind {case.kind!r}")

@@ -4,12 +4,13 @@ the per-device kernel table that "auto" reads on CUDA (moeify.ops.moe.device_tab
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
 from moeify.bench.timing import format_table, interleaved_median_times, kernel_profile
 from moeify.data.cache import atomic_write
-from moeify.ops.moe import IMPLEMENTATIONS, expert_matmul, get_kernel, make_plan, resolved_impl
+from moeify.ops.moe import expert_matmul, get_kernel, implementations, make_plan, resolved_impl
 from moeify.ops.moe.device_table import class_of_name, table_entry
 from moeify.ops.moe.policy import planless
 
@@ -51,10 +52,64 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
         raise ValueError(f"K (experts per row) must lie in [1, E={E} / groups], K divisible by "
                          f"groups={groups}, E by the groups and M by sum_rows={sum_rows}; got "
                          f"K={K}, M={M}")
+    E_g = E // n_groups
+    kw = dict(groups=groups, sum_rows=sum_rows)
+    o = _operands(M, K, E, D, F, E_g=E_g, dtype=dtype, device=device, seed=seed, **kw)
+    # By default not ``skip``, nor a kernel that cannot run on these operands ("triton" off
+    # CUDA, "grouped" at widths grouped_mm cannot take); a kernel named in ``impls`` runs or
+    # raises.
+    impls = list(impls or [i for i in implementations() if i not in skip
+                           and get_kernel(i).unavailable(o.x, o.w) is None])
+    errors = _errors(o.x, o.idx, o.w, o.gates, impls, peers or {}, E_g, kw)
+    fns = _timed_calls(o, impls, peers or {}, E_g, kw)
+    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
+    base, base_concat = times[ROUTE], times[CONCAT]
+    rows = [{"implementation": name, "fwd+bwd ms": t * 1e3, "x dense": t / base,
+             "x concat": t / base_concat, "error": errors.get(name)}
+            for name, t in times.items()]
+    fastest = min(impls, key=lambda i: times[i])
+    profiles = ({name: kernel_profile(fn, device) for name, fn in fns.items()} if profile
+                else None)
+    peer_errors = {k: v for k, v in errors.items() if k.endswith("(peer)")}
+    return {
+        "shape": {"M": M, "K": K, "E": E, "D": D, "F": F, **kw},
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "auto": resolved_impl("auto", o.x, o.idx, o.w, group_size=E_g, groups=groups),
+        "fastest": fastest,
+        "rows": rows,
+        "errors": errors,
+        "fastest_vs_dense": times[fastest] / base,
+        "fastest_vs_concat": times[fastest] / base_concat,
+        "fastest_speedup_vs_gather": (times["gather"] / times[fastest] if "gather" in times
+                                      else None),
+        **({"peer_errors": peer_errors} if peer_errors else {}),
+        **({"profile": profiles} if profiles is not None else {}),
+    }
+
+
+@dataclass
+class _Operands:
+    """The routed operands (x [M, D], idx [M, K], w [E, D, F], gates [M, K]), the two equal-MAC
+    dense matmuls' operands, and a fixed output gradient for each."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    idx: torch.Tensor
+    gates: torch.Tensor
+    grad_out: torch.Tensor
+    grad_route: torch.Tensor
+    x_route: torch.Tensor
+    w_route: torch.Tensor
+    w_concat: torch.Tensor
+    grad_concat: torch.Tensor
+
+
+def _operands(M, K, E, D, F, *, E_g, groups, sum_rows, dtype, device, seed) -> _Operands:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=g).to(device, dtype).requires_grad_()
     w = (torch.randn(E, D, F, generator=g) / D**0.5).to(device, dtype).requires_grad_()
-    E_g = E // n_groups
     idx = _routing(M, K, E_g, groups, sum_rows, g).to(device)
     gates = torch.rand(M, K, generator=g).to(device).requires_grad_()
     out_shape = (M // sum_rows, F) if groups == 1 else (M, groups, F)
@@ -64,11 +119,19 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
     w_route = w[0].detach().clone().requires_grad_()
     w_concat = torch.randn(D, K * F, generator=g).to(device, dtype).requires_grad_()
     grad_concat = torch.randn(M, K * F, generator=g).to(device, dtype)
-    kw = dict(groups=groups, sum_rows=sum_rows)
+    return _Operands(x=x, w=w, idx=idx, gates=gates, grad_out=grad_out, grad_route=grad_route,
+                     x_route=x_route, w_route=w_route, w_concat=w_concat,
+                     grad_concat=grad_concat)
+
+
+def _timed_calls(o: _Operands, impls, peers: dict, E_g: int, kw: dict) -> dict:
+    """{name: one forward+backward}: the two dense matmuls, each kernel (sorting the routing
+    first, as a layer does), each peer."""
+    x, idx, w, gates, grad_out = o.x, o.idx, o.w, o.gates, o.grad_out
 
     def run_impl(impl):
         def fn():
-            plan = None if planless(impl) else make_plan(idx, E, group_size=E_g)
+            plan = None if planless(impl) else make_plan(idx, w.shape[0], group_size=E_g)
             y = expert_matmul(x, idx, w, gates, impl=impl, plan=plan, **kw)
             torch.autograd.backward(y, grad_out)
             x.grad = w.grad = gates.grad = None
@@ -80,48 +143,17 @@ def bench_expert_matmul(M=8192, K=2, E=8, D=512, F=64, *, groups=1, sum_rows=1,
             a.grad = b.grad = None
         return fn
 
-    # By default not ``skip``, nor a kernel that cannot run on these operands ("triton" off
-    # CUDA, "grouped" at widths grouped_mm cannot take); a kernel named in ``impls`` runs or
-    # raises.
-    impls = list(impls or [i for i in IMPLEMENTATIONS if i not in skip
-                           and get_kernel(i).unavailable(x, w) is None])
-
     def run_peer(peer):
         def fn():
             torch.autograd.backward(peer(x, idx, w, gates), grad_out)
             x.grad = w.grad = gates.grad = None
         return fn
 
-    fns = {ROUTE: dense(x_route, w_route, grad_route), CONCAT: dense(x, w_concat, grad_concat)}
-    errors = _errors(x, idx, w, gates, impls, peers or {}, E_g, kw)
+    fns = {ROUTE: dense(o.x_route, o.w_route, o.grad_route),
+           CONCAT: dense(x, o.w_concat, o.grad_concat)}
     fns.update({impl: run_impl(impl) for impl in impls})
-    fns.update({f"{name} (peer)": run_peer(peer) for name, peer in (peers or {}).items()})
-    times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
-    base, base_concat = times[ROUTE], times[CONCAT]
-    rows = [{"implementation": name, "fwd+bwd ms": t * 1e3, "x dense": t / base,
-             "x concat": t / base_concat, "error": errors.get(name)}
-            for name, t in times.items()]
-    fastest = min(impls, key=lambda i: times[i])
-    profiles = ({name: kernel_profile(fn, device) for name, fn in fns.items()} if profile
-                else None)
-    peer_errors = {k: v for k, v in errors.items() if k.endswith("(peer)")}
-    return {
-        "shape": {"M": M, "K": K, "E": E, "D": D, "F": F, "groups": groups,
-                  "sum_rows": sum_rows},
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "auto": resolved_impl("auto", x, idx, w, group_size=E_g, groups=groups),
-        "fastest": fastest,
-        "rows": rows,
-        "errors": errors,
-        "fastest_vs_dense": times[fastest] / base,
-        "fastest_vs_concat": times[fastest] / base_concat,
-        "fastest_speedup_vs_gather": (times["gather"] / times[fastest] if "gather" in times
-                                      else None),
-        **({"peer_errors": peer_errors} if peer_errors else {}),
-        **({"profile": profiles} if profiles is not None else {}),
-    }
+    fns.update({f"{name} (peer)": run_peer(peer) for name, peer in peers.items()})
+    return fns
 
 
 def _routing(M: int, K: int, E_g: int, groups: int, sum_rows: int, g) -> torch.Tensor:

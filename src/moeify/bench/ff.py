@@ -33,7 +33,7 @@ from moeify.errors import install_hint
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.sigma_moe import SigmaMoEConfig
 from moeify.layers.switch_ff import SwitchFFConfig
-from moeify.ops.moe import IMPLEMENTATIONS
+from moeify.ops.moe import implementations
 
 DENSE = "dense MLP (equal MACs)"
 HF_PREFIX = "HF Mixtral "
@@ -146,10 +146,10 @@ def bench_ff(*, tokens: int = 4096, d_model: int = 512, n_experts: int = 8, k: i
                          "warmup non-negative")
     if not 1 <= k <= n_experts:
         raise ValueError(f"k must lie in [1, experts={n_experts}], got {k}")
-    bad = [i for i in impls if i not in IMPLEMENTATIONS + ("auto",) or i == "sets"]
+    bad = [i for i in impls if i not in implementations() + ("auto",) or i == "sets"]
     if bad:
         raise ValueError(f"unknown feedforward expert implementation(s) {bad}; choose from auto, "
-                         + ", ".join(i for i in IMPLEMENTATIONS if i != "sets"))
+                         + ", ".join(i for i in implementations() if i != "sets"))
     autocast_for(device, dtype)  # validates dtype
     D, G, E, K, M = d_model, expert_size, n_experts, k, tokens
     torch.manual_seed(seed)

@@ -85,7 +85,9 @@ def step_phases(config_json: str, *, batch: int, device: str = "cpu", dtype: str
     ``COMPILE_MODES``), as the trainer's compile=true does."""
     cfg = ModelConfig.from_json(config_json)
     torch.manual_seed(seed)
-    model = cfg.build().to(device)
+    model = cfg.build()
+    if torch.device(device) != torch.device("cpu"):  # (fake tensors cannot be moved in place)
+        model = model.to(device)
     model.train()
     for mode in compile_modes(compile):
         compile_blocks(model, mode)
@@ -140,11 +142,7 @@ def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, devi
     if batch < 1 or repeats < 1 or warmup < 0:
         raise ValueError("batch and repeats must be positive and warmup non-negative")
     autocast_for(device, dtype)  # validates dtype
-    cases = resolve_cases(presets)
-    if not isinstance(cases[0][1].attention_layers()[0], DenseAttentionConfig):
-        found = dense_baseline_for(*cases[0])
-        if found is not None and found[0] not in [n for n, _ in cases]:
-            cases.insert(0, found)
+    cases = _with_dense_first(resolve_cases(presets))
     base_name = cases[0][0]
     modes = compile_modes(compile)
     # (row, config, compile mode or "", the eager row of the same model)
@@ -152,44 +150,65 @@ def bench_step(presets: Sequence = DEFAULT_STEP_PRESETS, *, batch: int = 4, devi
                 for m in ("",) + modes]
     if modes:
         warmup = max(warmup, 3)
-    fns = {label: step_phases(cfg.to_json(), batch=batch, device=device, dtype=dtype,
-                              seed=seed, compile=c)["step 1"] for label, cfg, c, _ in variants}
+    setup = dict(batch=batch, device=device, dtype=dtype, seed=seed)
+    fns = {label: step_phases(cfg.to_json(), compile=c, **setup)["step 1"]
+           for label, cfg, c, _ in variants}
     times = interleaved_median_times(fns, warmup=warmup, repeats=repeats, device=device)
     del fns
     peaks = {}
     if memory:
-        for label, cfg, c, _ in variants:
-            if c and not compiled_memory:
-                continue
-            ph = peak_memory("moeify.bench.step:step_phases",
-                             dict(config_json=cfg.to_json(), batch=batch, device=device,
-                                  dtype=dtype, seed=seed, steps=3 if c else 2, compile=c),
-                             device=device, baseline="before_setup")
-            peaks[label] = ph["step 3" if c else "step 2"]
+        peaks = _step_peaks([v for v in variants if compiled_memory or not v[2]], setup)
     macs = {label: model_forward_macs(cfg) for label, cfg, _, _ in variants}
-    rows = []
-    for name, cfg, c, eager in variants:
-        rows.append({
-            "case": name,
-            "compile": c or None,
-            "vs eager": _ratio(times[name], times[eager]) if modes else None,
-            "params": model_cost(cfg).params,
-            "T": cfg.context_length,
-            "step ms": times[name] * 1e3,
-            "time x": _ratio(times[name], times[base_name]),
-            "peak MiB": peaks[name]["peak"] if name in peaks else None,
-            "peak x": (_ratio(peaks[name]["peak"], peaks[base_name]["peak"]) if name in peaks
-                       else None),
-            "step MiB": peaks[name]["working"] if name in peaks else None,
-            "step mem x": (_ratio(peaks[name]["working"], peaks[base_name]["working"])
-                           if name in peaks else None),
-            "attn MACs x": _ratio(macs[name][0], macs[base_name][0]),
-            "model MACs x": _ratio(macs[name][1], macs[base_name][1]),
-        })
+    rows = [_step_row(name, cfg, c, eager, times, peaks, macs, base_name, modes)
+            for name, cfg, c, eager in variants]
     return {"bench": "step", "baseline": base_name, "batch": batch, "device": str(device),
             "dtype": dtype, "threads": torch.get_num_threads(),
             "omp_wait_policy": omp_wait_policy(), "warmup": warmup, "repeats": repeats,
             "compile": list(modes), "rows": rows}
+
+
+def _with_dense_first(cases: list[tuple[str, ModelConfig]]) -> list[tuple[str, ModelConfig]]:
+    """``cases`` with the first one's dense baseline (``dense_baseline_for``) put first when
+    the first has no dense attention and the baseline is not among them."""
+    if not isinstance(cases[0][1].attention_layers()[0], DenseAttentionConfig):
+        found = dense_baseline_for(*cases[0])
+        if found is not None and found[0] not in [n for n, _ in cases]:
+            cases.insert(0, found)
+    return cases
+
+
+def _step_peaks(variants: list[tuple], setup: dict) -> dict:
+    """Each variant's memory of a step in a fresh process (``setup``: step_phases' batch,
+    device, dtype and seed): the second step (the third when compiled)."""
+    peaks = {}
+    for label, cfg, c, _ in variants:
+        ph = peak_memory("moeify.bench.step:step_phases",
+                         dict(config_json=cfg.to_json(), steps=3 if c else 2, compile=c,
+                              **setup), device=setup["device"], baseline="before_setup")
+        peaks[label] = ph["step 3" if c else "step 2"]
+    return peaks
+
+
+def _step_row(name: str, cfg: ModelConfig, c: str, eager: str, times: dict, peaks: dict,
+              macs: dict, base_name: str, modes: tuple) -> dict:
+    """The result row of one variant, its ratios to ``base_name``."""
+    mem = peaks.get(name)
+    base = peaks.get(base_name)
+    return {
+        "case": name,
+        "compile": c or None,
+        "vs eager": _ratio(times[name], times[eager]) if modes else None,
+        "params": model_cost(cfg).params,
+        "T": cfg.context_length,
+        "step ms": times[name] * 1e3,
+        "time x": _ratio(times[name], times[base_name]),
+        "peak MiB": mem["peak"] if mem else None,
+        "peak x": _ratio(mem["peak"], base["peak"]) if mem else None,
+        "step MiB": mem["working"] if mem else None,
+        "step mem x": _ratio(mem["working"], base["working"]) if mem else None,
+        "attn MACs x": _ratio(macs[name][0], macs[base_name][0]),
+        "model MACs x": _ratio(macs[name][1], macs[base_name][1]),
+    }
 
 
 COMPILED_SUFFIX = COMPILE_MODES["default"]

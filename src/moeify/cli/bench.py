@@ -54,10 +54,7 @@ def _add_expert_matmul(bsub) -> None:
     em.add_argument("--write-table", metavar="PATH",
                     help="with --preset-shapes: write the kernel table there (e.g. "
                     "src/moeify/ops/moe/tables/h100.json for the H100 class)")
-    em.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="the tensors' dtype")
-    em.add_argument("--device", default="cpu",
-                    help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
+    _device_options(em, dtype_help="the tensors' dtype")
     em.add_argument("--impl", action="append", help="only these implementations (repeatable)")
     em.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (median)")
     em.add_argument("--peer", action="append", metavar="KIND=PATH",
@@ -67,8 +64,7 @@ def _add_expert_matmul(bsub) -> None:
     em.add_argument("--profile", action="store_true",
                     help="also profile one call of each case after the timing: the kernels it "
                     "launches (on CUDA; operations on the CPU), their count and time shares")
-    em.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    em.set_defaults(func=run_expert_matmul)
+    _output_and_run(em, run_expert_matmul)
 
 
 def _add_attention(bsub) -> None:
@@ -79,9 +75,8 @@ def _add_attention(bsub) -> None:
         "and forward+backward time and peak memory, grouped by shape with ratios to the group's "
         "dense baseline and the cost-accounting MAC and memory ratios beside them. The dense "
         "baseline is also timed as a textbook implementation (same weights).")
-    at.add_argument("--preset", action="append", metavar="NAME",
-                    help="preset to include (repeatable; default: the WT103 47M dense, SwitchHead "
-                    "and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
+    _presets_option(at, "preset to include (repeatable; default: the WT103 47M dense, SwitchHead "
+                        "and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
     at.add_argument("--batch", type=int, help="batch size (default: --tokens / T)")
     at.add_argument("--tokens", type=int, default=2048,
                     help="tokens per batch when --batch is not given (default 2048: 8 x 256, "
@@ -105,10 +100,9 @@ def _add_step(bsub) -> None:
         "memory (weights, gradients, optimizer state and activations), ratios to the first "
         "preset (or its dense baseline, added when the first has MoE attention), and the "
         "cost-accounting MAC ratios.")
-    st.add_argument("--preset", action="append", metavar="NAME",
-                    help="preset to include, the first is the baseline (its paper row's dense "
-                    "preset is put first when it has no dense attention; repeatable; default: "
-                    "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
+    _presets_option(st, "preset to include, the first is the baseline (its paper row's dense "
+                        "preset is put first when it has no dense attention; repeatable; default: "
+                        "wt103-47m-dense, wt103-47m-switchhead, wt103-47m-moa-h4)")
     st.add_argument("--batch", type=int, default=4, help="sequences per training step")
     _common(st, warmup=1, compile=False)
     st.add_argument("--compile", nargs="?", type=_compile_modes, default=None,
@@ -158,9 +152,8 @@ def _add_generate(bsub) -> None:
         "cache's bytes, at each context and batch size, with ratios to the dense preset of the "
         "same size. The full grid (4 contexts x 2 batches x 5 presets) takes long on a small "
         "machine: pick a subset with --context / --batch / --preset.")
-    ge.add_argument("--preset", action="append", metavar="NAME",
-                    help="preset to include (repeatable; default: the WT103 47M dense, "
-                    "SwitchHead and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
+    _presets_option(ge, "preset to include (repeatable; default: the WT103 47M dense, "
+                        "SwitchHead and MoA H=4 rows and the RoPE 45M dense and SwitchHead rows)")
     ge.add_argument("--context", action="append", type=int, metavar="C",
                     help="tokens in the cache when decoding starts (repeatable; default 512, "
                     "1024, 2048, 4096)")
@@ -183,8 +176,7 @@ def _add_contract(bsub) -> None:
     co.add_argument("--write", action="store_true",
                     help="write the results to tests/bench/contract_expectations.json (under the "
                     "current directory: run it from the repository root)")
-    co.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    co.set_defaults(func=run_contract)
+    _output_and_run(co, run_contract)
 
 
 def run_contract(args) -> int:
@@ -202,10 +194,8 @@ def run_contract(args) -> int:
 
 def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,
             compile: bool = True) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="float32, or autocast to bfloat16 / float16 (weights stay float32)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
+    _device_options(p, dtype_help="float32, or autocast to bfloat16 / float16 (weights stay "
+                                  "float32)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--omp-wait", choices=["default", "passive"], default="default",
                    help="OpenMP wait policy: libgomp's default (idle threads spin a while, as "
@@ -223,6 +213,23 @@ def _common(p, warmup: int = 2, memory: bool = True, repeats: bool = True,
     if compile:
         p.add_argument("--compile", action="store_true",
                        help="also time every case torch.compile'd, beside the eager one")
+
+
+def _device_options(p, *, dtype_help: str) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help=dtype_help)
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda / cuda:N (timed with CUDA events)")
+
+
+def _output_and_run(p, run) -> None:
+    """--json (instead of the table) and the function that runs the bench."""
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def _presets_option(p, help: str) -> None:
+    p.add_argument("--preset", action="append", metavar="NAME", help=help)
 
 
 # torch.compile modes of ``bench step --compile`` (moeify.bench.step.COMPILE_MODES; named here

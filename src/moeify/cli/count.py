@@ -10,7 +10,8 @@ def register(sub) -> None:
                        "no weights are allocated) and, per attention layer, the MACs and memory "
                        "of one sequence with the formulas that printed the SwitchHead paper's "
                        "tables; for a model with MoSA layers also the forward FLOPs of the "
-                       "MoSA paper's App. A. Add --json for the exact integers.")
+                       "MoSA paper's App. A; for MoH layers also the MACs of the activated heads "
+                       "alone (the MoH paper's measure). Add --json for the exact integers.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="preset name (see `moeify presets`)")
     src.add_argument("--config", help="a ModelConfig JSON file (e.g. a run directory's)")
@@ -73,6 +74,13 @@ def run(args) -> int:
         mib = row["memory"] * 4 / 2**20
         print(f"  {span:<8} {row['attention']:<{width}} {row['tokens']:>6} {row['macs_str']:>8} "
               f"{row['memory_str'] + ' values':>14} {f'{mib:.1f} MiB':>9}")
+    sparse = [(first, last, row) for first, last, row in _runs(cost.layers)
+              if "activated_head_macs" in row]
+    if sparse:
+        print("  activated-head MACs (MoH paper's measure, its Table 7's sparse kernel; moeify "
+              "computes every head): " + ", ".join(
+            f"layers {a}-{b} {r['activated_head_macs_str']}" if a != b
+            else f"layer {a} {r['activated_head_macs_str']}" for a, b, r in sparse))
     return 0
 
 

@@ -58,91 +58,116 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-# The command's steps in order: argument checks, config, trainer, report.
 def run(args) -> int:
-    import dataclasses
-    import os
-    from pathlib import Path
-
-    from moeify.errors import MoeifyError
-    from moeify.rundir.layout import default_run_dir
-    from moeify.train.config import TrainConfig, read_train_config, resolve_model_config
+    from moeify.train.distributed import device_type, process_group
     from moeify.train.trainer import train
 
     if args.list_settings:
-        from moeify.train.settings import settings_rows
-
-        rows = settings_rows(args.preset or TrainConfig().preset)
-        w = max(len(r[0]) for r in rows)
-        for key, default, kind, text in rows:
-            print(f"{key:<{w}}  {default:<15} {kind:<22} {text}".rstrip())
-        return 0
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+        return _list_settings(args)
+    _check_flags(args)
     explicit = {k: v for k, v in (("preset", args.preset), ("data", args.data),
                                   ("steps", args.steps)) if v is not None}
-    resume = args.resume
-    if args.schedule is not None and resume is None:
-        raise ValueError("--schedule goes with --resume RUN --steps N (what the learning-rate "
-                         "schedule does when a resumed run's length changes)")
     if args.init_from is not None:
-        if resume is not None or args.preset is not None:
-            raise ValueError("--init-from starts a new run with the model of RUN: it does not go "
-                             "with --resume or --preset")
         return _init_from(args, explicit)
-    if resume is not None:
-        if resume is True:
-            if args.out is None:
-                raise MoeifyError("--resume without a directory continues the run in --out: "
-                                  "give --resume runs/NAME (or --out runs/NAME --resume)")
-            run_dir = Path(args.out)
-        else:
-            from moeify.rundir.layout import resolve_checkpoint, run_dir_of
-
-            run_dir = run_dir_of(resolve_checkpoint(resume))
-            if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
-                raise MoeifyError(f"--resume {resume} belongs to run {run_dir}, but --out is "
-                                  f"{args.out}; drop --out")
-        base = read_train_config(run_dir)
-    else:
-        base = TrainConfig()
-    cfg = dataclasses.replace(base, **explicit).with_overrides(args.overrides)
-    if resume is not None and _weights_only(run_dir if resume is True else resume):
-        # An imported model (weights, nothing trained yet): fine-tuning settings, not the
-        # tiny presets' from-scratch ones.
-        cfg = apply_finetune_defaults(cfg, args, source_dtype=_imported_dtype(run_dir),
-                                      context=resolve_model_config(cfg, run_dir=run_dir
-                                                                   ).context_length)
-    # Unknown presets and bad model overrides fail before any data work.
-    resolve_model_config(cfg, run_dir=run_dir if resume is not None else None)
-    cfg = with_data_identity(cfg, run_dir if resume is not None and args.data is None else None,
-                             quiet=args.quiet)
-    if resume is None:
-        if args.out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Each process would pick its own numbered default directory.
-            raise ValueError("with torchrun, name the run directory: --out runs/NAME")
-        run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset,
-                                                                  cfg.data)
-    if not cfg.device.startswith("cuda"):
-        from moeify.train.distributed import configure_cpu_threads
-
-        configure_cpu_threads()
-    from moeify.train.distributed import device_type, process_group
-
+    resume = args.resume
+    run_dir = _resume_dir(args) if resume is not None else None
+    cfg = _run_config(args, explicit, run_dir)
+    if run_dir is None:
+        run_dir = _new_run_dir(args, cfg)
+    _configure_threads(cfg)
     with process_group(device_type(cfg.device)):  # one per process (train.distributed)
         result = train(cfg, run_dir, resume=resume if resume is not None else False,
                        quiet=args.quiet, schedule=args.schedule)
     return _report(result)
 
 
+def _list_settings(args) -> int:
+    from moeify.train.config import TrainConfig
+    from moeify.train.settings import settings_rows
+
+    rows = settings_rows(args.preset or TrainConfig().preset)
+    w = max(len(r[0]) for r in rows)
+    for key, default, kind, text in rows:
+        print(f"{key:<{w}}  {default:<15} {kind:<22} {text}".rstrip())
+    return 0
+
+
+def _check_flags(args) -> None:
+    """Flags that do not go together, refused before anything is read."""
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+    if args.schedule is not None and args.resume is None:
+        raise ValueError("--schedule goes with --resume RUN --steps N (what the learning-rate "
+                         "schedule does when a resumed run's length changes)")
+    if args.init_from is not None and (args.resume is not None or args.preset is not None):
+        raise ValueError("--init-from starts a new run with the model of RUN: it does not go "
+                         "with --resume or --preset")
+
+
+def _resume_dir(args):
+    """The run directory --resume continues (``--resume`` alone: the one in --out)."""
+    from pathlib import Path
+
+    from moeify.errors import MoeifyError
+    from moeify.rundir.layout import resolve_checkpoint, run_dir_of
+
+    if args.resume is True:
+        if args.out is None:
+            raise MoeifyError("--resume without a directory continues the run in --out: "
+                              "give --resume runs/NAME (or --out runs/NAME --resume)")
+        return Path(args.out)
+    run_dir = run_dir_of(resolve_checkpoint(args.resume))
+    if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
+        raise MoeifyError(f"--resume {args.resume} belongs to run {run_dir}, but --out is "
+                          f"{args.out}; drop --out")
+    return run_dir
+
+
+def _run_config(args, explicit: dict, run_dir):
+    """The settings of the run: a resumed run's own (``run_dir``) or the defaults, with the
+    flags and --set applied, checked, and the data identified."""
+    import dataclasses
+
+    from moeify.train.config import TrainConfig, read_train_config, resolve_model_config
+
+    base = read_train_config(run_dir) if run_dir is not None else TrainConfig()
+    cfg = dataclasses.replace(base, **explicit).with_overrides(args.overrides)
+    if run_dir is not None and _weights_only(run_dir if args.resume is True else args.resume):
+        # An imported model (weights, nothing trained yet): fine-tuning settings, not the
+        # tiny presets' from-scratch ones.
+        cfg = apply_finetune_defaults(cfg, args, source_dtype=_imported_dtype(run_dir),
+                                      context=resolve_model_config(cfg, run_dir=run_dir
+                                                                   ).context_length)
+    # Unknown presets and bad model overrides fail before any data work.
+    resolve_model_config(cfg, run_dir=run_dir)
+    return with_data_identity(cfg, run_dir if args.data is None else None, quiet=args.quiet)
+
+
+def _new_run_dir(args, cfg):
+    import os
+    from pathlib import Path
+
+    from moeify.rundir.layout import default_run_dir
+
+    if args.out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each process would pick its own numbered default directory.
+        raise ValueError("with torchrun, name the run directory: --out runs/NAME")
+    return Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset, cfg.data)
+
+
+def _configure_threads(cfg) -> None:
+    if not cfg.device.startswith("cuda"):
+        from moeify.train.distributed import configure_cpu_threads
+
+        configure_cpu_threads()
+
+
 def _init_from(args, explicit: dict) -> int:
     import dataclasses
     from pathlib import Path
 
-    from moeify.rundir.layout import default_run_dir
+    from moeify.rundir.layout import default_run_dir, resolve_checkpoint, run_dir_of
     from moeify.train.start import init_config, train_from
-
-    from moeify.rundir.layout import resolve_checkpoint, run_dir_of
 
     source_run = None if args.data else run_dir_of(resolve_checkpoint(args.init_from))
     cfg = with_data_identity(dataclasses.replace(init_config(args.init_from), **explicit
@@ -150,10 +175,7 @@ def _init_from(args, explicit: dict) -> int:
                              quiet=args.quiet)
     cfg = apply_finetune_defaults(cfg, args, context=cfg.model["context_length"])
     run_dir = Path(args.out) if args.out else default_run_dir(Path("runs"), cfg.preset, cfg.data)
-    if not cfg.device.startswith("cuda"):
-        from moeify.train.distributed import configure_cpu_threads
-
-        configure_cpu_threads()
+    _configure_threads(cfg)
     return _report(train_from(cfg, run_dir, args.init_from, quiet=args.quiet))
 
 

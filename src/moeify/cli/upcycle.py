@@ -55,20 +55,36 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
     import json
     from pathlib import Path
 
-    from moeify.errors import MoeifyError
-    from moeify.data.cache import atomic_directory, sweep_stale_directories
     from moeify.models.cost import model_cost
     from moeify.models.upcycle import is_exact, upcycle
-    from moeify.rundir.layout import resolve_checkpoint, run_dir_of
-    from moeify.train.config import TrainConfig, read_train_config
-    from moeify.train.distributed import configure_cpu_threads
     from moeify.rundir import load_trained
-    from moeify.train.start import start_run_from_model
+    from moeify.rundir.layout import resolve_checkpoint, run_dir_of
+    from moeify.train.distributed import configure_cpu_threads
 
+    _check_flags(args)
+    src_dir = run_dir_of(resolve_checkpoint(args.run))
+    out = Path(args.out)
+    _check_out(out, src_dir)
+    configure_cpu_threads()
+    src = load_trained(args.run, "cpu")
+    model = upcycle(src.model, attention=args.attention, feedforward=args.ff, depth=args.depth)
+    cfg = _new_run_config(args, src, src_dir, model)
+    valid = _write_run(args, cfg, out, model, src.tokenizer)
+    summary = _summary(args, src, model, valid, out, is_exact(args.attention, args.ff,
+                                                               args.depth,
+                                                               source=src.model_config),
+                       model_cost)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary, src, src_dir, out, valid)
+    return 0
+
+
+def _check_flags(args) -> None:
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     for flag, key in (("--steps", "steps"), ("--data", "data")):
@@ -78,17 +94,30 @@ def run(args) -> int:
                              f"new run's {key}; give one of them")
     if args.attention is None and args.ff is None and args.depth is None:
         raise ValueError("name at least one conversion: --attention, --ff or --depth")
-    src_dir = run_dir_of(resolve_checkpoint(args.run))
-    out = Path(args.out)
+
+
+def _check_out(out, src_dir) -> None:
+    """--out must be a new (or empty) directory, not the source run."""
+    from moeify.data.cache import sweep_stale_directories
+    from moeify.errors import MoeifyError
+
     if out.resolve() == src_dir.resolve():
         raise MoeifyError("--out is the source run; the source is never modified, choose a new "
                           "directory")
     sweep_stale_directories(out)  # what a killed upcycle into --out left beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeifyError(f"--out {out} already exists and is not empty; choose a new directory")
-    configure_cpu_threads()
-    src = load_trained(args.run, "cpu")
-    model = upcycle(src.model, attention=args.attention, feedforward=args.ff, depth=args.depth)
+
+
+def _new_run_config(args, src, src_dir, model):
+    """The new run's settings: the source run's, with the upcycled model, the flags, --set and
+    the fine-tuning defaults."""
+    import dataclasses
+
+    from moeify.cli.train import apply_finetune_defaults, with_data_identity
+    from moeify.errors import MoeifyError
+    from moeify.train.config import TrainConfig, read_train_config
+
     if src.train_config is None and args.data is None:
         raise MoeifyError(f"{src_dir} has no training configuration; give --data for the new "
                           "run's corpus")
@@ -97,25 +126,27 @@ def run(args) -> int:
     cfg = dataclasses.replace(base, preset="upcycled", model_overrides=(),
                               model=model.config.to_dict(), **explicit
                               ).with_overrides(args.overrides)
-    from moeify.cli.train import apply_finetune_defaults, with_data_identity
-
     cfg = with_data_identity(cfg, None if args.data else src_dir)
-    cfg = apply_finetune_defaults(cfg, args, context=model.config.context_length)
+    return apply_finetune_defaults(cfg, args, context=model.config.context_length)
+
+
+def _write_run(args, cfg, out, model, tokenizer):
+    """The new run directory with its step-0 checkpoint; the validation at step 0 (or None)."""
+    from moeify.data.cache import atomic_directory
+    from moeify.errors import MoeifyError
+    from moeify.train.start import start_run_from_model
+
     # Written beside --out and renamed at the end: a failure (a full disk) or a kill leaves no
     # half-made run directory; a killed attempt's temporary directory is swept by the next.
     with atomic_directory(out, "upcycle") as tmp:
         try:
-            valid = start_run_from_model(cfg, tmp, model, src.tokenizer,
-                                         validate=not args.no_validate)
+            return start_run_from_model(cfg, tmp, model, tokenizer,
+                                        validate=not args.no_validate)
         except MoeifyError as e:  # the trainer's message names the temporary directory
             raise MoeifyError(str(e).replace(str(tmp), str(out))) from None
-    summary = _summary(args, src, model, valid, out, is_exact(args.attention, args.ff,
-                                                               args.depth,
-                                                               source=src.model_config),
-                       model_cost)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
+
+
+def _print_summary(summary: dict, src, src_dir, out, valid) -> None:
     print(f"upcycled {src_dir} (step {src.checkpoint.step}) -> {out} (step 0)")
     for name in ("attention", "feedforward", "depth"):
         if summary["conversions"][name]:
@@ -128,7 +159,6 @@ def run(args) -> int:
         was = f"dense {dense[name]:.4f} at step {dense['step']}, " if dense else ""
         print(f"  validation {name}: {was}upcycled {valid[name]:.4f}")
     print(f"continue with: moeify train --resume {out}")
-    return 0
 
 
 def _summary(args, src, model, valid, out, exact, model_cost) -> dict:

@@ -45,8 +45,9 @@ variant moeify does not implement (``longrope``, GPT-2's layer-index attention s
 line. A sliding window (Mistral, Mixtral, Qwen-MoE with ``use_sliding_window``) is not applied:
 the context length is capped at the window instead, where windowed and full attention agree.
 Nothing is downloaded: the directory must hold config.json, the weights (model.safetensors, or
-shards with model.safetensors.index.json) and tokenizer.json. Tensor names and layouts are the
-family's links (moeify.interop.hf_mapping), which the native export reads the other way.
+shards with model.safetensors.index.json) and tokenizer.json. Config keys and tensor names and
+layouts are the family's rows and links (moeify.interop.hf_mapping), which the native export
+reads the other way.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ from safetensors.torch import load_file
 from moeify.data.cache import atomic_directory, sweep_stale_directories
 from moeify.data.hf_tokenizer import HFTokenizer
 from moeify.errors import MoeifyError
-from moeify.interop.hf_mapping import (ARCHITECTURES, MOE_TYPES, activation_from_hf, from_hf,
-                                       hf_activation_names, moe_block, rope_from_hf,
+from moeify.interop.hf_mapping import (ARCHITECTURES, config_from_hf, from_hf, moe_block,
                                        tensor_links)
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
@@ -126,155 +126,89 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     return hf
 
 
-def _need(hf: dict, key: str, default: Any = None) -> Any:
-    value = hf.get(key, default)
-    if value is None:
-        raise MoeifyError(f"config.json has no {key!r}; it is needed to rebuild the model")
-    return value
-
-
 # ---------------------------------------------------------------------- configs
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a supported Hugging Face config (a dict read from config.json)."""
+    """The ModelConfig of a supported Hugging Face config (a dict read from config.json), built
+    from the fields its family's rows read (moeify.interop.hf_mapping.config_from_hf)."""
     try:
-        return _gpt2_config(hf) if hf["model_type"] == "gpt2" else _llama_config(hf)
+        fields = config_from_hf(hf)
+        return _gpt2_config(fields) if hf["model_type"] == "gpt2" else _llama_config(fields)
     except (TypeError, ValueError) as e:
         raise MoeifyError(f"config.json describes a model moeify cannot rebuild: {e}") from None
 
 
-def _gpt2_config(hf: dict) -> ModelConfig:
-    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(key):
-            raise MoeifyError(f"config.json sets {key}=true, a GPT-2 variant moeify does not "
-                              "implement")
-    if hf.get("scale_attn_weights") is False:
-        raise MoeifyError("config.json sets scale_attn_weights=false (unscaled attention), a "
-                          "GPT-2 variant moeify does not implement")
-    act = _need(hf, "activation_function", "gelu_new")
-    ours = activation_from_hf(act, gpt2=True)
-    if ours is None:
-        raise MoeifyError(f"config.json: activation_function {act!r} is not supported; "
-                          f"moeify has {', '.join(hf_activation_names(gpt2=True))}")
-    D, L, H = _need(hf, "n_embd"), _need(hf, "n_layer"), _need(hf, "n_head")
-    P = _need(hf, "n_positions")
+def _gpt2_config(f: dict[str, Any]) -> ModelConfig:
+    """GPT-2: learned positions, LayerNorm, multi-head attention and a two-layer MLP, all with
+    biases."""
+    D, L, H = f["d_model"], f["n_layers"], f["n_heads"]
     if D % H:
         raise MoeifyError(f"config.json: n_embd={D} is not a multiple of n_head={H}")
     attn = GroupedQueryAttentionConfig(d_model=D, n_heads=H, n_kv_heads=H, d_head=D // H,
                                        pos="absolute", qkv_bias=True, out_bias=True,
                                        n_layers=L)
-    ff = MLPConfig(d_model=D, d_ff=hf.get("n_inner") or 4 * D, activation=ours,
-                   bias=True, n_layers=L)
-    return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,
-                       context_length=P, attention=attn, feedforward=ff, xl_memory=False,
-                       norm=NormConfig(kind="layernorm", eps=float(hf.get("layer_norm_epsilon",
-                                                                           1e-5))),
-                       max_positions=P, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    ff = MLPConfig(d_model=D, d_ff=f["d_ff"], activation=f["activation"], bias=True, n_layers=L)
+    return ModelConfig(vocab_size=f["vocab_size"], d_model=D, n_layers=L,
+                       context_length=f["context_length"], attention=attn, feedforward=ff,
+                       xl_memory=False, norm=NormConfig(kind="layernorm", eps=f["norm_eps"]),
+                       max_positions=f["max_positions"], tie_embeddings=f["tie_embeddings"],
                        output_bias=False)
 
 
-def _act(hf: dict) -> str:
-    act = _need(hf, "hidden_act", "silu")
-    ours = activation_from_hf(act, gpt2=False)
-    if ours is None:
-        raise MoeifyError(f"config.json: hidden_act {act!r} is not supported; moeify has "
-                          f"{', '.join(hf_activation_names(gpt2=False))}")
-    return ours
-
-
-def _attention_biases(hf: dict) -> tuple[bool, bool]:
-    """(Q/K/V bias, output bias) as each family's attention code builds them."""
-    kind = hf["model_type"]
-    if kind == "qwen2":
-        return True, False
-    if kind == "qwen2_moe":  # its own key; Qwen1.5-MoE configs, without it, have the biases
-        return bool(hf.get("qkv_bias", True)), False
-    if kind == "mixtral":
-        return False, False
-    bias = bool(hf.get("attention_bias", False))  # llama, mistral, qwen3_moe, olmoe: all four
-    return bias, bias
-
-
-def _llama_config(hf: dict) -> ModelConfig:
+def _llama_config(f: dict[str, Any]) -> ModelConfig:
     """The Llama family (Llama, Mistral, Qwen2) and its MoE relatives (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE): RMSNorm, RoPE, grouped-query attention, SwiGLU MLPs or experts."""
-    kind = hf["model_type"]
-    act = _act(hf)
-    D, L = _need(hf, "hidden_size"), _need(hf, "num_hidden_layers")
-    H = _need(hf, "num_attention_heads")
-    Hk = hf.get("num_key_value_heads") or H
-    C = hf.get("head_dim") or D // H
-    qkv_bias, out_bias = _attention_biases(hf)
-    eps = float(hf.get("rms_norm_eps", 1e-6))
-    base, fraction, scaling = rope_from_hf(hf)
-    qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(kind, "none")
-    if kind == "olmoe" and hf.get("clip_qkv") is not None:
-        raise MoeifyError(f"config.json sets clip_qkv={hf['clip_qkv']} (OLMoE's clamping of "
-                          "queries, keys and values), which moeify does not implement")
+    D, L = f["d_model"], f["n_layers"]
+    qk_norm = f.get("qk_norm", "none")
     attn = GroupedQueryAttentionConfig(
-        d_model=D, n_heads=H, n_kv_heads=Hk, d_head=C, pos="rope", rope_base=base,
-        rope_fraction=fraction, rope_scaling=scaling, qkv_bias=qkv_bias, out_bias=out_bias,
-        n_layers=L, qk_norm=qk_norm, qk_norm_eps=eps if qk_norm != "none" else 1e-6)
-    if kind in MOE_TYPES:
-        ff = _moe_layers(hf, D, L, act)
+        d_model=D, n_heads=f["n_heads"], n_kv_heads=f["n_kv_heads"], d_head=f["d_head"],
+        pos="rope", rope_base=f["rope_base"], rope_fraction=f["rope_fraction"],
+        rope_scaling=f["rope_scaling"], qkv_bias=f["qkv_bias"], out_bias=f["out_bias"],
+        n_layers=L, qk_norm=qk_norm, qk_norm_eps=f["norm_eps"] if qk_norm != "none" else 1e-6)
+    if "n_experts" in f:
+        ff = _moe_layers(f)
     else:
-        ff = GatedMLPConfig(d_model=D, d_ff=_need(hf, "intermediate_size"), activation=act,
-                            bias=bool(hf.get("mlp_bias", False)), n_layers=L)
-    T = int(_need(hf, "max_position_embeddings"))
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        ff = GatedMLPConfig(d_model=D, d_ff=f["d_ff"], activation=f["activation"],
+                            bias=f.get("mlp_bias", False), n_layers=L)
+    T = f["context_length"]
+    # A family without use_sliding_window (Mistral, Mixtral) applies its window when it has one.
+    window = f.get("sliding_window") if f.get("use_sliding_window", True) else None
     if window:
         T = min(T, int(window))
-    tied = bool(hf.get("tie_word_embeddings", False))
-    return ModelConfig(vocab_size=_need(hf, "vocab_size"), d_model=D, n_layers=L,
-                       context_length=T, attention=attn, feedforward=ff, xl_memory=False,
-                       norm=NormConfig(kind="rmsnorm", eps=eps, bias=False),
-                       tie_embeddings=tied, output_bias=False)
+    return ModelConfig(vocab_size=f["vocab_size"], d_model=D, n_layers=L, context_length=T,
+                       attention=attn, feedforward=ff, xl_memory=False,
+                       norm=NormConfig(kind="rmsnorm", eps=f["norm_eps"], bias=False),
+                       tie_embeddings=f["tie_embeddings"], output_bias=False)
 
 
-def moe_layer_indices(hf: dict) -> list[bool]:
-    """Which layers of a Hugging Face MoE config hold experts (the others a dense SwiGLU MLP):
-    Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``; every layer elsewhere."""
-    L = int(_need(hf, "num_hidden_layers"))
-    if hf["model_type"] not in ("qwen2_moe", "qwen3_moe"):
-        return [True] * L
-    E = _n_experts(hf)
-    step = int(hf.get("decoder_sparse_step") or 1)
-    dense = set(hf.get("mlp_only_layers") or ())
-    return [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
+def moe_layer_indices(f: dict[str, Any]) -> list[bool]:
+    """Which layers of a Hugging Face MoE model hold experts (the others a dense SwiGLU MLP):
+    Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers`` (a config without experts: none);
+    every layer elsewhere."""
+    if "sparse_step" not in f:
+        return [True] * f["n_layers"]
+    dense, step = set(f["mlp_only_layers"]), f["sparse_step"]
+    return [i not in dense and f["n_experts"] > 0 and (i + 1) % step == 0
+            for i in range(f["n_layers"])]
 
 
-def _n_experts(hf: dict) -> int:
-    key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
-    return int(_need(hf, key))
-
-
-def _moe_layers(hf: dict, D: int, L: int, act: str) -> tuple:
+def _moe_layers(f: dict[str, Any]) -> tuple:
     """The feedforward of every layer: a Switch feedforward with the checkpoint's routing
     (softmax over the experts in float32, top-k, renormalised as the family defines, no
     capacity limit: Hugging Face's MoE blocks drop no token) or, in Qwen-MoE's dense layers,
     a SwiGLU MLP."""
-    kind = hf["model_type"]
-    if float(hf.get("router_jitter_noise") or 0.0) > 0:
-        raise MoeifyError(f"config.json sets router_jitter_noise={hf['router_jitter_noise']} "
-                          "(multiplicative router noise in training), which moeify does not "
-                          "implement")
-    qwen = kind in ("qwen2_moe", "qwen3_moe")
-    F = int(_need(hf, "moe_intermediate_size" if qwen else "intermediate_size"))
+    D, L, act = f["d_model"], f["n_layers"], f["activation"]
     shared = None
-    if kind == "qwen2_moe" and int(_need(hf, "shared_expert_intermediate_size")) > 0:
-        shared = GatedMLPConfig(d_model=D, d_ff=int(hf["shared_expert_intermediate_size"]),
-                                activation=act, n_layers=L)
+    if f.get("shared_d_ff", 0) > 0:
+        shared = GatedMLPConfig(d_model=D, d_ff=f["shared_d_ff"], activation=act, n_layers=L)
     moe = SwitchFFConfig(
-        d_model=D, d_ff=F, n_experts=_n_experts(hf), k=int(_need(hf, "num_experts_per_tok")),
-        dropless=True, gated=True, activation=act,
-        renormalize=True if kind == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-        shared=shared, shared_gate=shared is not None,
-        balance_coef=float(hf.get("router_aux_loss_coef") or 0.0), z_coef=0.0)
+        d_model=D, d_ff=f["expert_d_ff"], n_experts=f["n_experts"], k=f["k"], dropless=True,
+        gated=True, activation=act, renormalize=f["renormalize"], shared=shared,
+        shared_gate=shared is not None, balance_coef=f["balance_coef"], z_coef=0.0)
+    layers = moe_layer_indices(f)
     dense = None
-    layers = moe_layer_indices(hf)
     if not all(layers):
-        dense = GatedMLPConfig(d_model=D, d_ff=int(_need(hf, "intermediate_size")),
-                               activation=act, n_layers=L)
+        dense = GatedMLPConfig(d_model=D, d_ff=f["d_ff"], activation=act, n_layers=L)
     return tuple(moe if is_moe else dense for is_moe in layers)
 
 

@@ -1,9 +1,11 @@
 """The one mapping between moeify models and Hugging Face checkpoints, per family: which
-architecture class each ``model_type`` is, the activation and RoPE names, and every tensor as a
-``Link`` (moeify names, Hugging Face names, transform). Import (moeify.interop.hf_import) reads
-each link one way and the native export (moeify.interop.hf_native) the other, so an import
-followed by an export gives back the checkpoint's tensors: each transform's two directions
-are inverse by construction (``to_hf`` / ``from_hf`` below).
+architecture class each ``model_type`` is, the activation and RoPE names, every structural
+config.json key as a ``Key`` row (moeify field, Hugging Face key, default, transform) and every
+tensor as a ``Link`` (moeify names, Hugging Face names, transform). Import
+(moeify.interop.hf_import) reads each row and link one way and the native export
+(moeify.interop.hf_native) the other, so an import followed by an export gives back the
+checkpoint's structure and tensors: each transform's two directions are inverse by construction
+(``config_from_hf`` / ``config_to_hf``, ``to_hf`` / ``from_hf`` below).
 
     same     one tensor, same layout
     t        one tensor transposed (GPT-2's Conv1D keeps [in, out]; torch's Linear [out, in])
@@ -16,8 +18,9 @@ are inverse by construction (``to_hf`` / ``from_hf`` below).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -122,10 +125,202 @@ def rope_to_hf(base: float, scaling: RopeScaling | None) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------- config.json
+
+# The structural keys of each family's config.json, as rows (moeify field, Hugging Face key,
+# default, transform). Import (``config_from_hf``) reads a family's rows into a flat dict of
+# moeify fields, from which moeify.interop.hf_import builds the ModelConfig; the native export
+# (``config_to_hf``) writes the same rows from the same fields, which moeify.interop.hf_native
+# reads off the ModelConfig. The fields:
+#
+#   vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_head, norm_eps, context_length (and
+#   GPT-2's max_positions), tie_embeddings, activation, qkv_bias / out_bias (attention), qk_norm,
+#   d_ff and mlp_bias (the dense MLPs), rope_base / rope_fraction / rope_scaling (the RoPE pair
+#   above); MoE: n_experts, k, expert_d_ff, renormalize, balance_coef, shared_d_ff (Qwen2-MoE's
+#   shared expert; 0: none), sparse_step and mlp_only_layers (Qwen-MoE's dense layers);
+#   sliding_window and use_sliding_window (import caps the context at the window; the moeify
+#   model has none, so the export writes the source's).
+
+class _Needed:
+    def __repr__(self) -> str:
+        return "NEEDED"
+
+
+NEEDED = _Needed()  # a Key's default when config.json must hold the key
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Key:
+    """The config.json key ``theirs`` <-> the moeify field ``ours`` (a tuple: import sets each,
+    the export writes the first, which hf_native's checks make equal to the others).
+
+    Import reads ``read(value)``; a key absent or null reads as ``default`` (a Hugging Face value,
+    or a function of the fields read before it; NEEDED: the import is refused). The export writes
+    ``write(field)``; a field the model leaves None keeps the source config's value, else writes
+    the default. ``kept``: the source's value wins (the moeify field is a capped view of it: the
+    context at a sliding window). ``aliases``: other names transformers maps on the key, read when
+    ``theirs`` is absent and dropped from the export."""
+
+    ours: str | tuple[str, ...]
+    theirs: str
+    default: Any = NEEDED
+    read: Callable[[Any], Any] = _identity
+    write: Callable[[Any], Any] = _identity
+    kept: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.ours,) if isinstance(self.ours, str) else self.ours
+
+    def default_of(self, fields: dict[str, Any]) -> Any:
+        """The Hugging Face value an absent key stands for, given the other fields."""
+        return self.default(fields) if callable(self.default) else self.default
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A config.json key with the one value moeify implements, which the export writes. Import
+    refuses another value in one line naming the ``variant`` (absent or null reads as ``value``);
+    without a variant (dropout rates, which an imported model does not keep) it reads nothing."""
+
+    theirs: str
+    value: Any
+    variant: str | None = None
+
+
+def _activation_key(theirs: str, gpt2: bool, default: str) -> Key:
+    def read(name: str) -> str:
+        ours = activation_from_hf(name, gpt2)
+        if ours is None:
+            raise MoeifyError(f"config.json: {theirs} {name!r} is not supported; moeify has "
+                              f"{', '.join(hf_activation_names(gpt2))}")
+        return ours
+
+    return Key("activation", theirs, default, read, lambda ours: activation_to_hf(ours, gpt2))
+
+
+def _experts_key(theirs: str) -> Key:  # Qwen3-MoE's config maps one name on the other
+    other = "num_experts" if theirs == "num_local_experts" else "num_local_experts"
+    return Key("n_experts", theirs, read=int, aliases=(other,))
+
+
+GPT2_KEYS = (
+    Key("vocab_size", "vocab_size"), Key("d_model", "n_embd"), Key("n_layers", "n_layer"),
+    Key("n_heads", "n_head"), Key(("max_positions", "context_length"), "n_positions"),
+    Key("d_ff", "n_inner", lambda f: 4 * f["d_model"]),
+    _activation_key("activation_function", True, "gelu_new"),
+    Key("norm_eps", "layer_norm_epsilon", 1e-5, float),
+    Key("tie_embeddings", "tie_word_embeddings", True, bool),
+    Fixed("scale_attn_weights", True, "unscaled attention, a GPT-2 variant"),
+    Fixed("scale_attn_by_inverse_layer_idx", False, "a GPT-2 variant"),
+    Fixed("reorder_and_upcast_attn", False, "a GPT-2 variant"),
+    Fixed("resid_pdrop", 0.0), Fixed("embd_pdrop", 0.0), Fixed("attn_pdrop", 0.0))
+_LLAMA_BODY = (
+    Key("vocab_size", "vocab_size"), Key("d_model", "hidden_size"),
+    Key("n_layers", "num_hidden_layers"), Key("n_heads", "num_attention_heads"),
+    Key("n_kv_heads", "num_key_value_heads", lambda f: f["n_heads"]),
+    Key("d_head", "head_dim", lambda f: f["d_model"] // f["n_heads"]),
+    Key("norm_eps", "rms_norm_eps", 1e-6, float),
+    Key("context_length", "max_position_embeddings", read=int, kept=True),
+    Key("tie_embeddings", "tie_word_embeddings", False, bool),
+    _activation_key("hidden_act", False, "silu"), Fixed("attention_dropout", 0.0))
+_ATTENTION_BIAS = Key(("qkv_bias", "out_bias"), "attention_bias", False, bool)
+_DENSE = Key("d_ff", "intermediate_size", read=int)
+_WINDOW = Key("sliding_window", "sliding_window", None)
+_QWEN_WINDOW = (_WINDOW, Key("use_sliding_window", "use_sliding_window", False, bool))
+_MOE = (Key("k", "num_experts_per_tok", read=int),
+        Key("balance_coef", "router_aux_loss_coef", 0.0, float),
+        Fixed("router_jitter_noise", 0.0, "multiplicative router noise in training"),
+        Fixed("output_router_logits", False))
+_RENORMALIZE = Key("renormalize", "norm_topk_prob", False, bool)
+_EXPERT_D_FF = Key("expert_d_ff", "intermediate_size", read=int)  # Mixtral, OLMoE
+_QWEN_MOE = (Key("expert_d_ff", "moe_intermediate_size", read=int),
+             _experts_key("num_experts"), _RENORMALIZE,
+             Key("d_ff", "intermediate_size", lambda f: f["expert_d_ff"], int),
+             Key("sparse_step", "decoder_sparse_step", 1, lambda s: int(s) or 1),
+             Key("mlp_only_layers", "mlp_only_layers", (), list), *_QWEN_WINDOW)
+# model_type -> its rows (the Llama family's also carry rope_parameters: rope_from_hf above).
+CONFIG_KEYS = {
+    "gpt2": GPT2_KEYS,
+    "llama": (*_LLAMA_BODY, _ATTENTION_BIAS, _DENSE, Key("mlp_bias", "mlp_bias", False, bool)),
+    "mistral": (*_LLAMA_BODY, _DENSE, _WINDOW),
+    "qwen2": (*_LLAMA_BODY, _DENSE, *_QWEN_WINDOW),
+    "mixtral": (*_LLAMA_BODY, *_MOE, _EXPERT_D_FF, _experts_key("num_local_experts"), _WINDOW),
+    # Qwen2-MoE's own bias key: Qwen1.5-MoE configs, without it, have the biases.
+    "qwen2_moe": (*_LLAMA_BODY, Key("qkv_bias", "qkv_bias", True, bool), *_MOE, *_QWEN_MOE,
+                  Key("shared_d_ff", "shared_expert_intermediate_size", read=int)),
+    "qwen3_moe": (*_LLAMA_BODY, _ATTENTION_BIAS, *_MOE, *_QWEN_MOE),
+    "olmoe": (*_LLAMA_BODY, _ATTENTION_BIAS, *_MOE, _EXPERT_D_FF, _experts_key("num_experts"),
+              _RENORMALIZE,
+              Fixed("clip_qkv", None, "OLMoE's clamping of queries, keys and values")),
+}
+# The moeify fields a family's modelling code fixes, with no config.json key (the native
+# export's checks, moeify.interop.hf_native, hold a model to them).
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "mistral": {"qkv_bias": False, "out_bias": False},
+    "qwen2": {"qkv_bias": True, "out_bias": False},
+    "mixtral": {"qkv_bias": False, "out_bias": False, "renormalize": True},
+    "qwen2_moe": {"out_bias": False}, "qwen3_moe": {"qk_norm": "head"},
+    "olmoe": {"qk_norm": "full"},
+}
+
+
+def _fixed_from_hf(key: Fixed, value: Any) -> None:
+    if key.variant is not None and value is not None and value != key.value:
+        raise MoeifyError(f"config.json sets {key.theirs}={json.dumps(value)} ({key.variant}), "
+                          "which moeify does not implement")
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The moeify fields of a supported config.json (its family's rows, above), or a one-line
+    MoeifyError for a needed key it lacks or a variant moeify does not implement."""
+    kind = hf["model_type"]
+    fields = dict(FAMILY_FIELDS.get(kind, {}))
+    for key in CONFIG_KEYS[kind]:
+        if isinstance(key, Fixed):
+            _fixed_from_hf(key, hf.get(key.theirs))
+            continue
+        value = next((hf[k] for k in (key.theirs, *key.aliases) if hf.get(k) is not None), None)
+        if value is None:
+            if key.default is NEEDED:
+                raise MoeifyError(f"config.json has no {key.theirs!r}; it is needed to rebuild "
+                                  "the model")
+            value = key.default_of(fields)
+        fields.update(dict.fromkeys(key.fields, None if value is None else key.read(value)))
+    if kind != "gpt2":
+        fields["rope_base"], fields["rope_fraction"], fields["rope_scaling"] = rope_from_hf(hf)
+    return fields
+
+
+def config_to_hf(kind: str, fields: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """config.json's entries for the moeify ``fields`` as ``kind`` (the inverse of
+    ``config_from_hf``) over ``base``, the source config's entries the export keeps."""
+    out = dict(base)
+    for key in CONFIG_KEYS[kind]:
+        if isinstance(key, Fixed):
+            out[key.theirs] = key.value
+            continue
+        for alias in key.aliases:
+            out.pop(alias, None)
+        value = fields.get(key.fields[0])
+        if key.kept and key.theirs in out:
+            continue
+        if value is not None:
+            out[key.theirs] = key.write(value)
+        elif key.theirs not in out:
+            assert key.default is not NEEDED, key
+            out[key.theirs] = key.default_of(fields)
+    if kind != "gpt2":
+        out["rope_parameters"] = rope_to_hf(fields["rope_base"], fields["rope_scaling"])
+    return out
+
+
 # ---------------------------------------------------------------------- tensors
-
-FORMS = ("same", "t", "cat_t", "cat", "stack_t")
-
 
 @dataclass(frozen=True)
 class Link:
@@ -137,34 +332,28 @@ class Link:
     form: str = "same"
 
 
+# form -> (moeify tensors -> Hugging Face tensors, and back given the number n of moeify
+# tensors): each form's two directions side by side, inverse by construction.
+_TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
+    "same": (lambda xs: list(xs), lambda ys, n: list(ys)),
+    "t": (lambda xs: [xs[0].t()], lambda ys, n: [ys[0].t()]),
+    "cat_t": (lambda xs: [torch.cat([x.t() for x in xs], 1)],
+              lambda ys, n: [c.t() for c in ys[0].chunk(n, 1)]),
+    "cat": (lambda xs: [torch.cat(xs)], lambda ys, n: list(ys[0].chunk(n))),
+    "stack_t": (lambda xs: [x.t() for x in xs[0]],
+                lambda ys, n: [torch.stack([y.t() for y in ys])]),
+}
+FORMS = tuple(_TRANSFORMS)
+
+
 def to_hf(link: Link, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The Hugging Face tensors of ``link`` from its moeify tensors."""
-    if link.form == "same":
-        return list(tensors)
-    if link.form == "t":
-        return [tensors[0].t()]
-    if link.form == "cat_t":
-        return [torch.cat([x.t() for x in tensors], 1)]
-    if link.form == "cat":
-        return [torch.cat(tensors)]
-    if link.form == "stack_t":
-        return [x.t() for x in tensors[0]]
-    raise AssertionError(link.form)
+    return _TRANSFORMS[link.form][0](tensors)
 
 
 def from_hf(link: Link, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The moeify tensors of ``link`` from its Hugging Face tensors (inverse of ``to_hf``)."""
-    if link.form == "same":
-        return list(tensors)
-    if link.form == "t":
-        return [tensors[0].t()]
-    if link.form == "cat_t":
-        return [c.t() for c in tensors[0].chunk(len(link.ours), 1)]
-    if link.form == "cat":
-        return list(tensors[0].chunk(len(link.ours)))
-    if link.form == "stack_t":
-        return [torch.stack([x.t() for x in tensors])]
-    raise AssertionError(link.form)
+    return _TRANSFORMS[link.form][1](tensors, len(link.ours))
 
 
 def _same(ours: str, theirs: str) -> Link:
@@ -248,5 +437,6 @@ def tensor_links(kind: str, cfg) -> list[Link]:
     return out
 
 
-__all__ = ["ARCHITECTURES", "DENSE_TYPES", "MOE_TYPES", "Link", "tensor_links", "to_hf",
-           "from_hf", "rope_from_hf", "rope_to_hf", "activation_from_hf", "activation_to_hf"]
+__all__ = ["ARCHITECTURES", "DENSE_TYPES", "MOE_TYPES", "CONFIG_KEYS", "Key", "Fixed",
+           "config_from_hf", "config_to_hf", "Link", "tensor_links", "to_hf", "from_hf",
+           "rope_from_hf", "rope_to_hf", "activation_from_hf", "activation_to_hf"]

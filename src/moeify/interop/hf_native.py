@@ -24,9 +24,10 @@ apply differently or not at all, must be 0 (it changes training, not the logits,
 that trained differently in transformers would not be the same model).
 
 Config: the source's config.json (same type) is the base, so token ids, the sliding window (the
-moeify run's context was capped at it: within the context both agree), the initializer range and
-the aux-loss coefficient survive a round trip; every structural key is then set from the moeify
-model; RoPE scaling (linear, dynamic, YaRN, Llama 3.1) is written back as ``rope_parameters``.
+moeify run's context was capped at it: within the context both agree) and the initializer range
+survive a round trip; every structural key is then written from the moeify model by the
+family's rows (moeify.interop.hf_mapping.CONFIG_KEYS, which the import reads the other way);
+RoPE scaling (linear, dynamic, YaRN, Llama 3.1) is written back as ``rope_parameters``.
 Weights: in the run's dtype (a bfloat16 import stays bfloat16), the per-expert layout
 save_pretrained writes (transformers fuses the experts on load), named by the same links the
 import reads (moeify.interop.hf_mapping).
@@ -42,7 +43,7 @@ import torch
 from moeify.errors import MoeifyError
 from moeify.interop.hf_import import offline
 from moeify.interop.hf_mapping import (ARCHITECTURES, DENSE_TYPES, MOE_TYPES, activation_to_hf,
-                                       rope_to_hf, tensor_links, to_hf)
+                                       config_to_hf, tensor_links, to_hf)
 from moeify.rundir.model import weights_dtype
 from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
@@ -52,6 +53,7 @@ NATIVE_TYPES = DENSE_TYPES + MOE_TYPES
 # Keys of a source config that describe a structure the export sets itself (or drops).
 _DROP = ("rope_theta", "rope_scaling", "architectures", "auto_map", "transformers_version",
          "torch_dtype", "dtype", "_name_or_path", "quantization_config", "layer_types")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class Mismatch(Exception):
@@ -77,13 +79,13 @@ class _Model:
 def _read(cfg) -> _Model:
     _need(not cfg.xl_memory, "it carries Transformer-XL memory (xl_memory=True)")
     _need(all(d is None for d in cfg.depth), "it routes depth (Mixture-of-Depths)")
-    _need(cfg.dropout == 0, f"its residual dropout is {cfg.dropout} (needs 0)")
-    _need(not cfg.output_bias, "its output layer has a bias")
-    attns = cfg.attention_layers()
+    attns = cfg.attention_layers()  # the layer kind first: it matters more than its options
     _need(all(isinstance(a, GroupedQueryAttentionConfig) for a in attns),
           f"its attention is {type(attns[0]).__name__}, not grouped-query attention" if not
           isinstance(attns[0], GroupedQueryAttentionConfig) else
           "some layers' attention is not grouped-query attention")
+    _need(cfg.dropout == 0, f"its residual dropout is {cfg.dropout} (needs 0)")
+    _need(not cfg.output_bias, "its output layer has a bias")
     _need(all(a == attns[0] for a in attns), "its layers' attention configs differ")
     attn = attns[0]
     _need(attn.attn_dropout == 0, f"its attention dropout is {attn.attn_dropout} (needs 0)")
@@ -227,68 +229,39 @@ def native_type(cfg, hf_source: dict | None = None) -> str:
 
 # ---------------------------------------------------------------------- config.json
 
+def _fields(m: _Model) -> dict[str, Any]:
+    """The moeify fields of the family rows (moeify.interop.hf_mapping.config_to_hf) read off
+    the model: the inverse of what hf_import builds from them."""
+    c, a, dense = m.cfg, m.attn, m.dense
+    fields = dict(vocab_size=c.vocab_size, d_model=c.d_model, n_layers=c.n_layers,
+                  n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, d_head=a.d_head,
+                  norm_eps=c.norm.eps, context_length=c.context_length,
+                  max_positions=c.max_positions, tie_embeddings=c.tie_embeddings,
+                  activation=(m.moe or dense).activation, qkv_bias=a.qkv_bias,
+                  out_bias=a.out_bias, qk_norm=a.qk_norm, rope_base=a.rope_base,
+                  rope_scaling=a.rope_scaling, d_ff=None if dense is None else dense.d_ff,
+                  mlp_bias=None if dense is None else dense.bias)
+    f = m.moe
+    if f is not None:
+        fields.update(n_experts=f.n_experts, k=f.k, expert_d_ff=f.d_ff,
+                      renormalize=f.renormalize, balance_coef=f.balance_coef,
+                      shared_d_ff=0 if f.shared is None else f.shared.d_ff, sparse_step=1,
+                      mlp_only_layers=[i for i, x in enumerate(m.ffs)
+                                       if not isinstance(x, SwitchFFConfig)])
+    return fields
+
+
 def native_config(kind: str, cfg, hf_source: dict | None) -> dict:
     """The config.json entries of the native export (the transformers config class fills in
-    the rest)."""
-    m = _read(cfg)
-    a = m.attn
+    the rest): the source's own entries when it is of the same type (token ids, the sliding
+    window, the initializer range survive), then the family's rows written from the model."""
     src = dict(hf_source or {})
     base = {k: v for k, v in src.items() if k not in _DROP} if src.get("model_type") == kind \
-        else {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        else {k: src[k] for k in _TOKEN_IDS if k in src}
+    for k in _TOKEN_IDS:
         base.setdefault(k, None)  # never a type's default id, which may lie past the vocabulary
-    out = {**base, "model_type": kind, "architectures": [ARCHITECTURES[kind]],
-           "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
-           "use_cache": True}
-    L, D = cfg.n_layers, cfg.d_model
-    if kind == "gpt2":
-        out.update(n_embd=D, n_layer=L, n_head=a.n_heads, n_positions=cfg.max_positions,
-                   n_inner=m.dense.d_ff,
-                   activation_function=activation_to_hf(m.dense.activation, gpt2=True),
-                   layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
-                   attn_pdrop=0.0, scale_attn_weights=True,
-                   scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
-        return out
-    out.update(hidden_size=D, num_hidden_layers=L, num_attention_heads=a.n_heads,
-               num_key_value_heads=a.n_kv_heads, head_dim=a.d_head, rms_norm_eps=cfg.norm.eps,
-               rope_parameters=rope_to_hf(a.rope_base, a.rope_scaling),
-               attention_dropout=0.0,
-               max_position_embeddings=base.get("max_position_embeddings", cfg.context_length))
-    ff = m.moe or m.dense
-    out["hidden_act"] = activation_to_hf(ff.activation, gpt2=False)
-    if kind in ("llama", "qwen3_moe", "olmoe"):
-        out["attention_bias"] = a.qkv_bias
-    if kind == "llama":
-        out["mlp_bias"] = m.dense.bias
-    if kind in DENSE_TYPES:
-        out["intermediate_size"] = m.dense.d_ff
-    if kind in ("mistral", "mixtral"):
-        out.setdefault("sliding_window", None)
-    if kind in ("qwen2", "qwen2_moe", "qwen3_moe"):
-        out.setdefault("use_sliding_window", False)
-    if kind == "qwen2_moe":
-        out["qkv_bias"] = a.qkv_bias
-    if kind in MOE_TYPES:
-        f = m.moe
-        is_moe = [isinstance(x, SwitchFFConfig) for x in m.ffs]
-        out.update(num_experts_per_tok=f.k, router_jitter_noise=0.0,
-                   output_router_logits=False,
-                   router_aux_loss_coef=f.balance_coef)
-        for key in ("num_local_experts", "num_experts"):  # Qwen3-MoE's config maps one on the other
-            out.pop(key, None)
-        out["num_local_experts" if kind == "mixtral" else "num_experts"] = f.n_experts
-        if kind == "mixtral":
-            out["intermediate_size"] = f.d_ff
-        elif kind == "olmoe":
-            out.update(intermediate_size=f.d_ff, norm_topk_prob=f.renormalize, clip_qkv=None)
-        else:
-            out.update(moe_intermediate_size=f.d_ff, norm_topk_prob=f.renormalize,
-                       decoder_sparse_step=1,
-                       mlp_only_layers=[i for i, x in enumerate(is_moe) if not x],
-                       intermediate_size=m.dense.d_ff if m.dense is not None
-                       else out.get("intermediate_size", f.d_ff))
-        if kind == "qwen2_moe":
-            out["shared_expert_intermediate_size"] = f.shared.d_ff
+    out = config_to_hf(kind, _fields(_read(cfg)), base)
+    out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], use_cache=True)
     return out
 
 

@@ -124,10 +124,7 @@ class AttentionCoreConfig:
 
     def __post_init__(self) -> None:
         check_core_fields(self)
-        kv = self.kv_heads
-        if not isinstance(kv, int) or kv <= 0 or self.n_heads % kv:
-            raise ValueError(f"n_kv_heads must be a positive divisor of n_heads={self.n_heads}, "
-                             f"got {self.n_kv_heads!r}")
+        check_kv_heads(self)
 
     @property
     def kv_heads(self) -> int:
@@ -162,6 +159,15 @@ def check_core_fields(cfg, positional: tuple[str, ...] = POSITIONAL) -> None:
     if not 0.0 <= cfg.rope_fraction <= 1.0 or cfg.rope_base <= 0:
         raise ValueError(f"{who}: rope_fraction must lie in [0, 1] and rope_base be positive, "
                          f"got {cfg.rope_fraction} and {cfg.rope_base}")
+
+
+def check_kv_heads(cfg) -> None:
+    """``cfg.n_kv_heads`` (None: ``cfg.n_heads``) must be a positive divisor of ``cfg.n_heads``:
+    each key/value head serves a group of n_heads / n_kv_heads query heads."""
+    kv = cfg.n_heads if cfg.n_kv_heads is None else cfg.n_kv_heads
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or cfg.n_heads % kv:
+        raise ValueError(f"{type(cfg).__name__}.n_kv_heads must be a positive divisor of "
+                         f"n_heads={cfg.n_heads}, got {cfg.n_kv_heads!r}")
 
 
 def _check_tokens(name: str, t: torch.Tensor | None, B: int, n: int) -> None:

@@ -51,11 +51,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from moeify.ops.aux_losses import balance_from_counts, pooled_entropy_loss
 from moeify.ops.dropout import dropout
 from moeify.ops.moe import implementations
-from moeify.ops.memo import stamps
 from moeify.ops.routing import count_selections
 
 
@@ -284,66 +284,13 @@ def accumulate_usage(module: nn.Module, name: str, counts: "torch.Tensor | Routi
         buf.add_((c.round() if c.is_floating_point() else c).long().view_as(buf))
 
 
-def destination_validity(valid_k: torch.Tensor | None, kv_BSD: torch.Tensor | None, T: int,
-                         causal: bool) -> torch.Tensor | None:
-    """Which of an attention layer's T queries are real tokens, [B, T], from the validity of its
-    new keys ``valid_k`` [B, S_new]: the keys themselves in self-attention; their last T with
-    causal attention over [memory ; x] (the queries are the newest keys, as in
-    TransformerBlock); unknown (None) in cross-attention or without ``valid_k``."""
-    if valid_k is None:
-        return None
-    if kv_BSD is None:
-        return valid_k
-    if causal and valid_k.shape[1] >= T:
-        return valid_k[:, -T:]
-    return None
-
-
-def project_by_input(pieces, memo: dict | None = None) -> dict[str, torch.Tensor]:
-    """``{key: x @ w}`` for every ``(key, x [..., D], w [D, n] or [D, ...])`` piece (a w of
-    more dimensions, e.g. a permuted view of expert weights, acts as w.reshape(D, -1)); the
-    pieces that read the same input tensor share one matmul ``x @ [w1 | w2 | ...]`` split back
-    into views: one pass over the input and one input-gradient matmul instead of one per piece.
-    A product that autograd would save as it is (RoPE attention's value) is better left out: as
-    a view it keeps the whole fused output alive.
-
-    ``memo`` (a dict the calling layer owns) keeps the concatenated weights between calls that
-    need no gradient for them (evaluation, decoding: otherwise every call, every token, copies
-    them), rebuilt when any piece's weights change (another tensor, or an in-place update)."""
-    groups: dict[int, tuple[torch.Tensor, list]] = {}
-    for key, x, w in pieces:
-        groups.setdefault(id(x), (x, []))[1].append((key, w))
-    out: dict[str, torch.Tensor] = {}
-    for x, members in groups.values():
-        if len(members) == 1 and members[0][1].dim() == 2:
-            out[members[0][0]] = x @ members[0][1]
-            continue
-        w = _fused_weights([w for _, w in members], tuple(k for k, _ in members), memo)
-        out.update(zip((key for key, _ in members),
-                       (x @ w).split([math.prod(w.shape[1:]) for _, w in members], -1)))
-    return out
-
-
-def _fused_weights(ws: list[torch.Tensor], keys: tuple, memo: dict | None) -> torch.Tensor:
-    """[w1 | w2 | ...], from ``memo`` where no gradient is needed and nothing changed."""
-    def cat():
-        return torch.cat([w.reshape(w.shape[0], -1) for w in ws], 1)
-
-    if torch.compiler.is_compiling():
-        # Traced, the memo's contents would become guards: a recompile per block and per
-        # optimizer step (the weights' versions), until dynamo gives up and runs eagerly.
-        return cat()
-    if memo is None or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
-        if memo:
-            memo.clear()  # training again: hold no stale copy
-        return cat()
-    key = stamps(*ws)
-    if key is None:
-        return cat()
-    hit = memo.get(keys)
-    if hit is None or hit[0] != key:
-        hit = memo[keys] = (key, cat())
-    return hit[1]
+def record_depth_routing(module: nn.Module, aux: "Aux", kind: str, counts: torch.Tensor,
+                         gate_sum: torch.Tensor | None = None) -> None:
+    """A depth router's routing record ``aux.routing[kind]`` (counts [1, n]: Mixture-of-Depths'
+    (skipped, routed) tokens, Mixture-of-Recursions' tokens by final depth) and the running
+    ``usage`` buffer it adds to in training."""
+    aux.routing[kind] = RoutingStats(kind, counts.view(1, -1), gate_sum)
+    accumulate_usage(module, "usage", counts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,13 +356,29 @@ def upgrade_legacy_keys(model: nn.Module, state_dict: dict) -> dict:
 # Config checks: ValueError naming the config class, the field and the value.
 
 
-def check_positive(cfg, *names: str) -> None:
-    """Each field must be a positive int (bool and float are refused: they would fail later)."""
+def _check_ints(cfg, names: tuple[str, ...], low: int, what: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{name} must be a positive integer, "
-                             f"got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be {what}, got {value!r}")
+
+
+def check_positive(cfg, *names: str) -> None:
+    """Each field must be a positive int (bool and float are refused: they would fail later)."""
+    _check_ints(cfg, names, 1, "a positive integer")
+
+
+def check_count(cfg, *names: str, note: str = "") -> None:
+    """Each field must be an int >= 0 (bool and float are refused); ``note`` says what 0 means."""
+    _check_ints(cfg, names, 0, "an integer >= 0" + (f" ({note})" if note else ""))
+
+
+def check_flag(cfg, *names: str) -> None:
+    """Each field must be True or False (not a truthy int or string)."""
+    for name in names:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{type(cfg).__name__}.{name} must be True or False, "
+                             f"got {getattr(cfg, name)!r}")
 
 
 def check_probability(cfg, *names: str) -> None:
@@ -465,10 +428,19 @@ def init_scale(n_layers: int) -> float:
     return math.sqrt(2.0 / n_layers)
 
 
+def _no_values(w: torch.Tensor) -> bool:
+    """Whether ``w`` has no values to draw: a fake tensor (shapes without data, as the cost
+    contract counts whole training steps, moeify.bench.contract), where torch's truncated
+    normal reads back to reject draws; torch itself skips meta tensors."""
+    return is_fake(w)
+
+
 def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:
     """Truncated normal at two standard deviations of the untruncated normal ``std`` (the Switch
     initialiser, as Mesh TensorFlow's truncated_normal_initializer: the values' actual standard
     deviation is about 0.88 · std)."""
+    if _no_values(w):
+        return w
     return nn.init.trunc_normal_(w, std=std, a=-2.0 * std, b=2.0 * std)
 
 
@@ -478,6 +450,8 @@ def trunc_normal_exact_std_(w: torch.Tensor, std: float) -> torch.Tensor:
     exactly ``std``: the SwitchHead authors' trunc_normal_ (framework/utils/init.py of their
     code), which their dense baselines use. A plain truncated normal drawn with std σ has an
     actual std of about 0.88 σ."""
+    if _no_values(w):
+        return w
     nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)
     return w.mul_(std / w.std())
 

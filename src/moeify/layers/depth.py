@@ -56,19 +56,18 @@ from torch import nn
 
 from moeify.layers.common import (
     Aux,
-    RoutingStats,
-    accumulate_usage,
     check_nonnegative,
     check_positive,
     check_token_input,
     init_scale,
     load_scalars_as_vectors,
+    record_depth_routing,
     register_usage,
 )
 from moeify.ops.depth_routing import (
     causal_route,
+    causal_rule_stats,
     gather_tokens,
-    masked_agreement,
     membership_bce,
     scatter_tokens,
 )
@@ -212,10 +211,6 @@ class MixtureOfDepths(nn.Module):
         n_routed = (routed_BT & valid).sum()
         aux.stats["mod.fraction_routed"] = n_routed.float() / n_valid.clamp_min(1).float()
         if causal_BT is not None:
-            rule_BT = causal_route(causal_BT, valid_BT)
-            aux.stats["mod.predictor_accuracy"] = masked_agreement(rule_BT, routed_BT, valid_BT)
-            aux.stats["mod.causal_fraction_routed"] = (
-                rule_BT.sum().float() / n_valid.clamp_min(1).float())
-        counts = torch.stack([n_valid - n_routed, n_routed])
-        aux.routing["mod"] = RoutingStats("mod", counts.view(1, 2), None)
-        accumulate_usage(self, "usage", counts)
+            aux.stats["mod.predictor_accuracy"], aux.stats["mod.causal_fraction_routed"] = \
+                causal_rule_stats(causal_BT, routed_BT, valid_BT)
+        record_depth_routing(self, aux, "mod", torch.stack([n_valid - n_routed, n_routed]))

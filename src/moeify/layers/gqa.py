@@ -36,11 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moeify.layers.attention import check_inputs, core_config
-from moeify.layers.attention_core import AttentionCore, RopeScaling, check_core_fields
+from moeify.layers.attention import check_inputs, core_config, head_projection_params
+from moeify.layers.attention_core import (AttentionCore, RopeScaling, check_core_fields,
+                                          check_kv_heads)
 from moeify.layers.common import (Aux, check_positive, init_scale,
                                   trunc_normal_exact_std_)
-from moeify.layers.kv_cache import KVCache
+from moeify.layers.kv_cache import KVCacheAttention
 from moeify.layers.norm import RMSNorm
 
 GQA_POSITIONAL = ("rope", "none", "absolute")
@@ -81,28 +82,23 @@ class GroupedQueryAttentionConfig:
                              f"got {self.qk_norm_eps}")
         if self.rope_scaling is not None and self.pos != "rope":
             raise ValueError("GroupedQueryAttentionConfig.rope_scaling needs pos='rope'")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"GroupedQueryAttentionConfig: n_kv_heads={self.n_kv_heads} must "
-                             f"divide n_heads={self.n_heads}")
+        check_kv_heads(self)
 
     def param_count(self) -> int:
-        D, H, Hk, C = self.d_model, self.n_heads, self.n_kv_heads, self.d_head
-        n = 2 * D * H * C + 2 * D * Hk * C
-        if self.qkv_bias:
-            n += (H + 2 * Hk) * C
-        if self.out_bias:
-            n += D
+        C = self.d_head
+        n = head_projection_params(self.d_model, self.n_heads, self.n_kv_heads, C,
+                                   qkv_bias=self.qkv_bias, out_bias=self.out_bias)
         if self.qk_norm == "head":
             n += 2 * C
         elif self.qk_norm == "full":
-            n += (H + Hk) * C
+            n += (self.n_heads + self.n_kv_heads) * C
         return n
 
     def build(self) -> "GroupedQueryAttention":
         return GroupedQueryAttention(self)
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(KVCacheAttention):
     def __init__(self, config: GroupedQueryAttentionConfig):
         super().__init__()
         self.config = c = config
@@ -127,12 +123,6 @@ class GroupedQueryAttention(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
         self.core.reset_parameters()
-
-    def new_cache(self) -> KVCache:
-        return KVCache()
-
-    def param_count(self) -> int:
-        return self.config.param_count()
 
     def _qkv(self, q_BTD, kv_BSD):
         """Q [B, H, T, C], K and V [B, Hk, S, C]: the projections of forward and inspect."""

@@ -17,6 +17,19 @@ The cache does not detach: decoding normally runs under torch.no_grad().
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+
+class KVCacheAttention(nn.Module):
+    """The base of the attention layers that decode with a ``KVCache`` (dense, grouped-query,
+    SwitchHead, MoA, MoH): ``new_cache`` and ``param_count`` (the config's formula), the rest
+    of the attention interface (docs/interfaces.md) their own."""
+
+    def new_cache(self) -> "KVCache":
+        return KVCache()
+
+    def param_count(self) -> int:
+        return self.config.param_count()
 
 
 class KVCache:
@@ -142,3 +155,45 @@ class KVCache:
     def reset(self) -> None:
         self._bufs, self._len, self._contiguous, self._all_valid = None, 0, True, True
         self.derived = {}
+
+
+class SharedKVCache:
+    """A read-only view of another layer application's KVCache, for attention that reuses keys
+    and values computed elsewhere (Mixture-of-Recursions' recursive KV sharing: every recursion
+    step after the first attends to the first step's keys and values).
+
+    It has the part of KVCache's interface the attention core uses. ``append`` stores nothing:
+    the new tokens' own keys and values are dropped and the source's are returned, so queries
+    attend to the source's entries (with their positions and validity) instead. The source must
+    already hold the new tokens (the first step runs before the later ones)."""
+
+    def __init__(self, source: KVCache) -> None:
+        self.source = source
+
+    # read through to the source (KVCache's properties)
+    keys = property(lambda self: self.source.keys)
+    values = property(lambda self: self.source.values)
+    positions = property(lambda self: self.source.positions)
+    valid = property(lambda self: self.source.valid)
+    length = property(lambda self: self.source.length)
+    contiguous = property(lambda self: self.source.contiguous)
+    all_valid = property(lambda self: self.source.all_valid)
+    derived = property(lambda self: self.source.derived)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def append(self, keys_BHSC: torch.Tensor, values_BHSC: torch.Tensor,
+               positions_BS: torch.Tensor, valid_BS: torch.Tensor | None = None, *,
+               default_positions: bool = False,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The source's keys, values, positions and validity; the arguments are not stored."""
+        k = self.source.keys
+        if k is None:
+            raise ValueError("a shared KV cache reads a cache that holds no tokens yet; run the "
+                             "layer application that fills it first")
+        if k.shape[0] != keys_BHSC.shape[0] or k.shape[1] != keys_BHSC.shape[1]:
+            raise ValueError(f"the shared cache holds batch {k.shape[0]} with {k.shape[1]} "
+                             f"heads, got batch {keys_BHSC.shape[0]} with "
+                             f"{keys_BHSC.shape[1]} heads")
+        return k, self.source.values, self.source.positions, self.source.valid

@@ -35,6 +35,7 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
+    destination_validity,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -42,13 +43,12 @@ from moeify.layers.common import (
     accumulate_usage,
     check_expert_impl,
     check_positive,
-    destination_validity,
     init_scale,
-    project_by_input,
     register_usage,
     routing_record,
 )
-from moeify.layers.kv_cache import KVCache
+from moeify.layers.kv_cache import KVCacheAttention
+from moeify.layers.projection import project_by_input
 from moeify.ops.aux_losses import cv_squared, moa_balance_loss, router_entropy, z_loss
 from moeify.ops.moe import expert_matmul, make_plan
 from moeify.ops.moe.policy import planless
@@ -108,7 +108,7 @@ class MoAConfig:
         return MoAAttention(self)
 
 
-class MoAAttention(nn.Module):
+class MoAAttention(KVCacheAttention):
     def __init__(self, config: MoAConfig):
         super().__init__()
         self.config = c = config
@@ -139,12 +139,6 @@ class MoAAttention(nn.Module):
                     p.normal_(0.0, std_out if name == "w_o" else std_in)
             if c.pos == "xl":
                 self.core.w_pos.normal_(0.0, std_in)
-
-    def new_cache(self) -> KVCache:
-        return KVCache()
-
-    def param_count(self) -> int:
-        return self.config.param_count()
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):

@@ -1,24 +1,24 @@
-"""MoH, Mixture-of-Head attention (Jin, Zhu, Yuan, Yan, ICML 2025, arXiv 2410.11842, Sec. 3).
+"""MoH, Mixture-of-Head attention (Jin, Zhu, Yuan, Yan, ICML 2025, arXiv 2410.11842v3, Sec. 3).
 
-Multi-head attention written as a sum over heads (Sec. 3.1: MultiHead(X, X') = Σ_i H^i W_O^i,
-H^i the i-th head's attention output) becomes a weighted sum in which each token activates only
-some heads (Sec. 3.2):
+Multi-head attention written as a sum over heads (Sec. 3.1, Eq. 3: MultiHead(X, X') =
+Σ_i H^i W_O^i, H^i the i-th head's attention output, W_O^i its rows of W_O) becomes a weighted
+sum in which each token activates only some heads (Sec. 3.2, "Mixture-of-Head Attention"):
 
     MoH(X, X') = Σ_i g_i H^i W_O^i                                   Eq. 4 (per token x_t)
 
 The first h_s heads are *shared* (always active); of the other h - h_s *routed* heads each token
-keeps the Top-K. Two-stage routing (Eqs. 5-6), per token x_t:
+keeps the Top-K. Two-stage routing, per token x_t:
 
-    g_i = α1 · Softmax(W_s x_t)_i     1 <= i <= h_s                  shared heads
-    g_i = α2 · Softmax(W_r x_t)_i     if (W_r x_t)_i ∈ Top-K over the routed heads
-    g_i = 0                           otherwise
-    [α1, α2] = Softmax(W_h x_t)                                      W_h: [2, d]
+    g_i = α1 · Softmax(W_s x_t)_i          1 <= i <= h_s             Eq. 5, shared heads
+    g_i = α2 · Softmax(W_r x_t)_{i-h_s}    if (W_r x_t)_{i-h_s} ∈ Top-K (routed heads)
+    g_i = 0                                otherwise
+    [α1, α2] = Softmax(W_h x_t)                                      Eq. 6, W_h: [2, d_in]
 
-and the load-balance loss over the routed heads (Sec. 3.2, "Load Balance Loss"; Eq. 7 with
-β = 0.01, the paper's appendix tables):
+and the load-balance loss over the routed heads (Eq. 7), added to the task loss with weight β
+(Eq. 8: L = L_task + β L_b, β = 0.01 for all tasks):
 
-    L_b = Σ_{routed i} f_i P_i,   f_i = (1/T) Σ_t 1(x_t selects head i),
-                                  P_i = (1/T) Σ_t Softmax(W_r x_t)_i
+    L_b = Σ_{i=h_s+1}^{h} P_i f_i,   f_i = (1/T) Σ_t 1(x_t selects head i),
+                                     P_i = (1/T) Σ_t Softmax(W_r x_t)_{i-h_s}
 
 ``weights="authors"`` (the default) computes the gates as the authors' code does
 (SkyworkAI/MoH, MoH-ViT/attention.py and MoH-DiT/models.py ``MoHAttention``): the kept routed
@@ -34,20 +34,26 @@ routed heads (Switch Transformer's N·Σ f P; f_i sums to K over the routed head
 the valid (non-padding) tokens, present whenever ``balance_coef`` and a routed head exist (the
 authors' code adds it in training mode only).
 
-``router="query_norm"`` is the authors' MoH-LLaMA3-8B router (MoH-LLaMA3/Inference_code/
-modeling_llama.py, the model the paper continue-tunes from LLaMA3-8B, Sec. 4.4): no router
-weights; routed head i scores ‖q_t,i‖ (its query before RoPE) divided by the standard deviation
-(unbiased) of those norms over the routed heads, Softmax, Top-K, and the gates are 1 for the
-shared and the selected heads, 0 otherwise (no weighted sum, as the released code). The balance
-loss uses those softmax probabilities.
+``router="query_norm"`` is the router of the paper's continue-tuned LLaMA3-8B (Sec. 4.4: the
+first 16 of each layer's 32 heads shared, a parameter-free router from the ℓ2 norm of each
+head's query) as the authors' MoH-LLaMA3 code computes it (MoH-LLaMA3/Inference_code/
+modeling_llama.py): routed head i scores ‖q_t,i‖ (its query before RoPE) divided by the standard
+deviation (unbiased) of those norms over the routed heads, Softmax, Top-K, and the gates are
+quantised: 1 for the shared and the selected heads, 0 otherwise (Eq. 9; no weighted sum). The
+balance loss uses those softmax probabilities. As the paper trains (Eq. 10, a straight-through
+estimator), a selected head's gate passes its gradient on to the real-valued score, the head's
+softmax probability: the forward value is exactly 1, ``1 + (p - p.detach())``. The released
+inference code's gates are constant, which gives the same outputs.
 
 Everything else is multi-head attention as moeify's dense layer computes it: Q for every head,
 K and V for ``n_kv_heads`` heads (grouped-query attention when fewer, as LLaMA3), optional
 biases (imported checkpoints), positions / masks / cache / dropout in the attention core
 (moeify.layers.attention_core), W_O of every head applied to the gated head outputs. Every head
 is computed for every token, as in the authors' code: the gates zero the inactive heads'
-outputs, so the layer's executed MACs are the dense layer's plus the routers', while
-moeify.models.cost counts what a head-sparse kernel would execute (the paper's activated heads).
+outputs, so the layer executes the dense layer's MACs plus the routers' and the gates', which is
+what moeify.models.cost counts as its MACs. The paper's inference speed-up (Table 7) comes from
+a sparse matrix multiplication over the activated heads only; the cost reports those
+activated-head MACs as a separate figure.
 
 Decoding: the routing of token t depends on x_t alone, and every head's key and value is cached
 for every token, so cached decoding equals the full forward pass.
@@ -62,8 +68,9 @@ routed_head=K, head_dim=C)`` (their ``qkv`` is one nn.Linear with output [3, H, 
 Their attention is bidirectional with no positions (ViT / DiT): moeify's ``pos="none"`` with
 ``causal=False`` computes the same. To their MoH-LLaMA3 ``LlamaAttention`` (h_s = h/2, K = h/4):
 w_q, w_k, w_v, w_o = q_proj.weight.T, k_proj.weight.T, v_proj.weight.T, o_proj.weight.T with
-``router="query_norm"``, ``n_kv_heads`` = num_key_value_heads, ``rope_fraction=1.0``. tests/layers/test_moh.py holds the layer to an independent
-transcription of Eqs. 4-7 (tests/references.py ``ref_moh``) in float64, outputs and gradients.
+``router="query_norm"``, ``n_kv_heads`` = num_key_value_heads, ``rope_fraction=1.0``.
+tests/layers/test_moh.py holds the layer to an independent transcription of Eqs. 4-7 and 9
+(tests/references.py ``ref_moh``) in float64, outputs and gradients.
 
 Deviations: (1) initialisation: every head as moeify's dense layer (trunc-normal, std
 s/sqrt(fan_in), s = sqrt(2/L)), routers N(0, s²/d); the authors' routers take their model's
@@ -83,22 +90,26 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from moeify.layers.attention import check_inputs, core_config
-from moeify.layers.attention_core import AttentionCore, check_core_fields
+from moeify.layers.attention import (
+    HeadAttention,
+    check_inputs,
+    core_config,
+    destination_validity,
+    head_projection_params,
+)
+from moeify.layers.attention_core import check_core_fields, check_kv_heads
 from moeify.layers.common import (
     Aux,
     accumulate_usage,
+    check_count,
+    check_flag,
+    check_nonnegative,
     check_positive,
-    destination_validity,
     init_scale,
-    project_by_input,
     register_usage,
     routing_record,
-    trunc_normal_exact_std_,
 )
-from moeify.layers.kv_cache import KVCache
 from moeify.ops.aux_losses import router_entropy, topk_balance_loss
 from moeify.ops.routing import selection_logits, top_indices
 
@@ -116,7 +127,7 @@ class MoHConfig:
                   conversion: routed heads scored by their query norms, binary gates).
     weights:      "authors" (their code's renormalised and rescaled gates) or "paper" (Eqs.
                   5-6 as printed); learned router only.
-    balance_coef: β of the load-balance loss (0.01 in the paper).
+    balance_coef: β of the load-balance loss (Eq. 8; 0.01 for all the paper's tasks).
     n_kv_heads:   key/value heads (None: n_heads); fewer is grouped-query attention.
     qkv_bias / out_bias: biases of the Q, K, V projections / of the output projection.
     pos:          "rope", "xl", "none" or "absolute" (the model's learned positions).
@@ -144,11 +155,8 @@ class MoHConfig:
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "d_head", "n_layers")
         check_core_fields(self, MOH_POSITIONAL)
+        check_count(self, "n_shared", "k")
         H, hs, K = self.n_heads, self.n_shared, self.k
-        for name in ("n_shared", "k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"MoHConfig.{name} must be an integer >= 0, got {v!r}")
         if hs > H:
             raise ValueError(f"MoHConfig.n_shared={hs} exceeds n_heads={H}")
         R = H - hs
@@ -168,16 +176,9 @@ class MoHConfig:
             raise ValueError("MoHConfig: router='query_norm' scores the routed heads by their "
                              "query norms over the norms' spread: it needs at least 2 routed "
                              "heads (n_heads - n_shared >= 2)")
-        if not self.balance_coef >= 0:
-            raise ValueError(f"MoHConfig.balance_coef must be >= 0, got {self.balance_coef}")
-        kv = self.kv_heads
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or H % kv:
-            raise ValueError(f"MoHConfig.n_kv_heads must be a positive divisor of n_heads={H}, "
-                             f"got {self.n_kv_heads!r}")
-        for name in ("qkv_bias", "out_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MoHConfig.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
+        check_nonnegative(self, "balance_coef")
+        check_kv_heads(self)
+        check_flag(self, "qkv_bias", "out_bias")
 
     @property
     def kv_heads(self) -> int:
@@ -210,12 +211,9 @@ class MoHConfig:
     def param_count(self) -> int:
         """Q and O: d·H·d_h each; K and V: d·Hk·d_h each; the biases; the routers; XL adds the
         dense layer's position projection, u, v and scale (the core's)."""
-        D, H, Hk, C = self.d_model, self.n_heads, self.kv_heads, self.d_head
-        n = 2 * D * H * C + 2 * D * Hk * C
-        if self.qkv_bias:
-            n += (H + 2 * Hk) * C
-        if self.out_bias:
-            n += D
+        H, Hk = self.n_heads, self.kv_heads
+        n = head_projection_params(self.d_model, H, Hk, self.d_head, qkv_bias=self.qkv_bias,
+                                   out_bias=self.out_bias)
         n += sum(a * b for a, b in self.router_shapes().values())
         return n + core_config(self, n_heads=H, n_kv_heads=Hk, xl_biases=True).param_count()
 
@@ -223,77 +221,34 @@ class MoHConfig:
         return MoHAttention(self)
 
 
-class MoHAttention(nn.Module):
-    """The attention interface of every moeify attention (docs/interfaces.md)."""
+class MoHAttention(HeadAttention):
+    """The attention interface of every moeify attention (docs/interfaces.md); the heads'
+    weights, their projections and the core are multi-head attention's (HeadAttention)."""
 
     def __init__(self, config: MoHConfig):
-        super().__init__()
-        self.config = c = config
-        D, H, Hk, C = c.d_model, c.n_heads, c.kv_heads, c.d_head
-        self.w_q = nn.Parameter(torch.empty(D, H * C))
-        self.w_k = nn.Parameter(torch.empty(D, Hk * C))
-        self.w_v = nn.Parameter(torch.empty(D, Hk * C))
-        self.w_o = nn.Parameter(torch.empty(H * C, D))
-        if c.qkv_bias:
-            self.bias_q = nn.Parameter(torch.zeros(H * C))
-            self.bias_k = nn.Parameter(torch.zeros(Hk * C))
-            self.bias_v = nn.Parameter(torch.zeros(Hk * C))
-        if c.out_bias:
-            self.bias_o = nn.Parameter(torch.zeros(D))
-        for name, shape in c.router_shapes().items():
-            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
-        self.core = AttentionCore(core_config(c, n_heads=H, n_kv_heads=Hk, xl_biases=True))
-        self._weight_memo: dict = {}  # fused projection weights (project_by_input)
+        c = config
+        super().__init__(c, n_kv_heads=c.kv_heads, qkv_bias=c.qkv_bias, out_bias=c.out_bias,
+                         extra=c.router_shapes())
         if c.n_routed:
             register_usage(self, "usage", (c.n_routed,))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Heads as the dense layer: trunc-normal (±2 std) rescaled to std s/sqrt(fan_in);
-        biases zero; routers N(0, s²/d) (module docstring, deviation 1)."""
+        """Heads as the dense layer (``reset_heads``); routers N(0, s²/d) (module docstring,
+        deviation 1)."""
         c = self.config
-        s = init_scale(c.n_layers)
-        for w in (self.w_q, self.w_k, self.w_v, self.w_o) + (
-                (self.core.w_pos,) if c.pos == "xl" else ()):
-            trunc_normal_exact_std_(w, s / math.sqrt(w.shape[0]))
-        for name in ("bias_q", "bias_k", "bias_v", "bias_o"):
-            if hasattr(self, name):
-                getattr(self, name).zero_()
+        self.reset_heads()
         for name in c.router_shapes():
-            getattr(self, name).normal_(0.0, s / math.sqrt(c.d_model))
+            getattr(self, name).normal_(0.0, init_scale(c.n_layers) / math.sqrt(c.d_model))
         self.core.reset_parameters()
 
-    def new_cache(self) -> KVCache:
-        return KVCache()
-
-    def param_count(self) -> int:
-        return self.config.param_count()
-
     # ------------------------------------------------------------------------------------------
-
-    def _qkv(self, q_BTD, kv_BSD):
-        """Q [B, H, T, C], K and V [B, Hk, S, C]; with RoPE the value keeps its own matmul
-        (moeify.layers.common.project_by_input)."""
-        c = self.config
-        src_BSD = q_BTD if kv_BSD is None else kv_BSD
-        B, T, _ = q_BTD.shape
-        S = src_BSD.shape[1]
-        H, Hk, C = c.n_heads, c.kv_heads, c.d_head
-        proj = project_by_input([("q", q_BTD, self.w_q), ("k", src_BSD, self.w_k)]
-                                + ([] if c.pos == "rope" else [("v", src_BSD, self.w_v)]),
-                                self._weight_memo)
-        q, k = proj["q"], proj["k"]
-        v = proj["v"] if "v" in proj else src_BSD @ self.w_v
-        if c.qkv_bias:
-            q, k, v = q + self.bias_q, k + self.bias_k, v + self.bias_v
-        return (q.view(B, T, H, C).transpose(1, 2), k.view(B, S, Hk, C).transpose(1, 2),
-                v.view(B, S, Hk, C).transpose(1, 2))
 
     def _route(self, x_MD, q_BHTC):
         """The gates g [M, H] (float32, float64 for float64 inputs) and, with routed heads, the
         router probabilities probs_MR, the kept heads idx_MK and their gates gates_MK (Eqs. 5-6;
-        module docstring for the two weightings and the query-norm router)."""
+        the query-norm router's Eq. 9; module docstring for the two weightings)."""
         c = self.config
         hs, R, K = c.n_shared, c.n_routed, c.k
         M = x_MD.shape[0]
@@ -312,7 +267,8 @@ class MoHAttention(nn.Module):
             idx_MK = top_indices(probs_MR.detach(), K)
             kept_MK = probs_MR.gather(-1, idx_MK)
             if c.router == "query_norm":
-                gates_MK = torch.ones_like(kept_MK)  # binary gates (MoH-LLaMA3)
+                # Eq. 9's quantised gates, exactly 1 forward; Eq. 10's straight-through gradient
+                gates_MK = 1 + (kept_MK - kept_MK.detach())
             elif authors:
                 # renormalised over the Top-K, times K (their clamp at eps kept)
                 denom = kept_MK.sum(-1, keepdim=True).clamp_min(torch.finfo(kept_MK.dtype).eps)
@@ -343,8 +299,8 @@ class MoHAttention(nn.Module):
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
-        """docs/interfaces.md. ``aux.losses["balance"]``: β·L_b (routed heads and a non-zero
-        coefficient); ``aux.routing["router"]``: the kept routed heads, counts [1, h - h_s]
+        """docs/interfaces.md. ``aux.losses["balance"]``: β·L_b (Eqs. 7-8; routed heads and a
+        non-zero coefficient); ``aux.routing["router"]``: the kept routed heads, counts [1, h - h_s]
         (valid tokens only; also added to the ``usage`` buffer in training mode);
         ``aux.stats["router_entropy"]``."""
         c = self.config

@@ -67,8 +67,9 @@ each position on its own prefix, independent of how the tokens are chunked
 sees later tokens (as with Mixture-of-Depths).
 
 Initialisation (deviation): W_Q, W_K, W_V and the router N(0, s²/d), W_O N(0, s²/((H +
-H_dense)·h')) with s = sqrt(2/L), as SwitchHead's in this library (the fan-in of W_O counts a
-hybrid's dense heads, whose outputs are added to the MoSA heads'); the authors' code draws
+H_dense + H_local)·h')) with s = sqrt(2/L), as SwitchHead's in this library (the fan-in of W_O
+counts a hybrid's dense and local heads, whose outputs are added to the MoSA heads'; the local
+heads are initialised the same way); the authors' code draws
 uniform weights (±1/sqrt(3h') for QKV, ±1/sqrt(H·d) for O, PyTorch's Linear default for the
 router). A hybrid's dense heads are a DenseAttention and keep the dense baseline's
 initialisation (trunc-normal, std s/sqrt(fan_in), their W_O's fan-in H_dense·h' alone), not
@@ -87,9 +88,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.attention import DenseAttentionConfig, check_inputs
 from moeify.layers.attention_core import check_core_fields
-from moeify.layers.common import Aux, check_positive, init_scale
+from moeify.layers.common import Aux, check_count, check_positive, init_scale
 from moeify.ops.positional import apply_rope, rope_dims
 from moeify.ops.routing import selection_logits, top_indices
 
@@ -98,6 +99,26 @@ def tokens_kept(T: int, sparsity: int) -> int:
     """k = T // ρ, at least 2 and at most T (the paper's max(⌊T/ρ⌋, 2), Sec. 3.5, and the
     authors' code): the tokens each MoSA head keeps of T."""
     return min(max(T // sparsity, 2), T)
+
+
+def masked_attention(q, k, v, allowed, impl: str):
+    """softmax(Q Kᵀ / sqrt(h') + M) V, M = 0 where ``allowed`` else -inf (broadcast over the
+    leading dimensions): SDPA, or the explicit softmax for ``impl="reference"``."""
+    if impl == "reference":
+        logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+@torch.no_grad()
+def init_heads(c: "MoSAConfig", inputs: tuple[torch.Tensor, ...], w_o: torch.Tensor) -> None:
+    """The initialisation of MoSA's and the local heads' weights (module docstring): ``inputs``
+    (routers and W_Q, W_K, W_V, in that order) N(0, s²/d), ``w_o`` N(0, s²/((H + H_dense +
+    H_local)·h')), s = sqrt(2 / L)."""
+    s = init_scale(c.n_layers)
+    for w in inputs:
+        w.normal_(0.0, s / math.sqrt(c.d_model))
+    w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads + c.n_local_heads) * c.d_head))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,10 +147,7 @@ class MoSAConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "n_heads", "d_head", "sparsity", "n_layers")
-        for name in ("n_local_heads", "local_window"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"MoSAConfig.{name} must be an integer >= 0, got {v!r}")
+        check_count(self, "n_local_heads", "local_window")
         if self.n_local_heads and not self.local_window:
             raise ValueError("MoSAConfig.local_window must be positive with local heads: the "
                              "paper's window is the training context // sparsity")
@@ -137,10 +155,7 @@ class MoSAConfig:
         if self.attn_dropout != 0.0:
             raise ValueError("MoSAConfig.attn_dropout: attention dropout is not implemented "
                              "for MoSA heads (the paper uses none); set it to 0")
-        if isinstance(self.n_dense_heads, bool) or not isinstance(self.n_dense_heads, int) \
-                or self.n_dense_heads < 0:
-            raise ValueError(f"MoSAConfig.n_dense_heads must be an integer >= 0, got "
-                             f"{self.n_dense_heads!r}")
+        check_count(self, "n_dense_heads")
 
     def dense_config(self) -> DenseAttentionConfig | None:
         if not self.n_dense_heads:
@@ -211,14 +226,8 @@ class MoSAAttention(nn.Module):
         self.n_rot = rope_dims(C, c.rope_fraction) if c.pos == "rope" else 0
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        c = self.config
-        s = init_scale(c.n_layers)
-        for w in (self.w_router, self.w_q, self.w_k, self.w_v):
-            w.normal_(0.0, s / math.sqrt(c.d_model))
-        self.w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads + c.n_local_heads)
-                                            * c.d_head))
+        init_heads(self.config, (self.w_router, self.w_q, self.w_k, self.w_v), self.w_o)
         if self.local is not None:
             self.local.reset_parameters()
 
@@ -275,10 +284,7 @@ class MoSAAttention(nn.Module):
 
     def _attend(self, q, k, v, allowed):
         """softmax(Q Kᵀ / sqrt(h') + M) V over the selected tokens; ``allowed`` [B, H, Tq, Tk]."""
-        if self.config.attn_impl == "reference":
-            logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return masked_attention(q, k, v, allowed, self.config.attn_impl)
 
     def forward(self, q_BTD, kv_BSD=None, *, causal=True, cache=None, pos_q=None, pos_k=None,
                 valid_k=None):
@@ -289,9 +295,7 @@ class MoSAAttention(nn.Module):
         if kv_BSD is not None or not causal:
             raise ValueError("MoSA is causal self-attention: it takes no kv input (no XL "
                              "memory, no cross-attention) and causal=True")
-        if q_BTD.dim() != 3 or q_BTD.shape[-1] != c.d_model:
-            raise ValueError(f"queries must be [B, T, d_model={c.d_model}], "
-                             f"got {tuple(q_BTD.shape)}")
+        check_inputs(q_BTD, None, c.d_model)
         B, T, _ = q_BTD.shape
         if pos_q is None:
             past = 0 if cache is None else len(cache)
@@ -330,19 +334,25 @@ class MoSAAttention(nn.Module):
             ys_BHKD.reshape(B, H * K, c.d_model))
         if dense_BTD is not None:
             y_BTD = y_BTD + dense_BTD
+        return y_BTD, self._selection_stats(idx_BHK, keep_BHK, valid_k, T)
+
+    @staticmethod
+    def _selection_stats(idx_BHK, keep_BHK, valid_BT, T: int) -> Aux:
+        """forward's ``selected_fraction`` and ``covered_fraction`` (valid tokens only)."""
         aux = Aux()
+        B, H, K = idx_BHK.shape
         with torch.no_grad():
             n_sel = K * B * H if keep_BHK is None else keep_BHK.sum()
-            n_all = B * T * H if valid_k is None else valid_k.sum() * H
+            n_all = B * T * H if valid_BT is None else valid_BT.sum() * H
             aux.stats["selected_fraction"] = torch.as_tensor(n_sel / n_all, dtype=torch.float32)
             # tokens that at least one sparse head selected (the others get only the dense
             # heads' output, or none)
-            picked_BT = torch.zeros(B, T, dtype=torch.bool, device=q_BTD.device).scatter_(
+            picked_BT = torch.zeros(B, T, dtype=torch.bool, device=idx_BHK.device).scatter_(
                 1, idx_BHK.reshape(B, H * K),
                 True if keep_BHK is None else keep_BHK.reshape(B, H * K))
-            n_tok = B * T if valid_k is None else valid_k.sum()
+            n_tok = B * T if valid_BT is None else valid_BT.sum()
             aux.stats["covered_fraction"] = (picked_BT.sum() / n_tok).float()
-        return y_BTD, aux
+        return aux
 
     def _decode(self, x_BTD, r_BHT, pos_BT, valid_BT, cache: MoSACache) -> torch.Tensor:
         """Prefix routing (module docstring): token by token, append the token's score, rotated
@@ -394,14 +404,8 @@ class LocalHeads(nn.Module):
         self.n_rot = C - C % 2 if c.pos == "rope" else 0
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        c = self.config
-        s = init_scale(c.n_layers)
-        for w in (self.w_q, self.w_k, self.w_v):
-            w.normal_(0.0, s / math.sqrt(c.d_model))
-        self.w_o.normal_(0.0, s / math.sqrt((c.n_heads + c.n_dense_heads + c.n_local_heads)
-                                            * c.d_head))
+        init_heads(self.config, (self.w_q, self.w_k, self.w_v), self.w_o)
 
     def _qkv(self, x_BTD, pos_BT):
         q, k, v = (torch.einsum("btd,hdc->bhtc", x_BTD, w) for w in (self.w_q, self.w_k,
@@ -444,10 +448,7 @@ class LocalHeads(nn.Module):
         return torch.einsum("bhtc,hcd->btd", a, self.w_o)
 
     def _attend(self, q, k, v, allowed):
-        if self.config.attn_impl == "reference":
-            logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return masked_attention(q, k, v, allowed, self.config.attn_impl)
 
     def decode(self, x_BTD, pos_BT, valid_BT, cache: MoSACache):
         """Cached decoding: the new tokens' keys and values appended (the positions and

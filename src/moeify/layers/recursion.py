@@ -36,18 +36,44 @@ Token-choice routing (Sec. 2.2.1, Eq. 3):
 (the paper prints g_t^r on every step; its authors' code gates only the last one, as written
 here), with the balancing loss of the paper (Switch's N_r · Σ_i f_i P_i over the token-depth
 assignment, coefficient 0.1 in the authors' configuration) and the router z-loss
-(mean logsumexp(Θᵀ H^1)², 1e-5). At recursion r every token with i_t >= r is active; the others
+(mean logsumexp(Θᵀ H^1)², 1e-5). The authors' code also offers loss-free balancing
+(``balancing: loss_free``, after Wang et al. 2024, arXiv 2408.15664): a bias b ∈ R^{N_r},
+not trained by gradients, shifts the choice only,
+
+    i_t = argmax_j (g_t^j + b_j)          the gate stays g_t^{i_t}, unbiased
+
+and after each optimizer step b_j += u · sign(mean_k c_k - c_j), c_j the tokens that chose
+depth j during the update (u = ``lossfree_rate``, the authors' 0.001; moeify.train.balancing
+applies it, as for the feedforward MoEs). At recursion r every token with i_t >= r is active; the others
 are neither queries nor keys there.
 
-Recursion-wise KV caching (Sec. 2.2.2): with a cache every step r keeps its own KV cache per
-shared block, and a token's keys and values enter step r's cache as valid only if the token
-took step r, so later tokens attend at step r only to tokens that took it, exactly as the
+Recursion-wise KV caching (Sec. 2.2.2, the default): with a cache every step r keeps its own KV
+cache per shared block, and a token's keys and values enter step r's cache as valid only if the
+token took step r, so later tokens attend at step r only to tokens that took it, exactly as the
 training forward does. Decoding (a cache) routes causally: token-choice is causal already, so
 cached decoding equals the full forward; expert-choice replaces each step's top-k by the
 threshold the auxiliary loss trains, a positive router logit (sigmoid > 1/2, tanh > 0; the aux
 router's logit when there is one; the authors compare the raw logit with 0.5 for their
 "linear" gate, moeify with 0 as for the others), a step with β_r = 1 keeping every candidate
 as its top-k does.
+
+Recursive KV sharing (Sec. 2.2.2, ``kv_sharing=True``; the authors' ``kv_sharing.enable``): the
+keys and values of the first recursion step are computed for every token and reused by every
+later step, which computes queries only. With K^1_j, V^1_j the keys and values shared block j
+computes at step 1 (every token of the sequence, its own position),
+
+    step 1:  the stack runs on every token; its K^1_j, V^1_j are kept
+    step r:  Attn_j(Q = W_q LN(h_t^r), K = K^1_j, V = V^1_j) for the tokens that take step r,
+             causal in position: token t reads K^1_j, V^1_j of the tokens at positions <= t
+
+so a token attends at a later step also to tokens that stopped early, through their first-step
+keys and values. Routing, gates and losses are unchanged. The authors run the whole sequence
+as queries at every step and keep the rows of the tokens that take it (their README: "computed
+all sequences against a shared KV cache ... then extracted by masking"); moeify runs only those
+queries (expert-choice: the K_r gathered tokens), the same outputs with less compute. Step 1
+runs every token even where β_1 < 1 (its update still goes to its K_1 tokens only), as the
+authors' code does, so that every token has first-step keys and values. A cache then holds
+the first step's KV only: 1 / N_r of the recursion-wise cache's memory, every entry valid.
 
 Weight mapping from the authors' code (raymin0223/mixture_of_recursions):
     w_router[r]        expert-choice: layers[1 + r].mor_router.router.weight[0]
@@ -65,8 +91,9 @@ Deviations, each deliberate:
   compute saving. Expert-choice gathers its K_r tokens (static K_r) and saves it.
 - A cache stores every token at every step and marks the skipped ones invalid (as Mixture-of-
   Depths does): attention is the paper's, the memory is that of a full cache.
-- The authors' "loss_free" balancing, random routers, capacity warm-up, and recursive KV
-  sharing (reusing the first recursion's KV) are not implemented.
+- The authors' random routers, capacity and balancing warm-ups, and KV sharing's
+  ``update_cache`` variant (a later step's tokens overwrite their own shared entries with fresh
+  keys and values; off in the authors' configurations) are not implemented.
 - The routers are initialised N(0, router_std²), std 0.02 (the authors' initializer_range).
 
 Shape legend: B batch, T tokens, K tokens kept at a step, D d_model, N recursions N_r.
@@ -81,21 +108,17 @@ from torch import nn
 
 from moeify.layers.common import (
     Aux,
-    RoutingStats,
-    accumulate_usage,
+    check_flag,
     check_nonnegative,
     check_positive,
     check_token_input,
+    record_depth_routing,
     register_usage,
 )
+from moeify.layers.kv_cache import SharedKVCache
 from moeify.ops.aux_losses import switch_balance_loss, z_loss
-from moeify.ops.depth_routing import (
-    causal_route,
-    gather_tokens,
-    masked_agreement,
-    membership_bce,
-    scatter_tokens,
-)
+from moeify.ops.depth_routing import (causal_route, causal_rule_stats, gather_tokens,
+                                     membership_bce, scatter_tokens)
 from moeify.ops.recursion_routing import (
     EXPERT_GATES,
     TOKEN_GATES,
@@ -127,7 +150,12 @@ class MoRConfig:
     aux_coef:     coefficient of that BCE (0.001).
     balance_coef: token-choice balancing-loss coefficient (0.1).
     z_coef:       router z-loss coefficient; None: 0 for expert, 1e-5 for token.
-    router_std:   the routers' initial standard deviation (0.02)."""
+    router_std:   the routers' initial standard deviation (0.02).
+    kv_sharing:   recursive KV sharing (every later step attends to the first step's keys and
+                  values; module docstring); False: recursion-wise KV caching.
+    lossfree_rate: token-choice loss-free balancing's bias step u (0 = off; the authors' 0.001
+                  with balancing "loss_free", where they also drop the balancing loss:
+                  balance_coef=0); a buffer ``expert_bias`` [N_r]."""
 
     d_model: int
     n_recursions: int = 3
@@ -141,6 +169,8 @@ class MoRConfig:
     balance_coef: float = 0.1
     z_coef: float | None = None
     router_std: float = 0.02
+    kv_sharing: bool = False
+    lossfree_rate: float = 0.0
 
     def __post_init__(self) -> None:
         check_positive(self, "d_model")
@@ -158,7 +188,11 @@ class MoRConfig:
         if self.gate is not None and self.gate not in gates:
             raise ValueError(f"MoRConfig.gate for {self.routing}-choice routing must be one of "
                              f"{gates}, got {self.gate!r}")
-        check_nonnegative(self, "aux_coef", "balance_coef")
+        check_flag(self, "kv_sharing")
+        check_nonnegative(self, "aux_coef", "balance_coef", "lossfree_rate")
+        if self.lossfree_rate and self.routing != "token":
+            raise ValueError("MoRConfig.lossfree_rate balances token-choice depths; set it to 0 "
+                             "for expert-choice routing (its capacities fix the depths)")
         if self.z_coef is not None:
             check_nonnegative(self, "z_coef")
         if self.alpha is not None and not self.alpha > 0:
@@ -206,7 +240,8 @@ class MoRConfig:
 
 
 class RecursionCache:
-    """Recursion-wise KV caches: ``caches[r][j]`` is the cache of shared block j at step r.
+    """Recursion-wise KV caches: ``caches[r][j]`` is the cache of shared block j at step r; with
+    recursive KV sharing only ``caches[0]``, the first step's, which every step reads.
     ``len`` is the number of tokens seen (every step stores every token, valid or not)."""
 
     def __init__(self, caches: list[list]):
@@ -220,8 +255,11 @@ class MixtureOfRecursions(nn.Module):
     """The shared stack ``blocks`` (an nn.ModuleList of blocks with the block signature) applied
     up to N_r times under routing; has the block signature itself. Aux: losses "mor.router_bce"
     / "mor.aux_router_bce" (expert, training forward), "mor.balance" (token), "mor.z_loss"; stats
-    "mor.mean_depth" and per step "mor.fraction_r{r}"; routing record "mor" (tokens by final
-    depth, [1, N_r]); the blocks' own Aux under "rec{r}.{j}.". Running buffer ``usage`` [N_r]."""
+    "mor.mean_depth" and per step "mor.fraction_r{r}" (expert-choice training also
+    "mor.causal_agreement_r{r}", how often the decoding rule agrees with the top-k, and
+    "mor.causal_fraction_r{r}", how many it would route); routing record "mor" (tokens by final
+    depth, [1, N_r]; loss-free balancing's counts); the blocks' own Aux under "rec{r}.{j}.".
+    Running buffer ``usage`` [N_r]; with ``lossfree_rate`` the bias buffer ``expert_bias``."""
 
     def __init__(self, config: MoRConfig, blocks: nn.ModuleList):
         super().__init__()
@@ -233,6 +271,8 @@ class MixtureOfRecursions(nn.Module):
         if config.routing == "expert" and config.causal == "aux_router":
             self.w_aux_router = nn.Parameter(torch.empty(N, D))
         register_usage(self, "usage", (N,))
+        if config.lossfree_rate > 0:  # a buffer: moeify.train.balancing moves it, not autograd
+            self.register_buffer("expert_bias", torch.zeros(N, dtype=torch.float32))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -242,8 +282,21 @@ class MixtureOfRecursions(nn.Module):
                 nn.init.normal_(w, std=self.config.router_std)
 
     def new_cache(self) -> RecursionCache:
+        steps = 1 if self.config.kv_sharing else self.config.n_recursions
         return RecursionCache([[b.attention.new_cache() for b in self.blocks]
-                               for _ in range(self.config.n_recursions)])
+                               for _ in range(steps)])
+
+    def _step_caches(self, cache: RecursionCache | None) -> list | None:
+        """The KV cache of each step and shared block, [r][j], or None (no cache: every step
+        attends among its own tokens). Recursion-wise: the decoding cache's own. KV sharing:
+        step 0 fills the first-step caches (the decoding cache's, or fresh ones for this
+        forward) and every later step reads them through a SharedKVCache."""
+        if not self.config.kv_sharing:
+            return None if cache is None else cache.caches
+        first = cache.caches[0] if cache is not None else [b.attention.new_cache()
+                                                           for b in self.blocks]
+        shared = [SharedKVCache(kv) for kv in first]
+        return [first] + [shared] * (self.config.n_recursions - 1)
 
     def _stack(self, x_BTD, r, caches, positions_BT, valid_BT, aux: Aux):
         """f(x, Φ'): the shared blocks in order, as step r (its caches, its aux prefix)."""
@@ -271,16 +324,16 @@ class MixtureOfRecursions(nn.Module):
         if positions_BT is None:
             past = 0 if cache is None else len(cache)
             positions_BT = torch.arange(past, past + T, device=x_BTD.device).expand(B, T)
-        caches = None if cache is None else cache.caches
+        caches = self._step_caches(cache)
         if self.config.routing == "token":
-            return self._token_choice(x_BTD, caches, positions_BT, valid_BT)
+            return self._token_choice(x_BTD, caches, positions_BT, valid_BT, cache is not None)
         if cache is None:
-            return self._expert_choice(x_BTD, positions_BT, valid_BT)
+            return self._expert_choice(x_BTD, caches, positions_BT, valid_BT)
         return self._expert_choice_causal(x_BTD, caches, positions_BT, valid_BT)
 
     # ------------------------------------------------------------------ expert-choice
 
-    def _expert_choice(self, x_BTD, positions_BT, valid_BT):
+    def _expert_choice(self, x_BTD, caches, positions_BT, valid_BT):
         c = self.config
         aux = Aux()
         h_BTD = x_BTD
@@ -293,7 +346,12 @@ class MixtureOfRecursions(nn.Module):
             gate_BT = expert_gate(logits_BT, c.gate_fn, c.gate_alpha)
             idx_BK, selected_BT, keep_BK = hierarchical_topk(gate_BT, beta, active_BT, valid_BT)
             x_BKD = gather_tokens(h_BTD, idx_BK)
-            y_BKD = self._stack(x_BKD, r, None, positions_BT.gather(1, idx_BK), keep_BK, aux)
+            if caches is not None and r == 0:  # KV sharing: every token's first-step KV
+                y_BKD = gather_tokens(self._stack(h_BTD, 0, caches, positions_BT, valid_BT,
+                                                  aux), idx_BK)
+            else:
+                y_BKD = self._stack(x_BKD, r, caches, positions_BT.gather(1, idx_BK), keep_BK,
+                                    aux)
             g_BK = gate_BT.gather(1, idx_BK)
             if keep_BK is not None:
                 g_BK = g_BK * keep_BK
@@ -332,7 +390,9 @@ class MixtureOfRecursions(nn.Module):
                 rule_BT = logits_BT if self.w_aux_router is None else router_logits(
                     h_BTD, self.w_aux_router[r:r + 1])[..., 0]
                 active_BT = causal_route(rule_BT, active_BT)
-            y_BTD = self._stack(h_BTD, r, caches, positions_BT, active_BT, aux)
+            # KV sharing: the first step stores every token's keys and values, valid
+            runs_BT = valid_BT if c.kv_sharing and r == 0 else active_BT
+            y_BTD = self._stack(h_BTD, r, caches, positions_BT, runs_BT, aux)
             h_BTD = torch.where(active_BT[..., None],
                                 h_BTD + gate_BT[..., None].to(x_BTD.dtype) * y_BTD, h_BTD)
             routed.append(active_BT)
@@ -342,11 +402,13 @@ class MixtureOfRecursions(nn.Module):
 
     # ------------------------------------------------------------------ token-choice
 
-    def _token_choice(self, x_BTD, caches, positions_BT, valid_BT):
+    def _token_choice(self, x_BTD, caches, positions_BT, valid_BT, decoding):
         c = self.config
         aux = Aux()
         logits_BTN = router_logits(x_BTD, self.w_router)
-        probs_BTN, depth_BT, gate_BT = token_choice(logits_BTN, c.gate_fn, c.gate_alpha)
+        probs_BTN, depth_BT, gate_BT = token_choice(
+            logits_BTN, c.gate_fn, c.gate_alpha,
+            bias=self.expert_bias if c.lossfree_rate > 0 else None)
         g_BT1 = gate_BT[..., None].to(x_BTD.dtype)
         h_BTD, out_BTD = x_BTD, x_BTD
         routed = []
@@ -354,16 +416,18 @@ class MixtureOfRecursions(nn.Module):
             active_BT = depth_BT >= r
             if valid_BT is not None:
                 active_BT = active_BT & valid_BT
-            y_BTD = self._stack(h_BTD, r, caches, positions_BT, active_BT, aux)
+            # every token takes step 0: with KV sharing its keys and values stay unmasked
+            runs_BT = valid_BT if c.kv_sharing and r == 0 else active_BT
+            y_BTD = self._stack(h_BTD, r, caches, positions_BT, runs_BT, aux)
             done_BT1 = (active_BT & (depth_BT == r))[..., None]
             out_BTD = torch.where(done_BT1, x_BTD + g_BT1 * y_BTD, out_BTD)
             h_BTD = torch.where(active_BT[..., None], y_BTD, h_BTD)
             routed.append(active_BT)
-        if caches is None and c.balance_coef:
+        if not decoding and c.balance_coef:
             valid_M = None if valid_BT is None else valid_BT.flatten()
             aux.losses["mor.balance"] = c.balance_coef * switch_balance_loss(
                 probs_BTN.flatten(0, 1), depth_BT.flatten(), valid_M)
-        if caches is None and c.z_weight:
+        if not decoding and c.z_weight:
             aux.losses["mor.z_loss"] = c.z_weight * z_loss(logits_BTN, valid_BT)
         self._stats(aux, routed, [gate_BT] * c.n_recursions, valid_BT, None)
         return out_BTD, aux
@@ -384,11 +448,9 @@ class MixtureOfRecursions(nn.Module):
         aux.stats["mor.mean_depth"] = took.sum().float() / n_valid
         # tokens whose final depth is r + 1: took step r but not step r + 1
         counts = took - torch.cat([took[1:], took.new_zeros(1)])
-        if steps is not None:  # expert-choice training: how often the causal rule agrees
+        if steps is not None:  # expert-choice training: how the causal rule does
             for r, (selected_BT, cand_BT, logits_BT) in enumerate(steps):
-                rule = causal_route(logits_BT, cand_BT)
-                aux.stats[f"mor.causal_agreement_r{r}"] = masked_agreement(
-                    rule, selected_BT, cand_BT)
-        aux.routing["mor"] = RoutingStats("mor", counts.view(1, -1), gate_sum)
-        accumulate_usage(self, "usage", counts)
+                aux.stats[f"mor.causal_agreement_r{r}"], aux.stats[f"mor.causal_fraction_r{r}"] \
+                    = causal_rule_stats(logits_BT, selected_BT, cand_BT)
+        record_depth_routing(self, aux, "mor", counts, gate_sum)
 

@@ -63,6 +63,7 @@ from moeify.layers.common import (
     Aux,
     accumulate_usage,
     check_expert_impl,
+    check_flag,
     check_positive,
     check_probability,
     check_token_input,
@@ -113,8 +114,7 @@ class ReMoEConfig:
         if not self.l1_multiplier > 1:
             raise ValueError(f"ReMoEConfig.l1_multiplier (alpha) must exceed 1, got "
                              f"{self.l1_multiplier}; the paper uses 1.2")
-        if not isinstance(self.gated, bool):
-            raise ValueError(f"ReMoEConfig.gated must be True or False, got {self.gated!r}")
+        check_flag(self, "gated")
         check_activation(self)
         check_probability(self, "dropout")
         check_expert_impl(self)

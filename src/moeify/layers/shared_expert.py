@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeify.layers.common import trunc_normal_
+from moeify.layers.common import check_count, check_flag, trunc_normal_
 from moeify.layers.mlp import GatedMLPConfig, MLPConfig
 
 
@@ -41,12 +41,10 @@ def check_shared(cfg) -> None:
     """``cfg.shared`` must be None or an (Gated)MLPConfig of the layer's d_model, ``n_shared``
     a count >= 0 and not both; shared_gate needs a shared expert."""
     name = type(cfg).__name__
-    if isinstance(cfg.n_shared, bool) or not isinstance(cfg.n_shared, int) or cfg.n_shared < 0:
-        raise ValueError(f"{name}.n_shared must be an integer >= 0, got {cfg.n_shared!r}")
+    check_count(cfg, "n_shared")
     if cfg.n_shared and cfg.shared is not None:
         raise ValueError(f"{name}: give either n_shared or shared, not both")
-    if not isinstance(cfg.shared_gate, bool):
-        raise ValueError(f"{name}.shared_gate must be True or False, got {cfg.shared_gate!r}")
+    check_flag(cfg, "shared_gate")
     if cfg.shared is not None and (not isinstance(cfg.shared, (GatedMLPConfig, MLPConfig))
                                    or cfg.shared.d_model != cfg.d_model):
         raise ValueError(f"{name}.shared must be an MLPConfig or GatedMLPConfig with d_model="

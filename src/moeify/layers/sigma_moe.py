@@ -43,6 +43,7 @@ from moeify.layers.common import (
     PooledEntropy,
     accumulate_usage,
     check_expert_impl,
+    check_flag,
     check_nonnegative,
     check_positive,
     check_probability,
@@ -121,11 +122,7 @@ class SigmaMoEConfig:
         check_activation(self)
         check_shared(self)
         check_nonnegative(self, "lossfree_rate")
-        if not isinstance(self.lossfree_centre, bool):
-            raise ValueError(f"SigmaMoEConfig.lossfree_centre must be True or False, "
-                             f"got {self.lossfree_centre!r}")
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"SigmaMoEConfig.bias must be True or False, got {self.bias!r}")
+        check_flag(self, "lossfree_centre", "bias")
         if not 1 <= self.k <= self.n_experts:
             raise ValueError(f"SigmaMoEConfig.k must lie in [1, n_experts={self.n_experts}], "
                              f"got {self.k}; lower k or add experts")

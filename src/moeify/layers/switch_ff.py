@@ -76,6 +76,7 @@ from moeify.layers.common import (
     GlobalBalance,
     accumulate_usage,
     check_expert_impl,
+    check_flag,
     check_nonnegative,
     check_positive,
     check_probability,
@@ -155,10 +156,7 @@ class SwitchFFConfig:
     def __post_init__(self) -> None:
         check_positive(self, "d_model", "d_ff", "n_experts")
         check_activation(self)
-        for name in ("bias", "gated", "renormalize", "lossfree_centre"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SwitchFFConfig.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
+        check_flag(self, "bias", "gated", "renormalize", "lossfree_centre")
         if self.gated and self.bias:
             raise ValueError("SwitchFFConfig: gated experts have no biases; set bias=False")
         check_shared(self)

@@ -55,6 +55,7 @@ from moeify.layers.attention import (
     check_attention_common,
     check_inputs,
     core_config,
+    destination_validity,
 )
 from moeify.layers.attention_core import AttentionCore
 from moeify.layers.common import (
@@ -63,14 +64,13 @@ from moeify.layers.common import (
     accumulate_usage,
     check_expert_impl,
     check_positive,
-    destination_validity,
     init_scale,
-    project_by_input,
     register_usage,
     routing_record,
     renorm_rows_keep_row_std_,
 )
-from moeify.layers.kv_cache import KVCache
+from moeify.layers.kv_cache import KVCacheAttention
+from moeify.layers.projection import project_by_input
 from moeify.ops.aux_losses import sequence_prob_sums
 from moeify.ops.moe import RoutingPlan, expert_matmul, make_plan
 from moeify.ops.moe.cpu.decoding import gated_group_sum_all, gated_sum_of_all
@@ -177,7 +177,7 @@ class Selection(NamedTuple):
     logits: torch.Tensor | None = None  # [M, H, E] selection logits (MoEUT's regulariser)
 
 
-class SwitchHeadAttention(nn.Module):
+class SwitchHeadAttention(KVCacheAttention):
     # Compute dense Q / K together with the selection logits of the same input (outside
     # autocast); False computes them separately, as the reference the tests compare against.
     fuse_selection: bool = True
@@ -220,12 +220,6 @@ class SwitchHeadAttention(nn.Module):
                     renorm_rows_keep_row_std_(p)
             if c.pos == "xl":
                 self.core.w_pos.normal_(0.0, std_in)
-
-    def new_cache(self) -> KVCache:
-        return KVCache()
-
-    def param_count(self) -> int:
-        return self.config.param_count()
 
     # ------------------------------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeify.errors import MoeifyError
-from moeify.layers.common import check_positive, check_probability
+from moeify.layers.attention import DenseAttentionConfig
+from moeify.layers.common import check_count, check_flag, check_positive, check_probability
 from moeify.layers.feedforward import SigmaMoEConfig
+from moeify.layers.gqa import GroupedQueryAttentionConfig
 from moeify.layers.norm import NormConfig
 from moeify.layers.recursion import MoRConfig
 from moeify.layers.switchhead import SwitchHeadConfig
@@ -107,19 +109,12 @@ class ModelConfig:
         check_probability(self, "dropout")
         if not isinstance(self.norm, NormConfig):
             raise ValueError(f"ModelConfig.norm must be a NormConfig, got {self.norm!r}")
-        if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) \
-                or self.max_positions < 0:
-            raise ValueError(f"ModelConfig.max_positions must be an integer >= 0 (0: no learned "
-                             f"position embedding), got {self.max_positions!r}")
-        for name in ("tie_embeddings", "output_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ModelConfig.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
+        check_count(self, "max_positions", note="0: no learned position embedding")
+        check_flag(self, "tie_embeddings", "output_bias")
         if self.tie_embeddings and self.output_bias:
             raise ValueError("ModelConfig: a tied output layer has no bias; set "
                              "output_bias=False with tie_embeddings=True")
-        if not isinstance(self.xl_memory, bool):
-            raise ValueError(f"ModelConfig.xl_memory must be True or False, got {self.xl_memory!r}")
+        check_flag(self, "xl_memory")
         for name in ("attention", "feedforward", "depth"):
             object.__setattr__(self, name, self._pattern(name, getattr(self, name)))
         self._check_grouping()
@@ -165,6 +160,12 @@ class ModelConfig:
             raise ValueError("Mixture-of-Recursions (ModelConfig.recursion) takes no XL memory, "
                              "group_size or depth routing: set xl_memory=False (RoPE "
                              "attention), group_size=0 and depth=None")
+        if mor.kv_sharing and not all(isinstance(a, (DenseAttentionConfig,
+                                                     GroupedQueryAttentionConfig))
+                                      for a in self.attention_layers()):
+            raise ValueError("recursive KV sharing (MoRConfig.kv_sharing) is built and costed "
+                             "for dense and grouped-query attention; use one of them, or "
+                             "kv_sharing=False")
 
     @property
     def n_blocks(self) -> int:

@@ -1,7 +1,5 @@
-"""Exact cost accounting: parameter counts, and MACs / memory per attention layer.
-
-Parameters are counted on the meta device: the real modules are constructed, so the count is the
-count of the model that trains, but no weight is ever allocated.
+"""Exact cost accounting: MACs / memory per attention layer, and a model's cost (with its
+parameter counts, moeify.models.params).
 
 MACs and memory use the formulas that printed the SwitchHead paper's tables (the authors' code;
 they differ from the paper's Eq. 13). All quantities are per attention layer, per sequence,
@@ -14,9 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.layers.gqa import GroupedQueryAttentionConfig
@@ -25,7 +20,7 @@ from moeify.layers.moh import MoHConfig
 from moeify.layers.mosa import MoSAConfig, tokens_kept
 from moeify.layers.remoe import ReMoEConfig
 from moeify.layers.switchhead import SwitchHeadConfig
-from moeify.models.lm import TransformerLM, build_block
+from moeify.models.params import model_parameters
 from moeify.ops.recursion_routing import recursion_count
 from moeify.ops.routing import expert_choice_count
 
@@ -53,14 +48,21 @@ def format_count(x: int | float) -> str:
 
 @dataclass(frozen=True)
 class AttentionCost:
-    """MACs and memory (floats held) of one attention layer for one sequence of T tokens."""
+    """MACs and memory (floats held) of one attention layer for one sequence of T tokens: what
+    moeify's layer executes. ``activated_head_macs``: for MoH, what a kernel computing only each
+    token's activated heads would execute (the paper's measure; ``moh_cost``), else None."""
 
     macs: int
     memory: int
+    activated_head_macs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"macs": self.macs, "memory": self.memory,
-                "macs_str": format_count(self.macs), "memory_str": format_count(self.memory)}
+        out = {"macs": self.macs, "memory": self.memory,
+               "macs_str": format_count(self.macs), "memory_str": format_count(self.memory)}
+        if self.activated_head_macs is not None:
+            out["activated_head_macs"] = self.activated_head_macs
+            out["activated_head_macs_str"] = format_count(self.activated_head_macs)
+        return out
 
 
 def _positive(**values: int) -> None:
@@ -169,27 +171,36 @@ def mosa_cost(*, d_model: int, n_heads: int, d_head: int, k: int, T: int,
 
 
 def moh_cost(cfg: MoHConfig, *, T: int, C: int) -> AttentionCost:
-    """MoH (arXiv 2410.11842), in the terms of ``dense_attention_cost`` with the A = h_s + K
-    heads a token activates: their Q and O projections (2·d·A·d_h per token) and attention
-    (2·A·d_h·C·T per token), every head's K and V (2·d·Hk·d_h: a later token may activate any
-    head), the routers (W_r, W_s, W_h: (R + h_s + 2)·d when all exist; the query-norm router
-    R·d_h) and the gates (A·d_h). XL replaces H by A in the dense layer's position term. This
-    counts what a head-sparse kernel executes, the paper's activated heads; moeify's layer
-    computes every head (moeify.layers.moh), i.e. the dense layer's MACs plus the routers'. Our
-    accounting: the paper prints no MAC formula."""
+    """MoH (arXiv 2410.11842; moeify.layers.moh), in the terms of ``gqa_cost``. moeify's layer
+    computes every head, as the authors' code does, so its MACs and memory are those of
+    grouped-query attention with H heads (Hk key/value heads; XL adds the dense layer's
+    position term 2·H·d·T·d_h·C) plus, per token, the routers (W_r, W_s, W_h: (R + h_s + 2)·d
+    when all exist; the query-norm router R·d_h, the query norms) and the gates (H·d_h, every
+    head's output times its gate); memory adds the router scores (R + h_s + 2, or R, per
+    token).
+
+    ``activated_head_macs`` counts what a kernel computing only the A = h_s + K heads each
+    token activates would execute, the paper's measure (its Table 7 times such a sparse
+    matrix multiplication): the Q and O projections (2·d·A·d_h per token), the attention
+    (2·A·d_h·C·T per token) and XL's position term of those A heads, every head's K and V
+    (2·d·Hk·d_h: a later token may activate any head), the routers, and the A gates (A·d_h).
+    Our accounting: the paper prints no MAC formula."""
     d, H, Hk, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_head
     _positive(d_model=d, n_heads=H, d_head=dh, T=T, C=C)
-    A = cfg.active_heads
     shapes = cfg.router_shapes()
-    router = sum(rows for rows, _ in shapes.values()) * d if cfg.router == "learned" \
-        else cfg.n_routed * dh
-    macs = 2 * A * dh * C * T * T + 2 * d * (A + Hk) * dh * T + router * T + A * dh * T
-    mem = 2 * A * C * T * T + 2 * (A + Hk) * dh * T + (sum(r for r, _ in shapes.values())
-                                                       or cfg.n_routed) * T
-    if cfg.pos == "xl":
-        macs += 2 * A * d * T * dh * C
-        mem += 2 * A * T * dh * C
-    return AttentionCost(macs, mem)
+    rows = sum(r for r, _ in shapes.values())
+    router = rows * d if cfg.router == "learned" else cfg.n_routed * dh
+
+    def heads(n: int) -> tuple[int, int]:
+        """MACs and memory with n query heads computed (gqa_cost, XL, routers, gates)."""
+        base = gqa_cost(d_model=d, n_heads=n, n_kv_heads=Hk, d_head=dh, T=T, C=C)
+        macs, mem = base.macs + router * T + n * dh * T, base.memory + (rows or cfg.n_routed) * T
+        if cfg.pos == "xl":
+            macs, mem = macs + 2 * n * d * T * dh * C, mem + 2 * n * T * dh * C
+        return macs, mem
+
+    macs, mem = heads(H)
+    return AttentionCost(macs, mem, activated_head_macs=heads(cfg.active_heads)[0])
 
 
 def mosa_paper_flops(*, n_layers: int, d_model: int, d_head: int, T: int, n_dense_heads: int,
@@ -266,6 +277,30 @@ def model_paper_flops(config: "ModelConfig") -> int | None:
     return total
 
 
+def shared_kv_attention_cost(cfg: Any, *, queries: int, keys: int) -> AttentionCost:
+    """One application of an attention layer that reuses the keys and values an earlier
+    application computed (Mixture-of-Recursions' recursive KV sharing, arXiv 2507.10524
+    Sec. 2.2.2), in the terms of ``dense_attention_cost``: the Q and O projections of its
+    ``queries`` tokens (2·d·H·d_h each), their attention over ``keys`` cached tokens
+    (2·H·d_h·queries·keys) and no K or V projection; memory the queries × keys logits twice and
+    the Q and O activations. XL (dense attention) adds its position projection over the keys'
+    distances (2·H·d·keys·d_h). Grouped-query attention reads Hk key/value heads but its
+    queries have H, as the formula counts. Our accounting: the paper prints none. Dense and
+    grouped-query attention only (the paper's models are Llama); ValueError for the others."""
+    _positive(queries=queries, keys=keys)
+    if not isinstance(cfg, (DenseAttentionConfig, GroupedQueryAttentionConfig)):
+        raise ValueError(f"no cost formula for recursive KV sharing with "
+                         f"{type(cfg).__name__}; supported: DenseAttentionConfig, "
+                         "GroupedQueryAttentionConfig")
+    d, H, dh = cfg.d_model, cfg.n_heads, cfg.d_head
+    macs = 2 * H * dh * queries * keys + 2 * d * H * dh * queries
+    mem = 2 * H * queries * keys + 2 * H * dh * queries
+    if cfg.pos == "xl":
+        macs += 2 * H * d * keys * dh
+        mem += 2 * H * keys * dh
+    return AttentionCost(macs, mem)
+
+
 def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     """Dispatch on an attention config (DenseAttentionConfig, SwitchHeadConfig, MoAConfig,
     GroupedQueryAttentionConfig, MoSAConfig, MoHConfig)."""
@@ -293,18 +328,6 @@ def attention_cost(cfg: Any, *, T: int, C: int) -> AttentionCost:
     raise ValueError(f"no cost formula for attention config {type(cfg).__name__}; "
                      "supported: DenseAttentionConfig, SwitchHeadConfig, MoAConfig, "
                      "GroupedQueryAttentionConfig, MoSAConfig, MoHConfig")
-
-
-# --------------------------------------------------------------------------- parameters
-
-def count_module_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def layer_parameters(cfg: Any) -> int:
-    """Parameters of the module a layer config builds, built on the meta device."""
-    with torch.device("meta"):
-        return count_module_parameters(cfg.build())
 
 
 @dataclass
@@ -346,57 +369,6 @@ def remoe_feedforward_cost(cfg: ReMoEConfig, experts_per_token: float | None = N
             "macs_per_token": router + k * per_expert, "measured": experts_per_token is not None}
 
 
-def model_parameters(config: "ModelConfig") -> dict[str, int]:
-    """Parameter counts of a TransformerLM built from ``config``, split into embedding, output,
-    attention, feedforward, norms (the LayerNorms) and other (depth routers, ...), plus total.
-
-    Built on the meta device; a layer that repeats (same attention, feedforward and depth
-    config) is built once and counted as often as it occurs. With MoEUT's grouping
-    (group_size G) only the G distinct blocks hold parameters; with Mixture-of-Recursions the
-    whole model is built (on the meta device) and its shared stack counted once, its routers
-    under "other"."""
-    class _Shell(TransformerLM):  # the model without its blocks: embedding, final LN, output
-        def _build_blocks(self, config):
-            return nn.ModuleList()
-
-    parts = dict.fromkeys(("embedding", "attention", "feedforward", "norms", "output", "other"),
-                          0)
-    with torch.device("meta"):
-        if config.recursion is not None:
-            _add_parts(parts, TransformerLM(config), "", 1)
-            parts["total"] = sum(parts.values())
-            return parts
-        _add_parts(parts, _Shell(config), "", 1)
-        layers = list(zip(config.attention_layers(), config.feedforward_layers(),
-                          config.depth_layers()))[:config.n_blocks]
-        unique: list[tuple] = []  # by equality: layer configs need not be hashable
-        for key in layers:
-            if key not in unique:
-                unique.append(key)
-        for key in unique:
-            _add_parts(parts, build_block(config, *key), "blocks.0.", layers.count(key))
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-def _add_parts(parts: dict[str, int], module: nn.Module, prefix: str, times: int) -> None:
-    for name, p in module.named_parameters():
-        name = prefix + name
-        if name.startswith("embedding.") or name.startswith("pos_embedding."):
-            part = "embedding"
-        elif name.startswith("output."):
-            part = "output"
-        elif ".attention." in name:
-            part = "attention"
-        elif ".feedforward." in name:
-            part = "feedforward"
-        elif name.startswith("ln_f.") or ".ln1." in name or ".ln2." in name:
-            part = "norms"
-        else:
-            part = "other"
-        parts[part] += times * p.numel()
-
-
 def attention_summary(cfg: Any) -> str:
     """A short description of an attention config: "SwitchHead H=2 d_h=76 E=5 k=2 VO xl"."""
     name = type(cfg).__name__.removesuffix("Config").removesuffix("Attention") or "Dense"
@@ -432,6 +404,8 @@ def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any
     plan = [(attns[0], T, None)] if start else []
     for r, beta in enumerate(mor.betas):
         tokens = recursion_count(T, beta) if mor.routing == "expert" else T
+        if mor.kv_sharing and r == 0:
+            tokens = T  # the first step runs every token: the keys and values every step reads
         plan += [(a, tokens, r) for a in attns[start:start + size]]
     if start:
         plan.append((attns[-1], T, None))
@@ -440,7 +414,12 @@ def _recursion_rows(config: "ModelConfig", T: int, C: int) -> list[dict[str, Any
         row = {"layer": i, "attention": attention_summary(attn), "tokens": tokens}
         if r is not None:
             row["recursion"] = r
-        rows.append({**row, **attention_cost(attn, T=tokens, C=C).to_dict()})
+        if mor.kv_sharing and r:
+            row["kv_shared"] = True
+            cost = shared_kv_attention_cost(attn, queries=tokens, keys=T)
+        else:
+            cost = attention_cost(attn, T=tokens, C=C)
+        rows.append({**row, **cost.to_dict()})
     return rows
 
 
@@ -454,7 +433,10 @@ def model_cost(config: "ModelConfig") -> ModelCost:
     With Mixture-of-Recursions there is one row per application of an attention layer: the
     unshared ones, then the shared stack at each recursion step r ("recursion": r), whose
     expert-choice step runs floor(beta_r · T) tokens (at least 1) that attend only to each
-    other; a token-choice step is counted at T tokens, its upper bound (the depths are learned)."""
+    other; a token-choice step is counted at T tokens, its upper bound (the depths are learned).
+    With recursive KV sharing the first step runs all T tokens and every later step's rows
+    ("kv_shared": True) count its queries over the first step's T keys, without K and V
+    projections (``shared_kv_attention_cost``)."""
     T = config.context_length
     C = 2 if config.xl_memory else 1
     parts = model_parameters(config)

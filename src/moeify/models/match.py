@@ -29,7 +29,7 @@ from moeify.layers.attention import DenseAttentionConfig
 from moeify.layers.feedforward import DenseFFConfig
 from moeify.models.builders import moa_attn, switchhead_attn
 from moeify.models.config import ModelConfig
-from moeify.models.cost import layer_parameters, model_parameters
+from moeify.models.params import layer_parameters, model_parameters
 
 KINDS = ("switchhead", "moa")
 
@@ -73,7 +73,6 @@ def _new_attention(dense_attn, kind: str, *, d_head: int, n_heads: int, n_expert
     return moa_attn(d=d, L=L, H=n_heads, d_h=d_head, E=n_experts, pos=pos)
 
 
-# One recipe: the two steps of SwitchHead §3 (d_head search, d_ff rounding), in order.
 def match_attention(
     dense: ModelConfig,
     *,
@@ -89,6 +88,34 @@ def match_attention(
     """Replace the attention of the dense model ``dense`` by SwitchHead (H = ``n_heads``,
     E = ``n_experts``, top-``k``) or MoA (``n_heads`` selected heads of ``n_experts``; ``k``
     must be None or equal ``n_heads``), choosing d_head (unless given) and d_ff by §5."""
+    dense_attn, dense_ff = _check_match(dense, kind=kind, n_heads=n_heads, k=k,
+                                        d_head_multiple=d_head_multiple)
+
+    def attn(dh: int):
+        return _new_attention(dense_attn, kind, d_head=dh, n_heads=n_heads,
+                              n_experts=n_experts, k=k, experts=experts,
+                              shared_selection=shared_selection)
+
+    # Step 1: the largest d_head whose attention has at most the dense one's parameters.
+    target = layer_parameters(dense_attn)
+    if d_head is None:
+        d_head = _largest_d_head(lambda dh: layer_parameters(attn(dh)), target,
+                                 d_head_multiple)
+    new_attn = attn(d_head)
+    new_attn_params = layer_parameters(new_attn)
+    # Step 2: the feedforward absorbs the difference.
+    d_ff, mult_100 = _matched_d_ff(dense, dense_ff, target - new_attn_params)
+    config = dataclasses.replace(dense, attention=(new_attn,),
+                                 feedforward=(dataclasses.replace(dense_ff, d_ff=d_ff),))
+    return MatchResult(config=config, d_head=d_head, d_ff=d_ff, ff_multiplier=mult_100 / 100,
+                       dense_attention_params=target, attention_params=new_attn_params,
+                       dense_params=model_parameters(dense)["total"],
+                       params=model_parameters(config)["total"])
+
+
+def _check_match(dense: ModelConfig, *, kind: str, n_heads: int, k: int | None,
+                 d_head_multiple: int):
+    """The dense baseline's (attention, feedforward) configs, after checking the arguments."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if len(dense.attention) != 1 or len(dense.feedforward) != 1:
@@ -108,37 +135,24 @@ def match_attention(
                          f"or leave k unset (got n_heads={n_heads}, k={k})")
     if d_head_multiple < 1:
         raise ValueError(f"d_head_multiple must be a positive integer, got {d_head_multiple}")
+    return dense_attn, dense_ff
 
-    def attn(dh: int):
-        return _new_attention(dense_attn, kind, d_head=dh, n_heads=n_heads,
-                              n_experts=n_experts, k=k, experts=experts,
-                              shared_selection=shared_selection)
 
-    target = layer_parameters(dense_attn)
-    if d_head is None:
-        d_head = _largest_d_head(lambda dh: layer_parameters(attn(dh)), target,
-                                 d_head_multiple)
-    new_attn = attn(d_head)
-    new_attn_params = layer_parameters(new_attn)
-
+def _matched_d_ff(dense: ModelConfig, dense_ff, freed: int) -> tuple[int, int]:
+    """(d_ff, ff_multiplier in hundredths): the feedforward width that gives back ``freed``
+    parameters per layer, rounded as the authors' configs write widths (module docstring)."""
     # Parameters of the feedforward are affine in d_ff: measure the slope.
     f0 = layer_parameters(dense_ff)
     slope = layer_parameters(dataclasses.replace(dense_ff, d_ff=dense_ff.d_ff + 1)) - f0
-    d_ff_exact = dense_ff.d_ff + (target - new_attn_params) / slope
+    d_ff_exact = dense_ff.d_ff + freed / slope
     d = dense.d_model
     mult_100 = round(d_ff_exact * 100 / d)  # ff_multiplier with two decimals, in hundredths
     d_ff = d * mult_100 // 100
     if d_ff < 1:
-        raise ValueError(f"the new attention has {new_attn_params - target} more parameters "
+        raise ValueError(f"the new attention has {-freed} more parameters "
                          "per layer than a whole feedforward can give back; lower n_heads, "
                          "n_experts or d_head")
-
-    config = dataclasses.replace(dense, attention=(new_attn,),
-                                 feedforward=(dataclasses.replace(dense_ff, d_ff=d_ff),))
-    return MatchResult(config=config, d_head=d_head, d_ff=d_ff, ff_multiplier=mult_100 / 100,
-                       dense_attention_params=target, attention_params=new_attn_params,
-                       dense_params=model_parameters(dense)["total"],
-                       params=model_parameters(config)["total"])
+    return d_ff, mult_100
 
 
 def _largest_d_head(params_of, target: int, step: int) -> int:

@@ -1,8 +1,9 @@
-"""MoH presets (Jin et al., ICML 2025, arXiv 2410.11842): multi-head attention whose heads are
-experts, each token using the h_s shared heads and K of the routed ones (moeify.layers.moh).
+"""MoH presets (Jin et al., ICML 2025, arXiv 2410.11842v3): multi-head attention whose heads are
+experts, each token using the h_s shared heads and K of the routed ones (moeify.layers.moh),
+with the load-balance loss at β = 0.01 (Eq. 8, "for all tasks"; MoHConfig's default).
 
-The paper's language-model rows (Sec. 4.3, "Training LLMs from Scratch"; the appendix table of
-model settings prints layers, hidden size, intermediate size, heads, head dim and #Params):
+The paper's language-model rows (Sec. 4.3, "Training LLMs from Scratch"; the appendix's Tab. C
+prints layers, hidden size, intermediate size, heads, head dim and #Params):
 
     ``moh-llm-s-dense``  LLM-S, 186M: 12 layers, d 768, SwiGLU 2048, 12 heads of 64
     ``moh-llm-s-75``     MoH-LLM-S, 186M, 75% of the heads active
@@ -16,9 +17,10 @@ whole head, no biases), an untied output layer and a vocabulary of 65,536; with 
 ``moeify count`` gives 185.6M / 185.7M / 880.9M / 881.5M, the table's 186 / 186 / 881 / 882
 (tests/models/test_moh_presets.py, against the printed numbers). The MoH layers add per layer
 W_r, W_s and W_h, (h - h_s)·d + h_s·d + 2·d = (h + 2)·d parameters whatever the split. The split
-between shared and routed heads of the LLM rows is not printed either: moeify takes the one the
-authors' MoH-LLaMA3-8B code fixes (shared = h/2, and the routed heads kept making up the rest of
-the active share: 75% -> K = h/4; 50% -> shared h/4, K = h/4). The training mix (RedPajama,
+between shared and routed heads of the LLM rows is not printed either: moeify takes the one of
+the paper's continue-tuned LLaMA3-8B (Sec. 4.4: the first 16 of 32 heads shared) and the
+authors' MoH-LLaMA3-8B code (shared = h/2, and the routed heads kept making up the rest of the
+active share: 75% -> K = h/4; 50% -> shared h/4, K = h/4). The training mix (RedPajama,
 Dolma, Pile), sequence length 2048 and 4M-token batches are the paper's; no corpus or recipe is
 attached here.
 
@@ -68,7 +70,7 @@ def repro_moh() -> ModelConfig:
 
 MOH_VOCAB = 65536  # assumed (module docstring)
 MOH_T = 2048
-# size -> (layers, hidden, intermediate, heads, head dim), the appendix table
+# size -> (layers, hidden, intermediate, heads, head dim), the appendix's Tab. C
 MOH_LLM_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "s": (12, 768, 2048, 12, 64),
     "b": (24, 1536, 4096, 16, 96),

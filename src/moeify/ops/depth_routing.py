@@ -52,3 +52,17 @@ def masked_agreement(a_BT: torch.Tensor, b_BT: torch.Tensor,
                      valid_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Fraction of valid tokens where the bool masks agree (e.g. causal rule vs. top-k), float32."""
     return masked_mean((a_BT == b_BT).float(), valid_BT)
+
+
+def causal_rule_stats(logits_BT: torch.Tensor, selected_BT: torch.Tensor,
+                      candidates_BT: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """How a depth router's causal rule (``causal_route``: logit > 0) does against the sequence
+    top-k it stands in for at sampling, over the candidate tokens (None: all): (agreement, the
+    fraction of tokens where rule and top-k agree; fraction, the tokens the rule would route),
+    float32 scalars. Mixture-of-Depths and Mixture-of-Recursions log both."""
+    rule_BT = causal_route(logits_BT, candidates_BT)
+    n = candidates_BT.sum() if candidates_BT is not None else logits_BT.new_tensor(
+        logits_BT.numel())
+    return (masked_agreement(rule_BT, selected_BT, candidates_BT),
+            rule_BT.sum().float() / n.clamp_min(1).float())

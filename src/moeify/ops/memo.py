@@ -5,6 +5,7 @@ same stamp."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 def stamp(t: torch.Tensor) -> tuple | None:
@@ -13,7 +14,10 @@ def stamp(t: torch.Tensor) -> tuple | None:
     tensors that cannot be stamped (inference tensors keep no version counter): derive afresh."""
     if t.is_inference():
         return None
-    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+    # A fake tensor (the cost contract's, moeify.bench.contract) has no data pointer: its
+    # storage's identity and offset stand in.
+    ptr = ((t.untyped_storage()._cdata, t.storage_offset()) if is_fake(t) else t.data_ptr())
+    return (ptr, t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def stamps(*ts: torch.Tensor) -> tuple | None:

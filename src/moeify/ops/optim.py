@@ -20,15 +20,17 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 IMPLS = ("auto", "fused", "default")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def fused_supported(params: Iterable[torch.Tensor]) -> bool:
-    """Whether every parameter is a plain floating tensor on CPU or CUDA."""
-    return all(type(p.detach()) is torch.Tensor and p.device.type in ("cpu", "cuda")
-               and p.dtype in _FUSED_DTYPES for p in params)
+    """Whether every parameter is a plain floating tensor on CPU or CUDA (or a fake one, which
+    stands for it where the cost contract counts a whole training step: moeify.bench.contract)."""
+    return all((type(p.detach()) is torch.Tensor or is_fake(p))
+               and p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
 
 
 def adamw(param_groups, *, lr: float, betas: tuple[float, float], weight_decay: float = 0.0,

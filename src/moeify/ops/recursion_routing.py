@@ -103,15 +103,21 @@ def hierarchical_topk(
     return idx, selected, keep
 
 
-def token_choice(logits_BTN: torch.Tensor, fn: str,
-                 alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_choice(logits_BTN: torch.Tensor, fn: str, alpha: float,
+                 bias: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-choice depths: (probs_BTN = α·softmax or α·sigmoid of the logits, depth_BT in
-    [0, N) = argmax (the token takes recursions 0 .. depth), gate_BT = probs at that depth)."""
+    [0, N) = argmax (the token takes recursions 0 .. depth), gate_BT = probs at that depth).
+    ``bias`` [N] (loss-free balancing): argmax of probs + bias, the gate still the unbiased
+    probability (the authors' ``router_probs = _router_probs + router_bias``)."""
     if fn == "softmax":
         probs = alpha * torch.softmax(logits_BTN, -1)
     elif fn == "sigmoid":
         probs = alpha * torch.sigmoid(logits_BTN)
     else:
         raise ValueError(f"unknown token-choice gate {fn!r}; choose one of {TOKEN_GATES}")
-    depth = top_indices(probs.detach(), 1)
+    ranked = probs.detach()
+    if bias is not None:
+        ranked = ranked + bias.detach().to(ranked.dtype)
+    depth = top_indices(ranked, 1)
     return probs, depth[..., 0], probs.gather(-1, depth)[..., 0]

@@ -1,5 +1,6 @@
 """Balancing that needs the whole update: loss-free balancing's bias update and the global-batch
-balance loss's counts, for the feedforward MoEs (sigma-MoE, Switch). Applied from outside the
+balance loss's counts, for the feedforward MoEs (sigma-MoE, Switch) and token-choice
+Mixture-of-Recursions (its depths are the "experts": moeify.layers.recursion). Applied from outside the
 model: layers never touch torch.distributed, and everything here is read from what the model's
 forward *returns* (LMOutput.routing, LMOutput.balance), never from state a layer fills as it runs.
 Activation recomputation (torch.utils.checkpoint, moeify.train.activation_checkpointing) runs a
@@ -46,6 +47,8 @@ from moeify.train.distributed import DistEnv
 
 # The routing kinds (RoutingStats.kind) of the feedforward MoEs' routers.
 FEEDFORWARD_KINDS = ("sigma_moe", "switch", "remoe")
+# The routing kind of a block-level router: Mixture-of-Recursions (tokens by depth).
+RECURSION_KIND = "mor"
 
 
 def _lossfree(module) -> bool:
@@ -59,7 +62,10 @@ class Balancing:
         self.env = env
         # The feedforward of every layer position (its routing records carry the position).
         self.feedforwards = [feedforward_of(b) for b in model.layer_blocks()]
-        self.lossfree = {ff for ff in self.feedforwards if _lossfree(ff)}
+        # Mixture-of-Recursions modules with loss-free balancing, by layer position
+        self.recursions = {i: b for i, b in enumerate(model.layer_blocks()) if _lossfree(b)}
+        self.lossfree = {ff for ff in self.feedforwards if _lossfree(ff)} | set(
+            self.recursions.values())
         if any(_lossfree(m) and m not in self.lossfree for m in model.modules()):
             raise ValueError("loss-free balancing (lossfree_rate > 0) works on the feedforwards "
                              "of the model's blocks, not inside Mixture-of-Recursions; set "
@@ -80,12 +86,16 @@ class Balancing:
         train on: ``out.aux_loss`` with those losses retaken (``out.losses`` holds them)."""
         seen = set()
         for key, rec in out.routing.items():
-            if rec.kind not in FEEDFORWARD_KINDS:
+            if rec.kind in FEEDFORWARD_KINDS:
+                owner = self.feedforwards[rec.layer]
+            elif rec.kind == RECURSION_KIND and rec.layer in self.recursions:
+                owner = self.recursions[rec.layer]
+            else:
                 continue
             c = rec.counts[0]
             self._counts[key] = c if key not in self._counts else self._counts[key] + c
-            self._owner[key] = ff = self.feedforwards[rec.layer]
-            seen.add(ff)
+            self._owner[key] = owner
+            seen.add(owner)
         missing = (self.lossfree | self.remoe) - seen
         if missing:
             raise RuntimeError(f"loss-free balancing / ReMoE: the model returned no routing "
@@ -116,8 +126,9 @@ class Balancing:
         for m in self.lossfree:
             c = sum(total[k] for k in keys if self._owner[k] is m)
             cfg = m.config
-            m.expert_bias.copy_(loss_free_bias_update(m.expert_bias, c, cfg.lossfree_rate,
-                                                      centre=cfg.lossfree_centre))
+            m.expert_bias.copy_(loss_free_bias_update(
+                m.expert_bias, c, cfg.lossfree_rate,
+                centre=getattr(cfg, "lossfree_centre", False)))
         remoe_keys = [k for k in keys if self._owner[k] in self.remoe]
         if remoe_keys:
             c = sum(total[k] for k in remoe_keys)  # [E + 1]: the experts, then not routed

@@ -150,6 +150,13 @@ class TrainConfig:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_optimizer()
+        self._check_choices()
+        self._check_lr_extensions()
+        self._check_model()
+
+    def _check_counts(self) -> None:
         positive = ("steps", "batch_size", "grad_accum", "vocab_size", "log_every",
                     "eval_batch_size", "keep_checkpoints")
         for name in positive:
@@ -164,6 +171,8 @@ class TrainConfig:
                                               or self.cosine_steps < 1):
             raise ValueError(f"cosine_steps must be a positive integer or none, got "
                              f"{self.cosine_steps!r}")
+
+    def _check_optimizer(self) -> None:
         for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
             check_finite_number(name, getattr(self, name))
         if not self.lr > 0:
@@ -173,12 +182,13 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), e.g. betas=0.9,0.999; got "
                              f"{self.betas!r}")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        object.__setattr__(self, "model_overrides", tuple(self.model_overrides))
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip=0 turns "
                              "clipping off)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+
+    def _check_choices(self) -> None:
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         if self.parallel not in PARALLEL_MODES:
@@ -196,6 +206,8 @@ class TrainConfig:
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got "
                              f"{self.tokenizer!r}")
+
+    def _check_lr_extensions(self) -> None:
         try:
             ext = tuple((int(a), int(b), float(f), float(p)) for a, b, f, p in self.lr_extensions)
         except (TypeError, ValueError):
@@ -207,6 +219,9 @@ class TrainConfig:
                              f"end, 0 <= factor <= 1, 0 <= phase <= pi; got "
                              f"{self.lr_extensions!r}")
         object.__setattr__(self, "lr_extensions", ext)
+
+    def _check_model(self) -> None:
+        object.__setattr__(self, "model_overrides", tuple(self.model_overrides))
         if self.model is not None and not isinstance(self.model, dict):
             raise ValueError(f"model must be a ModelConfig dict or none, got "
                              f"{type(self.model).__name__}")

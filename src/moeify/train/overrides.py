@@ -86,59 +86,79 @@ def apply_model_overrides(config: ModelConfig, overrides: list[str] | tuple[str,
                              f"model.<attention|feedforward|depth|norm>.<field>")
         items.append(item)
         if len(parts) == 3 and parts[1] in _SINGLE:
-            # one config, not a pattern: model.norm.<kind|eps|bias>, model.recursion.<field>
-            sub = getattr(config, parts[1])
-            if sub is None:
-                raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
-                                 "config to change; use a MoR preset (e.g. repro-mor)")
-            single[parts[1]][parts[2]] = _parse_layer_field(sub, parts[2], text, what)
-            continue
-        if len(parts) == 3:
-            pattern, name = parts[1], parts[2]
-            if pattern not in _PATTERNS:
-                raise ValueError(f"{what}: {pattern!r} is not one of {', '.join(_PATTERNS)}")
-            entries = getattr(config, pattern)
-            if all(e is None for e in entries):
-                raise ValueError(f"{what}: this model has no {pattern} config to change")
-            for e in entries:  # every entry must have the field and accept the value
-                if e is not None:
-                    _parse_layer_field(e, name, text, what)
-            layer[pattern][name] = text
-            continue
-        name = parts[1]
-        fields = ({f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
-                  - {"norm", "recursion"})
-        if name == "recursion":
-            raise ValueError(f"{what}: model.recursion is a MoRConfig: start from a MoR preset "
-                             "(e.g. repro-mor) and set its fields, model.recursion.<field>")
-        if name == "norm":
-            raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
-                             "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
-                             "--set model.norm.bias=false --set model.norm.kind=rmsnorm)")
-        if name not in fields:
-            raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
-                             f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"
-                             ".<field>")
-        hint = field_hints(ModelConfig).get(name) or _hint_from_value(getattr(config, name))
-        top[name] = parse_value(text, hint, what=what)
+            single[parts[1]][parts[2]] = _parse_single(config, parts[1], parts[2], text, what)
+        elif len(parts) == 3:
+            _check_pattern_field(config, parts[1], parts[2], text, what)
+            layer[parts[1]][parts[2]] = text
+        else:
+            top[parts[1]] = _parse_top(config, parts[1], text, what)
     if not items:
         return config
     what = "--set " + " --set ".join(items)
     try:
-        changes: dict[str, Any] = dict(top)
-        for pattern in _PATTERNS:
-            entries = getattr(config, pattern)
-            new = tuple(e if e is None else _layer_with(e, top, layer[pattern]) for e in entries)
-            if new != entries:
-                changes[pattern] = new
-        if "d_model" in top and config.recursion is not None:
-            single["recursion"] = {"d_model": top["d_model"], **single["recursion"]}
-        for name, fields in single.items():
-            if fields:
-                changes[name] = dataclasses.replace(getattr(config, name), **fields)
-        return dataclasses.replace(config, **changes)
+        return _rebuild(config, top, single, layer)
     except ValueError as e:
         raise ValueError(e if str(e).startswith("--set ") else f"{what}: {e}") from None
+
+
+def _parse_single(config: ModelConfig, sub_name: str, name: str, text: str, what: str) -> Any:
+    """A field of a config the model has once, not per layer: model.norm.<kind|eps|bias>,
+    model.recursion.<field>."""
+    sub = getattr(config, sub_name)
+    if sub is None:
+        raise ValueError(f"{what}: this model has no recursion (Mixture-of-Recursions) "
+                         "config to change; use a MoR preset (e.g. repro-mor)")
+    return _parse_layer_field(sub, name, text, what)
+
+
+def _check_pattern_field(config: ModelConfig, pattern: str, name: str, text: str,
+                         what: str) -> None:
+    """model.<attention|feedforward|depth>.<field>: every entry of the pattern must have the
+    field and accept the value."""
+    if pattern not in _PATTERNS:
+        raise ValueError(f"{what}: {pattern!r} is not one of {', '.join(_PATTERNS)}")
+    entries = getattr(config, pattern)
+    if all(e is None for e in entries):
+        raise ValueError(f"{what}: this model has no {pattern} config to change")
+    for e in entries:
+        if e is not None:
+            _parse_layer_field(e, name, text, what)
+
+
+def _parse_top(config: ModelConfig, name: str, text: str, what: str) -> Any:
+    """model.<field>: a ModelConfig field that is not a layer pattern or a single config."""
+    fields = ({f.name for f in dataclasses.fields(ModelConfig)} - set(_PATTERNS)
+              - {"norm", "recursion"})
+    if name == "recursion":
+        raise ValueError(f"{what}: model.recursion is a MoRConfig: start from a MoR preset "
+                         "(e.g. repro-mor) and set its fields, model.recursion.<field>")
+    if name == "norm":
+        raise ValueError(f"{what}: model.norm is a NormConfig: set its fields, "
+                         "model.norm.kind, model.norm.eps or model.norm.bias (RMSNorm: "
+                         "--set model.norm.bias=false --set model.norm.kind=rmsnorm)")
+    if name not in fields:
+        raise ValueError(f"{what}: ModelConfig has no settable field {name!r}; choose one of "
+                         f"{', '.join(sorted(fields))} or model.<attention|feedforward|depth>"
+                         ".<field>")
+    hint = field_hints(ModelConfig).get(name) or _hint_from_value(getattr(config, name))
+    return parse_value(text, hint, what=what)
+
+
+def _rebuild(config: ModelConfig, top: dict[str, Any], single: dict[str, dict[str, Any]],
+             layer: dict[str, dict[str, str]]) -> ModelConfig:
+    """``config`` rebuilt once with every parsed change."""
+    changes: dict[str, Any] = dict(top)
+    for pattern in _PATTERNS:
+        entries = getattr(config, pattern)
+        new = tuple(e if e is None else _layer_with(e, top, layer[pattern]) for e in entries)
+        if new != entries:
+            changes[pattern] = new
+    if "d_model" in top and config.recursion is not None:
+        single["recursion"] = {"d_model": top["d_model"], **single["recursion"]}
+    for name, fields in single.items():
+        if fields:
+            changes[name] = dataclasses.replace(getattr(config, name), **fields)
+    return dataclasses.replace(config, **changes)
 
 
 def _layer_with(entry: Any, top: dict[str, Any], texts: dict[str, str]) -> Any:

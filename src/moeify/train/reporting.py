@@ -1,5 +1,6 @@
 """What a training run reports as it goes: the clock behind tokens/s (training time only), the
-metrics record of a logged step, the score of a loss (bits per character or perplexity)."""
+metrics record of a logged step, the score of a loss (bits per character or perplexity), and
+the writing of a logged step's and a validation's records and progress lines."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moeify.train.metrics import summarise_tensor
+
+if TYPE_CHECKING:
+    from moeify.train.metrics import MetricsSink
+    from moeify.train.progress import Progress
 
 
 @dataclass
@@ -66,3 +71,36 @@ class TrainResult:
     rank: int = 0                                              # this process (data parallel)
     interrupted: str | None = None                             # "SIGINT"/"SIGTERM": stopped early
     exit_code: int = 0                                         # 128 + signal number when stopped
+
+
+def log_train(tr, rec: dict[str, Any], sink: MetricsSink | None, progress: Progress,
+              clock: Clock, force: bool) -> None:
+    """The metrics record of trainer ``tr``'s step just done (``rec``: what train_step
+    returned) to ``sink`` and the progress line, the loss averaged since the last record."""
+    now = time.perf_counter()
+    clock.train_s += now - clock.mark
+    tps = (tr.tokens_seen - clock.tokens) / max(now - clock.mark, 1e-9)
+    mean_loss = sum(clock.window) / len(clock.window)
+    record = train_record(tr.step, tr.tokens_seen, rec, mean_loss, tps, tr.tokenizer.byte_level)
+    if sink is not None:
+        sink.write(record)
+    name = "bpc" if "bpc" in record else "ppl"
+    progress.update(tr.step, {"loss": mean_loss, name: record[name], "lr": rec["lr"]}, tps,
+                    force=force)
+    clock.window = []
+    clock.resume(tr.tokens_seen)
+
+
+def log_validation(tr, sink: MetricsSink | None, progress: Progress) -> dict[str, float]:
+    """Validate trainer ``tr``'s model, record the result in ``sink`` and say it; returns it.
+    Collective in a sharded or expert-parallel run (every process calls it)."""
+    t0 = time.perf_counter()
+    res = tr.validate()
+    name = "bpc" if "bpc" in res else "ppl"
+    if sink is not None:
+        sink.write({"kind": "valid", "step": tr.step, "tokens": res["tokens"],
+                    "loss": res["loss"], name: res[name],
+                    "seconds": time.perf_counter() - t0})
+    progress.message(f"validation at step {tr.step}: loss {res['loss']:.4f}, {name} "
+                     f"{res[name]:.4f} ({res['tokens']} tokens)")
+    return res

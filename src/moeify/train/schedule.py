@@ -119,25 +119,46 @@ def resume_schedule(trained, requested, step: int, choice: str | None):
     if choice is not None and choice not in SCHEDULE_CHOICES:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULE_CHOICES)}, got "
                          f"{choice!r}")
-    pinned_fields = (trained.cosine_steps, tuple(trained.lr_extensions))
-    if (requested.cosine_steps, tuple(requested.lr_extensions)) != pinned_fields:
-        # A schedule written into config.json (an earlier resume that stopped before its first
-        # checkpoint, or an edit): honoured when it keeps the rates already used.
-        if not same_past(trained, requested, step):
-            raise ValueError(f"the learning-rate schedule requested (cosine_steps="
-                             f"{requested.cosine_steps}, lr_extensions="
-                             f"{list(requested.lr_extensions)}) changes the rates of the {step} "
-                             "steps already trained; only the steps still to come can change")
-        ext = tuple(requested.lr_extensions)
-        trained = dataclasses.replace(trained, cosine_steps=requested.cosine_steps,
-                                      lr_extensions=ext,
-                                      steps=ext[-1][1] if ext else trained.steps)
+    trained = _with_written_schedule(trained, requested, step)
     if requested.steps == trained.steps or step == 0:  # the same schedule, or nothing trained
         return requested, (None if choice is None else
                            f"--schedule {choice} changes nothing: " + (
                                "the run has not trained a step yet, so its schedule simply "
                                f"covers the {requested.steps} steps" if step == 0 else
                                f"--steps is the run's own ({requested.steps})"))
+    N = requested.steps
+    options = _schedule_options(trained, requested, step)
+    if choice is None:
+        choice = _default_choice(trained, options, step, N)
+    chosen = options[choice]
+    if not _trains(chosen, step):
+        raise ValueError(f"--schedule {choice} would train steps {step + 1}-{N} at learning rate "
+                         f"0 ({_describe(choice, chosen, step)}), which changes nothing: choose "
+                         "--schedule stretch, or start a new run from this one's weights with "
+                         "--init-from")
+    return chosen, (f"learning-rate schedule on resuming at step {step} with --steps {N}: "
+                    f"{choice}, {_describe(choice, chosen, step)}")
+
+
+def _with_written_schedule(trained, requested, step: int):
+    """``trained`` with the schedule ``requested`` carries when it differs: one written into
+    config.json (an earlier resume that stopped before its first checkpoint, or an edit),
+    honoured when it keeps the rates already used."""
+    pinned_fields = (trained.cosine_steps, tuple(trained.lr_extensions))
+    if (requested.cosine_steps, tuple(requested.lr_extensions)) == pinned_fields:
+        return trained
+    if not same_past(trained, requested, step):
+        raise ValueError(f"the learning-rate schedule requested (cosine_steps="
+                         f"{requested.cosine_steps}, lr_extensions="
+                         f"{list(requested.lr_extensions)}) changes the rates of the {step} "
+                         "steps already trained; only the steps still to come can change")
+    ext = tuple(requested.lr_extensions)
+    return dataclasses.replace(trained, cosine_steps=requested.cosine_steps,
+                               lr_extensions=ext, steps=ext[-1][1] if ext else trained.steps)
+
+
+def _schedule_options(trained, requested, step: int) -> dict:
+    """What keep, extend and stretch make of the updates step..requested.steps-1."""
     W, N = trained.warmup_steps, requested.steps
     keep = dataclasses.replace(requested, cosine_steps=cosine_steps_of(trained))
     if step <= W and not trained.lr_extensions:
@@ -153,28 +174,24 @@ def resume_schedule(trained, requested, step: int, choice: str | None):
         p0 = math.pi * (step - W) / max(1, N - W)
         r = trained.min_lr_ratio
         stretch = tail(r + (1.0 - r) * 0.5 * (1.0 + math.cos(p0)), p0)
-    options = {"keep": keep, "extend": extend, "stretch": stretch}
+    return {"keep": keep, "extend": extend, "stretch": stretch}
+
+
+def _default_choice(trained, options: dict, step: int, N: int) -> str:
+    """The choice a resume without ``--schedule`` takes: stretch before the decay has begun,
+    keep for a pinned schedule that still trains; otherwise a ValueError saying what each
+    choice would do."""
     pinned = trained.cosine_steps is not None or bool(trained.lr_extensions)
-    if choice is None:
-        if step <= W and not trained.lr_extensions:
-            choice = "stretch"
-        elif pinned and _trains(keep, step):
-            choice = "keep"
-        else:
-            raise ValueError(
-                f"--steps {N} changes the length of this run's learning-rate schedule (it was "
-                f"planned over {trained.steps} steps; the run is at step {step}). Choose how to "
-                "continue: "
-                + "; ".join(f"--schedule {name} ({_describe(name, cfg, step)}"
-                            + ("" if _trains(cfg, step) else
-                               ": refused, it would train every step at learning rate 0")
-                            + ")" for name, cfg in options.items())
-                + ". Or start a new run from its weights: moeify train --init-from RUN")
-    chosen = options[choice]
-    if not _trains(chosen, step):
-        raise ValueError(f"--schedule {choice} would train steps {step + 1}-{N} at learning rate "
-                         f"0 ({_describe(choice, chosen, step)}), which changes nothing: choose "
-                         "--schedule stretch, or start a new run from this one's weights with "
-                         "--init-from")
-    return chosen, (f"learning-rate schedule on resuming at step {step} with --steps {N}: "
-                    f"{choice}, {_describe(choice, chosen, step)}")
+    if step <= trained.warmup_steps and not trained.lr_extensions:
+        return "stretch"
+    if pinned and _trains(options["keep"], step):
+        return "keep"
+    raise ValueError(
+        f"--steps {N} changes the length of this run's learning-rate schedule (it was "
+        f"planned over {trained.steps} steps; the run is at step {step}). Choose how to "
+        "continue: "
+        + "; ".join(f"--schedule {name} ({_describe(name, cfg, step)}"
+                    + ("" if _trains(cfg, step) else
+                       ": refused, it would train every step at learning rate 0")
+                    + ")" for name, cfg in options.items())
+        + ". Or start a new run from its weights: moeify train --init-from RUN")

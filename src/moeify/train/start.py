@@ -21,6 +21,7 @@ from moeify.train.config import TrainConfig, read_train_config, resolve_model_co
 from moeify.train.distributed import device_type, process_group
 from moeify.train.metrics import MetricsSink
 from moeify.train.progress import Progress
+from moeify.train.reporting import log_validation
 from moeify.train.trainer import Trainer, TrainResult, train
 
 
@@ -48,8 +49,9 @@ def start_run_from_model(cfg: TrainConfig, run_dir: str | Path, model: torch.nn.
             sink = (MetricsSink(trainer.run_dir, tensorboard=False) if trainer.env.is_main
                     else None)
             try:
-                valid = trainer._log_validation(sink, Progress(cfg.steps, 0, stream=trainer.stream,
-                                                               enabled=not trainer.quiet))
+                progress = Progress(cfg.steps, 0, stream=trainer.stream,
+                                    enabled=not trainer.quiet)
+                valid = log_validation(trainer, sink, progress)
             finally:
                 if sink is not None:
                     sink.close()

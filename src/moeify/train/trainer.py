@@ -54,7 +54,7 @@ from moeify.train.distributed import (DistEnv, collective_failure, device_type, 
 from moeify.train.plans import CheckpointNotWritten, make_plan
 from moeify.train.run_state import apply_state, gather_state
 from moeify.train.metrics import MetricsSink, truncate_metrics
-from moeify.train.reporting import Clock, TrainResult, train_record
+from moeify.train.reporting import Clock, TrainResult, log_train, log_validation
 from moeify.train.progress import Progress, format_duration
 from moeify.train.resume import check_run_dir, corpus_and_tokenizer
 from moeify.train.schedule import make_scheduler, resume_schedule, schedule_factor
@@ -409,12 +409,12 @@ class Trainer:
         clock.window.append(rec["loss"])
         done = self.step == cfg.steps
         if self.step % cfg.log_every == 0 or done:
-            self._log_train(rec, sink, progress, clock, force=done)
+            log_train(self, rec, sink, progress, clock, force=done)
         if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
             clock.pause()
             # A sharded or expert-parallel forward is collective.
             if self.env.is_main or self.sharded:
-                result.valid = self._log_validation(sink, progress)
+                result.valid = log_validation(self, sink, progress)
             valid_loss = self.env.broadcast_object(result.valid and result.valid["loss"])
             if valid_loss is not None and not math.isfinite(valid_loss):
                 self._diverged(f"the validation loss became {valid_loss} at step {self.step}")
@@ -423,22 +423,6 @@ class Trainer:
             clock.pause()
             result.checkpoint = self.save_checkpoint()
             clock.resume(self.tokens_seen)
-
-    def _log_train(self, rec: dict[str, Any], sink: MetricsSink | None, progress: Progress,
-                   clock: Clock, force: bool) -> None:
-        now = time.perf_counter()
-        clock.train_s += now - clock.mark
-        tps = (self.tokens_seen - clock.tokens) / max(now - clock.mark, 1e-9)
-        mean_loss = sum(clock.window) / len(clock.window)
-        record = train_record(self.step, self.tokens_seen, rec, mean_loss, tps,
-                              self.tokenizer.byte_level)
-        if sink is not None:
-            sink.write(record)
-        name = "bpc" if "bpc" in record else "ppl"
-        progress.update(self.step, {"loss": mean_loss, name: record[name], "lr": rec["lr"]}, tps,
-                        force=force)
-        clock.window = []
-        clock.resume(self.tokens_seen)
 
     def _say(self, progress: Progress, text: str) -> None:
         """A message that --quiet does not silence (on process 0)."""
@@ -469,18 +453,6 @@ class Trainer:
         self._say(progress, f"stopped by {result.interrupted} after step {self.step} of "
                          f"{self.cfg.steps}: {where}; resume with: "
                          f"{resume_command(self.run_dir, self.env.world_size)}")
-
-    def _log_validation(self, sink: MetricsSink | None, progress: Progress) -> dict[str, float]:
-        t0 = time.perf_counter()
-        res = self.validate()
-        name = "bpc" if "bpc" in res else "ppl"
-        if sink is not None:
-            sink.write({"kind": "valid", "step": self.step, "tokens": res["tokens"],
-                        "loss": res["loss"], name: res[name],
-                        "seconds": time.perf_counter() - t0})
-        progress.message(f"validation at step {self.step}: loss {res['loss']:.4f}, {name} "
-                         f"{res[name]:.4f} ({res['tokens']} tokens)")
-        return res
 
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.model.parameters())  # DTensors: global numel

@@ -26,8 +26,10 @@ from moeify.ops.moe.plan import RoutingPlan, make_pair_plan, make_plan
 from moeify.ops.moe.policy import choose_impl, resolved_impl
 from moeify.ops.moe.registry import ExpertKernel, WholeKernel, get_kernel, implementations, register
 
-# The built-in kernels' names (``implementations()`` also lists kernels registered later).
-IMPLEMENTATIONS = implementations()
+# The built-in kernels' names, less the variants ("concat_saved"; moeify.ops.moe.registry):
+# what the test matrices iterate over. ``implementations()`` lists every registered kernel,
+# the variants and kernels registered later included.
+IMPLEMENTATIONS = implementations(variants=False)
 
 __all__ = ["ExpertKernel", "IMPLEMENTATIONS", "RoutingPlan", "TRACE_PREFIX", "WholeKernel",
            "choose_impl", "expert_matmul", "expert_mlp", "gated_expert_mlp", "get_kernel",

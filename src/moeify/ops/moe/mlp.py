@@ -14,7 +14,11 @@ Here the rows are gathered into the slots once, both matmuls and the ReLU run th
 gated sum over a row's K pairs goes straight back to [M, D] (one ``embedding_bag``,
 ``slot_sums``), as Hugging Face's grouped experts and MegaBlocks do. Any registered
 slot-layout kernel that is handed gathered rows runs it (the one the policy picks for the first
-matmul: "padded", "segment", "grouped"); the others take the composite path.
+matmul: "padded", "segment", "grouped"). A kernel that reads rows itself runs its own
+``sorted_mlp`` ("triton": the first matmul reads x through the sort and writes the hidden
+units in expert order, the second reads them there and writes pair order: ScatterMoE's
+grouped_out / grouped_in, arXiv 2403.08245; no [N, D] copy of x, no round trip of the hidden
+units through pair order); the others take the composite path.
 
 The gated (SwiGLU) expert MLP of Mixtral, Qwen-MoE and OLMoE, ``gated_expert_mlp``, is the
 composite form with a gate (Shazeer 2020, Eq. 6, per expert): three expert matmuls sharing one
@@ -136,6 +140,10 @@ def expert_mlp(x_MD: torch.Tensor, idx_MK: torch.Tensor, w1_EDG: torch.Tensor,
             not compiling or policy.traced(name) is not None):
         with autocast_off(x_MD.device.type), trace(name):
             return kernel.mlp(x_MD, idx_MK, w1_EDG, w2_EGD, gates_MK)
+    if (plain and not compiling and M and isinstance(kernel, ExpertKernel)
+            and kernel.sorted_mlp is not None):
+        with trace(name):
+            return kernel.sorted_mlp(x_MD, w1_EDG, w2_EGD, gates_MK, plan, K)
     if (compiling or not isinstance(kernel, ExpertKernel) or kernel.gathers_rows or M == 0
             or not plain):
         with autocast_off(x_MD.device.type):

@@ -144,16 +144,23 @@ class RoutingPlan:
         return self.cached("max_count", lambda: max(self.counts(), default=0))
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def check_ids(idx: torch.Tensor, num_experts: int) -> None:
     """Raise ValueError unless ``idx`` holds integer expert ids in [0, num_experts). On CPU the
     range is read back; on accelerators a device-side assertion fires asynchronously instead
-    (no host sync)."""
+    (no host sync), as it does for fake tensors, which have no values to read (the cost
+    contract counts whole training steps under them: moeify.bench.contract)."""
     if idx.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise ValueError(f"expert ids must be an integer tensor, got dtype {idx.dtype}")
     compiling = torch.compiler.is_compiling()
     if not compiling and idx.numel() == 0:  # compiled, numel may be an unbacked symbol
         return                              # (expert parallelism): the assertion takes 0 ids
-    if idx.device.type == "cpu" and not compiling:
+    if idx.device.type == "cpu" and not compiling and not _is_fake(idx):
         if idx.numel() <= 64:  # decoding: one host copy instead of two reductions
             vals = idx.reshape(-1).tolist()
             lo, hi = min(vals), max(vals)

@@ -18,7 +18,11 @@ and moeify.ops.moe.mlp). A kernel is a module that defines a subclass and regist
 after which ``expert_matmul(..., impl="loop")``, the expert MLP, a layer's ``expert_impl`` and
 torch.compile (through the registered op of moeify.ops.moe.compiled) all run it
 (tests/ops/test_kernel_registry.py). The test matrices iterate over the built-in kernels
-(``IMPLEMENTATIONS``), not over kernels registered later.
+(``IMPLEMENTATIONS``), not over kernels registered later, nor over variants: a kernel with
+``variant_of`` set runs another kernel's arithmetic and differs only in what it trades (memory
+kept for the backward against recomputation: "concat_saved" of "concat"); the matrices run
+the kernel it varies, and its own tests run both (tests/ops/test_concat_kernel.py). The benches,
+the device table and the cost contract measure variants like every kernel.
 
 ``WholeKernel`` (reference, gather, concat, pairs, all, sets): an implementation of the whole contract
 in one ``run`` (composites of differentiable torch ops, or with a layout of their own); they
@@ -61,6 +65,12 @@ class ExpertKernel:
     # Functions keep the plan until the backward; False (a layout that holds all its backward
     # needs) lets the routing's sort and ids go after the forward.
     reads_plan: bool = True
+    # The kernel this one varies (module docstring), or "".
+    variant_of: str = ""
+    # ``sorted_mlp(x, w1, w2, gates, plan, k)``: the ReLU expert MLP over this kernel's own
+    # entry points with the hidden units in expert order (moeify.ops.moe.mlp), for a kernel
+    # that reads rows itself ("triton"), or None.
+    sorted_mlp = None
 
     def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
         """Why this kernel cannot run on these operands (what to do instead), or None."""
@@ -99,6 +109,8 @@ class WholeKernel:
     # ``mlp(x, idx, w1, w2, gates)``: the ReLU expert MLP in one piece (moeify.ops.moe.mlp), or
     # None for the composite of two ``run`` calls.
     mlp = None
+    # The kernel this one varies (module docstring), or "".
+    variant_of: str = ""
 
     def unavailable(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
         return None
@@ -130,9 +142,10 @@ def get_kernel(name: str) -> ExpertKernel | WholeKernel:
     return kernel
 
 
-def implementations() -> tuple[str, ...]:
-    """The registered names, in registration order."""
-    return tuple(KERNELS)
+def implementations(variants: bool = True) -> tuple[str, ...]:
+    """The registered names, in registration order; without the variants (module docstring)
+    when ``variants`` is False."""
+    return tuple(n for n, k in KERNELS.items() if variants or not k.variant_of)
 
 
 __all__ = ["ExpertKernel", "KERNELS", "WholeKernel", "get_kernel", "implementations",

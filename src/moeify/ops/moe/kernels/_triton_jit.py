@@ -38,11 +38,31 @@ def _tile(pid, offsets_ptr, N, E: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.co
     end = tl.where(valid, end, start)
     return e, start, end
 
+
+# Where an operand's rows sit, for the tile's sorted positions r and their pairs p = order[r]
+# (``_rows``; the modes' names: moeify.ops.moe.kernels.scatter_gemm.ROW, PAIR, SORTED): 0, the
+# input rows p // K (x read through the sort; K = 1: the pairs in their own order); 1, the
+# pairs' own order p; 2, expert order r itself (ScatterMoE's grouped_in / grouped_out: the
+# expert MLP's hidden units).
+@triton.jit
+def _rows(MODE: tl.constexpr, r, p, K):
+    """The rows of an operand for sorted positions ``r`` and their pairs ``p`` (ROW, PAIR or
+    SORTED: 0, 1, 2, the comment above), int64."""
+    if MODE == 2:  # SORTED
+        rows = r.to(tl.int64)
+    elif MODE == 1:  # PAIR
+        rows = p
+    else:  # ROW
+        rows = p // K
+    return rows
+
+
 @triton.jit
 def _fwd(x_ptr, w_ptr, y_ptr, order_ptr, offsets_ptr,
          N, D, F, K,
          sxm, sxd, swe, swd, swf,
          E: tl.constexpr, E_P2: tl.constexpr, PRECISION: tl.constexpr,
+         X_ROWS: tl.constexpr, Y_ROWS: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     n_f = tl.cdiv(F, BLOCK_F)
     pid = tl.program_id(0)  # the F tiles of one tile of pairs run side by side (L2 reuse)
@@ -50,7 +70,7 @@ def _fwd(x_ptr, w_ptr, y_ptr, order_ptr, offsets_ptr,
     r = start + tl.arange(0, BLOCK_M)
     rmask = r < end
     p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)  # pairs, unsorted index
-    m = p // K  # their input rows
+    m = _rows(X_ROWS, r, p, K)  # the rows of x they read
     f = (pid % n_f) * BLOCK_F + tl.arange(0, BLOCK_F)
     fmask = f < F
     w_e = w_ptr + e.to(tl.int64) * swe
@@ -64,7 +84,7 @@ def _fwd(x_ptr, w_ptr, y_ptr, order_ptr, offsets_ptr,
                      mask=dmask[:, None] & fmask[None, :], other=0.0)
         acc = tl.dot(xa, wb, acc, input_precision=PRECISION)
     omask = rmask[:, None] & fmask[None, :]
-    offs = p[:, None] * F + f[None, :]  # [N, F], contiguous
+    offs = _rows(Y_ROWS, r, p, K)[:, None] * F + f[None, :]  # [N, F], contiguous
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 @triton.jit
@@ -72,7 +92,7 @@ def _bwd_x(grad_ptr, w_ptr, gx_ptr, order_ptr, offsets_ptr,
            N, D, F, K,
            sxm, sxd, swe, swd, swf,
            E: tl.constexpr, E_P2: tl.constexpr, ATOMIC: tl.constexpr,
-           PRECISION: tl.constexpr,
+           PRECISION: tl.constexpr, G_ROWS: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     n_d = tl.cdiv(D, BLOCK_D)
     pid = tl.program_id(0)  # the D tiles of one tile of pairs side by side: grad rows from L2
@@ -82,6 +102,7 @@ def _bwd_x(grad_ptr, w_ptr, gx_ptr, order_ptr, offsets_ptr,
     rmask = r < end
     p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
     m = p // K
+    pg = _rows(G_ROWS, r, p, K)  # the rows of the output gradient
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
     w_e = w_ptr + e.to(tl.int64) * swe
@@ -89,7 +110,7 @@ def _bwd_x(grad_ptr, w_ptr, gx_ptr, order_ptr, offsets_ptr,
     for f0 in range(0, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)
         fmask = f < F
-        gr = tl.load(grad_ptr + p[:, None] * F + f[None, :],
+        gr = tl.load(grad_ptr + pg[:, None] * F + f[None, :],
                      mask=rmask[:, None] & fmask[None, :], other=0.0)
         wt = tl.load(w_e + f[:, None] * swf + d[None, :] * swd,
                      mask=fmask[:, None] & dmask[None, :], other=0.0)
@@ -106,6 +127,7 @@ def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr,
            N, D, F, K,
            sxm, sxd,
            E: tl.constexpr, E_P2: tl.constexpr, PRECISION: tl.constexpr, ITERS: tl.constexpr,
+           X_ROWS: tl.constexpr, G_ROWS: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     n_d = tl.cdiv(D, BLOCK_D)
     n_f = tl.cdiv(F, BLOCK_F)
@@ -121,10 +143,11 @@ def _bwd_w(x_ptr, grad_ptr, gw_ptr, order_ptr, offsets_ptr,
         r = start + i * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = r < end
         p = tl.load(order_ptr + r, mask=rmask, other=0).to(tl.int64)
-        m = p // K
+        m = _rows(X_ROWS, r, p, K)
+        pg = _rows(G_ROWS, r, p, K)
         xt = tl.load(x_ptr + m[None, :] * sxm + d[:, None] * sxd,
                      mask=rmask[None, :] & dmask[:, None], other=0.0)
-        gr = tl.load(grad_ptr + p[:, None] * F + f[None, :],
+        gr = tl.load(grad_ptr + pg[:, None] * F + f[None, :],
                      mask=rmask[:, None] & fmask[None, :], other=0.0)
         acc = tl.dot(xt, gr, acc, input_precision=PRECISION)
     tl.atomic_add(gw_ptr + e.to(tl.int64) * D * F + d[:, None] * F + f[None, :], acc,
@@ -184,13 +207,15 @@ def build():
         return dict(fwd=(_fwd, fixed), bwd_x=(_bwd_x, fixed), bwd_w=(_bwd_w, dict(fixed, ITERS=2)),
                     autotuned=False)
 
-    # Keyed on the widths, the expert count and the variant (atomic or stores), not on N (which
-    # changes with every batch shape).
+    # Keyed on the widths, the expert count and the variant (atomic or stores, where the rows
+    # sit), not on N (which changes with every batch shape).
     key = ["D", "F", "E"]
-    fwd = triton.autotune(FWD_CONFIGS, key=key)(_fwd)
+    fwd = triton.autotune(FWD_CONFIGS, key=key + ["X_ROWS", "Y_ROWS"])(_fwd)
     # The atomically accumulated outputs are zeroed before every trial and the final run.
-    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key + ["ATOMIC"], reset_to_zero=["gx_ptr"])(_bwd_x)
-    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key, reset_to_zero=["gw_ptr"])(_bwd_w)
+    bwd_x = triton.autotune(BWD_X_CONFIGS, key=key + ["ATOMIC", "G_ROWS"],
+                            reset_to_zero=["gx_ptr"])(_bwd_x)
+    bwd_w = triton.autotune(BWD_W_CONFIGS, key=key + ["X_ROWS", "G_ROWS"],
+                            reset_to_zero=["gw_ptr"])(_bwd_w)
     return dict(fwd=(fwd, {}), bwd_x=(bwd_x, {}), bwd_w=(bwd_w, {}), autotuned=True)
 
 

@@ -33,6 +33,19 @@ the rows they share come from L2):
               few experts and with skewed routing; the chunks of one expert are summed with
               fp32 atomic adds into an [E, D, F] buffer.
 
+Each kernel reads and writes its row operands at rows chosen per operand (``ROW``: the input
+rows p // K; ``PAIR``: the pairs' own order; ``SORTED``: expert order, the tile's sorted
+positions themselves). The expert matmul uses x at ``ROW`` and its products at ``PAIR``. The
+expert MLP (``sorted_mlp``, moeify.ops.moe.mlp) keeps its hidden units in expert order between
+its two matmuls, as ScatterMoE does (arXiv 2403.08245: its ParallelLinear's grouped_out for the
+first, grouped_in for the second): h = x[p // K] @ w1[e] written at ``SORTED``, relu in place,
+then read at ``SORTED`` by the second matmul, which writes pair order for the gated sum of a
+row's K pairs. The backward stays in expert order too: ga = g[p // K] @ w2[e]ᵀ written at
+``SORTED``, dW2 from (gate · a) at ``SORTED`` and g at ``ROW``, dW1 from x at ``ROW`` and dh at
+``SORTED``, dx summed from dh at ``SORTED``. Through two expert matmuls instead (the composite),
+the hidden units are written in pair order and read back through the sort, in the forward and
+again in the backward: scattered rows where these are contiguous.
+
 Numerics: loads in the input dtype (fp32, fp16, bf16), products accumulated in fp32; fp32 dots
 use ``input_precision="ieee"`` (no TF32).
 
@@ -63,7 +76,8 @@ import os
 import torch
 
 from moeify.errors import env_flag, install_hint
-from moeify.ops.moe.layout import pair_layout
+from moeify.ops.amp import amp_backward, amp_forward
+from moeify.ops.moe.layout import pair_layout, row_dot, slot_sums
 from moeify.ops.moe.registry import ExpertKernel, register
 
 # Dtypes the kernels take (float64 is not a tensor-core type; use another implementation).
@@ -150,6 +164,110 @@ def _meta(x: torch.Tensor, E: int) -> dict:
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
 
 
+# Where an operand's rows sit, for a tile's sorted positions r and their pairs p = order[r]
+# (the kernels' X_ROWS / Y_ROWS / G_ROWS, moeify.ops.moe.kernels._triton_jit): the input rows
+# p // K, the pairs' own order p, expert order r.
+ROW, PAIR, SORTED = 0, 1, 2
+
+
+def _forward(a, w_EAB, plan, K: int, a_rows: int = ROW, y_rows: int = PAIR) -> torch.Tensor:
+    """[N, B]: sorted position r (pair p = order[r], expert e) gives a[rows] @ w[e], read at
+    the rows ``a_rows`` says (ROW: p // K; SORTED: r) and written at ``y_rows`` (PAIR: p;
+    SORTED: r)."""
+    E, A, B = w_EAB.shape
+    N = plan.num_pairs
+    if not (N and B and A):
+        return a.new_zeros(N, B)
+    Ap, Bp = _aligned(A), _aligned(B)
+    a, w = _pad(a, Ap), _pad(w_EAB, Ap, Bp)
+    y = a.new_empty(N, Bp)
+    _launch("fwd", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Bp, c["BLOCK_F"]),),
+            a, w, y, plan.order_N, plan.offsets_E, N, Ap, Bp, K, a.stride(0), a.stride(1),
+            *w.stride(), X_ROWS=a_rows, Y_ROWS=y_rows, **_meta(a, E))
+    # Contiguous, as every kernel's output (and the compiled op's fake) is: one [N, F] copy.
+    return y if Bp == B else y[:, :B].contiguous()
+
+
+def _input_grad(g, w_EAB, plan, K: int, n_rows: int, g_rows: int = PAIR) -> torch.Tensor:
+    """[n_rows, A]: input row m sums g[rows] @ w[e]ᵀ over its pairs p (m = p // K), the
+    gradient read at ``g_rows`` (PAIR: p; SORTED: the pair's sorted position)."""
+    E, A, B = w_EAB.shape
+    N = plan.num_pairs
+    if not (N and B and A):
+        return g.new_zeros(n_rows, A)
+    atomic = K > 1
+    Ap, Bp = _aligned(A), _aligned(B)
+    g, w = _pad(g, Bp), _pad(w_EAB, Ap, Bp)
+    # K = 1: every row's one pair stores its whole row.
+    gx = (g.new_empty(n_rows, Ap) if not atomic else
+          torch.zeros(n_rows, Ap, device=g.device, dtype=torch.float32))
+    _launch("bwd_x", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Ap, c["BLOCK_D"]),),
+            g, w, gx, plan.order_N, plan.offsets_E, N, Ap, Bp, K, gx.stride(0),
+            gx.stride(1), *w.stride(), ATOMIC=atomic, G_ROWS=g_rows, **_meta(g, E))
+    return gx[:, :A].to(g.dtype).contiguous()
+
+
+def _weight_grad(a, g, plan, K: int, E: int, a_rows: int = ROW,
+                 g_rows: int = PAIR) -> torch.Tensor:
+    """[E, A, B]: Σ over each expert's pairs of a[rows]ᵀ g[rows], each read at the rows its
+    mode says (ROW: p // K; PAIR: p; SORTED: the sorted position)."""
+    A, B = a.shape[1], g.shape[1]
+    N = plan.num_pairs
+    if not (N and A and B):
+        return a.new_zeros(E, A, B)
+    Ap, Bp = _aligned(A), _aligned(B)
+    a, g = _pad(a, Ap), _pad(g, Bp)
+    gw = torch.zeros(E, Ap, Bp, device=a.device, dtype=torch.float32)
+    _launch("bwd_w", lambda c: ((_cdiv(N, c["BLOCK_M"] * c["ITERS"]) + E)
+                                * _cdiv(Ap, c["BLOCK_D"]) * _cdiv(Bp, c["BLOCK_F"]),),
+            a, g, gw, plan.order_N, plan.offsets_E, N, Ap, Bp, K, a.stride(0), a.stride(1),
+            X_ROWS=a_rows, G_ROWS=g_rows, **_meta(a, E))
+    return gw[:, :A, :B].to(a.dtype).contiguous()
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """y [M, D] = Σ_k gate · relu(x[m] @ w1[e]) @ w2[e] (moeify.ops.moe.mlp) with the hidden
+    units in expert order between the two matmuls (module docstring); inputs validated, one
+    dtype, ``k`` experts per row."""
+
+    @staticmethod
+    @amp_forward
+    def forward(ctx, x_MD, w1_EDG, w2_EGD, gates_MK, plan, k):
+        gate_N = gates_MK.reshape(-1).to(x_MD.dtype)
+        a_SG = torch.relu_(_forward(x_MD, w1_EDG, plan, k, ROW, SORTED))  # grouped_out
+        y_ND = _forward(a_SG, w2_EGD, plan, 1, SORTED, PAIR)  # grouped_in, scattered to pairs
+        y = slot_sums(y_ND, pair_layout(plan).slot_N, gate_N, k)
+        ctx.save_for_backward(x_MD, w1_EDG, w2_EGD, gate_N, a_SG)
+        ctx.meta = (plan, k, gates_MK.dtype, gates_MK.shape)
+        return y
+
+    @staticmethod
+    @amp_backward
+    def backward(ctx, grad_y):
+        x_MD, w1_EDG, w2_EGD, gate_N, a_SG = ctx.saved_tensors
+        plan, k, gate_dtype, gate_shape = ctx.meta
+        need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
+        E, M = w1_EDG.shape[0], x_MD.shape[0]
+        grad_x = grad_w1 = grad_w2 = grad_gates = None
+        g_MD = grad_y.to(x_MD.dtype).contiguous()  # contiguous: stride-0 gradients
+        gate_S = gate_N.index_select(0, plan.order_N)[:, None]  # the gates in expert order
+        # ga = g W2ᵀ per pair, read through the sort and written in expert order.
+        ga_SG = _forward(g_MD, w2_EGD.transpose(1, 2), plan, k, ROW, SORTED)
+        if need_w2:
+            grad_w2 = _weight_grad(a_SG * gate_S, g_MD, plan, k, E, SORTED, ROW)
+        if need_g:  # d/dgate = ga · a, a dot over G, back in pair order
+            grad_gates = row_dot(ga_SG, a_SG).index_select(0, plan.inverse_N)
+            grad_gates = grad_gates.view(gate_shape).to(gate_dtype)
+        # dh = gate · ga where the unit was active (a > 0 exactly where x W1 > 0).
+        dh_SG = torch.ops.aten.threshold_backward(ga_SG.mul_(gate_S), a_SG, 0)
+        del ga_SG
+        if need_w1:
+            grad_w1 = _weight_grad(x_MD, dh_SG, plan, k, E, ROW, SORTED)
+        if need_x:
+            grad_x = _input_grad(dh_SG, w1_EDG, plan, k, M, SORTED)
+        return grad_x, grad_w1, grad_w2, grad_gates, None, None
+
+
 class TritonKernel(ExpertKernel):
     name = "triton"
     gathers_rows = True
@@ -162,54 +280,19 @@ class TritonKernel(ExpertKernel):
 
     def forward(self, a, w_EAB, lay, k=None):
         """[N, B]: pair p = a[p // k] @ w[e] (k None: a[p])."""
-        plan, K = lay.plan, k or 1
-        E, A, B = w_EAB.shape
-        N = plan.num_pairs
-        if not (N and B and A):
-            return a.new_zeros(N, B)
-        Ap, Bp = _aligned(A), _aligned(B)
-        a, w = _pad(a, Ap), _pad(w_EAB, Ap, Bp)
-        y = a.new_empty(N, Bp)
-        _launch("fwd", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Bp, c["BLOCK_F"]),),
-                a, w, y, plan.order_N, plan.offsets_E, N, Ap, Bp, K, a.stride(0), a.stride(1),
-                *w.stride(), **_meta(a, E))
-        # Contiguous, as every kernel's output (and the compiled op's fake) is: one [N, F] copy.
-        return y if Bp == B else y[:, :B].contiguous()
+        return _forward(a, w_EAB, lay.plan, k or 1)
 
     def input_grad(self, g_PB, w_EAB, lay, k=None, n_rows=0):
         """[M, A]: row m sums g[p] @ w[e]ᵀ over its k pairs (k None: one row per pair)."""
-        plan, K = lay.plan, k or 1
-        E, A, B = w_EAB.shape
-        N = plan.num_pairs
-        M = n_rows if k else N
-        if not (N and B and A):
-            return g_PB.new_zeros(M, A)
-        atomic = K > 1
-        Ap, Bp = _aligned(A), _aligned(B)
-        g, w = _pad(g_PB, Bp), _pad(w_EAB, Ap, Bp)
-        # K = 1: every row's one pair stores its whole row.
-        gx = (g.new_empty(M, Ap) if not atomic else
-              torch.zeros(M, Ap, device=g.device, dtype=torch.float32))
-        _launch("bwd_x", lambda c: ((_cdiv(N, c["BLOCK_M"]) + E) * _cdiv(Ap, c["BLOCK_D"]),),
-                g, w, gx, plan.order_N, plan.offsets_E, N, Ap, Bp, K, gx.stride(0),
-                gx.stride(1), *w.stride(), ATOMIC=atomic, **_meta(g, E))
-        return gx[:, :A].to(g.dtype).contiguous()
+        return _input_grad(g_PB, w_EAB, lay.plan, k or 1, n_rows if k else lay.plan.num_pairs)
 
     def weight_grad(self, a, g_PB, lay, n_experts, k=None):
         """[E, A, B]: Σ over each expert's pairs of a[p // k]ᵀ g[p]."""
-        plan, K = lay.plan, k or 1
-        A, B = a.shape[1], g_PB.shape[1]
-        N, E = plan.num_pairs, n_experts
-        if not (N and A and B):
-            return a.new_zeros(E, A, B)
-        Ap, Bp = _aligned(A), _aligned(B)
-        a, g = _pad(a, Ap), _pad(g_PB, Bp)
-        gw = torch.zeros(E, Ap, Bp, device=a.device, dtype=torch.float32)
-        _launch("bwd_w", lambda c: ((_cdiv(N, c["BLOCK_M"] * c["ITERS"]) + E)
-                                    * _cdiv(Ap, c["BLOCK_D"]) * _cdiv(Bp, c["BLOCK_F"]),),
-                a, g, gw, plan.order_N, plan.offsets_E, N, Ap, Bp, K, a.stride(0), a.stride(1),
-                **_meta(a, E))
-        return gw[:, :A, :B].to(a.dtype).contiguous()
+        return _weight_grad(a, g_PB, lay.plan, k or 1, n_experts)
+
+    def sorted_mlp(self, x_MD, w1_EDG, w2_EGD, gates_MK, plan, k):
+        """The ReLU expert MLP with its hidden units in expert order (module docstring)."""
+        return _GroupedMLP.apply(x_MD, w1_EDG, w2_EGD, gates_MK, plan, k)
 
 
 register(TritonKernel())
