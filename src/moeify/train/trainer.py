@@ -16,8 +16,8 @@ Micro-batch a takes rows a, a + grad_accum, ... of the window (every grad_accum-
 r holds streams r*B .. r*B + B-1 and grad_accum divides B, so micro-batch a of all processes is
 the streams congruent to a modulo grad_accum, whatever W: what is taken over the global
 micro-batch (the global-batch balance loss's counts so far, moeify.train.balancing) is one
-process's. (Blocks of b consecutive rows made micro-batch 0 the streams {0, B} of two processes,
-{0, 1} of one: another update whenever grad_accum > 1.)
+process's (blocks of consecutive rows would give micro-batch 0 the streams {0, B} of two
+processes but {0, 1} of one).
 
 Exactness of resume: the checkpoint holds everything the next update reads (weights, AdamW
 moments, schedule position, grad-scaler state, data position, every process's RNG state and the
