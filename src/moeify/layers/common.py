@@ -428,18 +428,13 @@ def init_scale(n_layers: int) -> float:
     return math.sqrt(2.0 / n_layers)
 
 
-def _no_values(w: torch.Tensor) -> bool:
-    """Whether ``w`` has no values to draw: a fake tensor (shapes without data, as the cost
-    contract counts whole training steps, moeify.bench.contract), where torch's truncated
-    normal reads back to reject draws; torch itself skips meta tensors."""
-    return is_fake(w)
-
-
 def trunc_normal_(w: torch.Tensor, std: float) -> torch.Tensor:
     """Truncated normal at two standard deviations of the untruncated normal ``std`` (the Switch
     initialiser, as Mesh TensorFlow's truncated_normal_initializer: the values' actual standard
-    deviation is about 0.88 · std)."""
-    if _no_values(w):
+    deviation is about 0.88 · std). A fake tensor (shapes without data: the cost contract counts
+    whole training steps under them, moeify.bench.contract) is left as it is: torch's truncated
+    normal reads values back to reject draws (it skips meta tensors itself)."""
+    if is_fake(w):
         return w
     return nn.init.trunc_normal_(w, std=std, a=-2.0 * std, b=2.0 * std)
 
@@ -449,8 +444,8 @@ def trunc_normal_exact_std_(w: torch.Tensor, std: float) -> torch.Tensor:
     """A standard normal truncated at ±2, rescaled so the drawn values have standard deviation
     exactly ``std``: the SwitchHead authors' trunc_normal_ (framework/utils/init.py of their
     code), which their dense baselines use. A plain truncated normal drawn with std σ has an
-    actual std of about 0.88 σ."""
-    if _no_values(w):
+    actual std of about 0.88 σ. A fake tensor is left as it is (``trunc_normal_``)."""
+    if is_fake(w):
         return w
     nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)
     return w.mul_(std / w.std())

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from moeify.ops.routing import count_ids
 
@@ -144,12 +145,6 @@ class RoutingPlan:
         return self.cached("max_count", lambda: max(self.counts(), default=0))
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
 def check_ids(idx: torch.Tensor, num_experts: int) -> None:
     """Raise ValueError unless ``idx`` holds integer expert ids in [0, num_experts). On CPU the
     range is read back; on accelerators a device-side assertion fires asynchronously instead
@@ -160,7 +155,7 @@ def check_ids(idx: torch.Tensor, num_experts: int) -> None:
     compiling = torch.compiler.is_compiling()
     if not compiling and idx.numel() == 0:  # compiled, numel may be an unbacked symbol
         return                              # (expert parallelism): the assertion takes 0 ids
-    if idx.device.type == "cpu" and not compiling and not _is_fake(idx):
+    if idx.device.type == "cpu" and not compiling and not is_fake(idx):
         if idx.numel() <= 64:  # decoding: one host copy instead of two reductions
             vals = idx.reshape(-1).tolist()
             lo, hi = min(vals), max(vals)
